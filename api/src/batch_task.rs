@@ -1,0 +1,323 @@
+//! `BatchTask`: one unit of batch work, owned by users (spec) and the
+//! operator (status). Its `status.fencingToken` is the fencing source for
+//! every lease ever issued for the task.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::schema;
+
+/// What a user asks batchlease to run.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "batchlease.dev",
+    version = "v1alpha1",
+    kind = "BatchTask",
+    namespaced,
+    status = "BatchTaskStatus",
+    shortname = "bt",
+    category = "batchlease",
+    derive = "PartialEq",
+    doc = "A unit of batch work run by a worker that holds a fenced, renewable TaskLease.",
+    printcolumn(name = "Queue", type_ = "string", json_path = ".spec.queue"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Token", type_ = "integer", json_path = ".status.fencingToken"),
+    printcolumn(name = "Attempts", type_ = "integer", json_path = ".status.attempts"),
+    printcolumn(name = "Holder", type_ = "string", json_path = ".status.holder"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    selectable = ".spec.queue",
+    selectable = ".status.phase",
+    // Rules that need the object's name or compare status across writes
+    // live on the root: a rule on `status` alone would not see a writer that
+    // drops the whole status stanza.
+    validation = Rule::new("!has(self.spec.dependsOn) || !(self.metadata.name in self.spec.dependsOn)")
+        .message("spec.dependsOn must not contain the task's own name")
+        .field_path(".spec.dependsOn")
+        .reason(Reason::FieldValueInvalid),
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.fencingToken) || (has(self.status) && has(self.status.fencingToken) && self.status.fencingToken >= oldSelf.status.fencingToken)"
+    )
+    .message("status.fencingToken must never decrease: it fences every lease issued for this task")
+    .field_path(".status.fencingToken")
+    .reason(Reason::FieldValueForbidden),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchTaskSpec {
+    /// Worker pool that runs this task: workers claim leases of their queues.
+    /// A DNS label (lowercase letters, digits and '-', at most 63 characters).
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')")
+        .message("queue must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"))]
+    pub queue: String,
+
+    /// Free-form description of the work, handed to the worker as-is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::free_form_object")]
+    pub payload: Option<Value>,
+
+    /// Lease TTL in seconds (5..3600). A holder that has not renewed for this
+    /// long loses the task; its worker stops itself after 2/3 of it.
+    #[serde(default = "defaults::lease_duration_seconds")]
+    #[x_kube(validation = Rule::new("self >= 5 && self <= 3600")
+        .message("leaseDurationSeconds must be between 5 and 3600"))]
+    pub lease_duration_seconds: i32,
+
+    /// Attempts after the first before the task is dead-lettered (0..100).
+    #[serde(default = "defaults::max_retries")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 100")
+        .message("maxRetries must be between 0 and 100"))]
+    pub max_retries: i32,
+
+    /// Delay between attempts: min(max, initial·multiplier^n) plus uniform
+    /// jitter in [0, delay/2].
+    #[serde(default)]
+    pub backoff: BackoffSpec,
+
+    /// Wall-clock bound of one attempt, enforced by the worker's kill switch
+    /// and by the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<i64>,
+
+    /// Names of BatchTasks in the same namespace that must succeed first
+    /// (a set: duplicates are rejected).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "schema::depends_on")]
+    pub depends_on: Vec<String>,
+
+    /// Named shared resources this task needs exclusively (Exclusive mode;
+    /// a set: duplicates are rejected).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "schema::resources")]
+    pub resources: Vec<String>,
+
+    /// How the task is protected against concurrent writers.
+    #[serde(default)]
+    pub mode: TaskMode,
+
+    /// Aborted speculative attempts before the task falls back to Exclusive.
+    #[serde(default = "defaults::max_speculative_aborts")]
+    #[schemars(range(min = 0, max = 100))]
+    pub max_speculative_aborts: i32,
+
+    /// Bump to move a DeadLettered task back to Pending with a fresh retry
+    /// budget. May only increase.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    #[x_kube(validation = Rule::new("self >= oldSelf").message("redrive may only increase"))]
+    pub redrive: i64,
+}
+
+/// Exponential backoff between attempts.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.maxSeconds >= self.initialSeconds")
+    .message("backoff.maxSeconds must be at least backoff.initialSeconds"))]
+pub struct BackoffSpec {
+    /// Delay before the first retry, in seconds.
+    #[serde(default = "defaults::backoff_initial_seconds")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub initial_seconds: i64,
+    /// Upper bound of the delay (before jitter), in seconds.
+    #[serde(default = "defaults::backoff_max_seconds")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub max_seconds: i64,
+    /// Growth factor per retry. An integer: Kubernetes APIs avoid floats.
+    #[serde(default = "defaults::backoff_multiplier")]
+    #[schemars(range(min = 1, max = 10))]
+    pub multiplier: i64,
+}
+
+impl Default for BackoffSpec {
+    fn default() -> Self {
+        Self {
+            initial_seconds: defaults::backoff_initial_seconds(),
+            max_seconds: defaults::backoff_max_seconds(),
+            multiplier: defaults::backoff_multiplier(),
+        }
+    }
+}
+
+/// Concurrency protection of a task.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TaskMode {
+    /// Take the task's resource locks before a lease is issued.
+    #[default]
+    Exclusive,
+    /// Run without locks and commit with compare-and-swap; aborts retry.
+    Speculative,
+}
+
+/// Lifecycle of a task. Written only by the operator.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TaskPhase {
+    /// Waiting for dependencies, backoff or locks.
+    Pending,
+    /// A lease is offered to the task's queue.
+    Ready,
+    /// A worker holds the lease.
+    Running,
+    /// A worker completed the task.
+    Succeeded,
+    /// The retry budget is spent; bump `spec.redrive` to try again.
+    DeadLettered,
+    /// The task can never run as specified (e.g. a dependency cycle).
+    Rejected,
+}
+
+impl TaskPhase {
+    /// A task in a terminal phase gets no more leases until redriven.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::DeadLettered | Self::Rejected)
+    }
+}
+
+/// What the operator knows about a task. Users never write it.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchTaskStatus {
+    /// Where the task is in its lifecycle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<TaskPhase>,
+    /// Incremented each time a lease is issued; the token a worker's writes
+    /// carry. Never decreases.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub fencing_token: i64,
+    /// Attempts that spent the retry budget.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub attempts: i32,
+    /// Speculative attempts that lost their compare-and-swap.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub aborts: i32,
+    /// Name of the TaskLease of the current attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_lease: Option<String>,
+    /// Identity of the worker holding the current lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// No lease is issued before this time (backoff); kept in status so it
+    /// survives operator restarts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_after: Option<Time>,
+    /// The mode in force: Speculative tasks fall back to Exclusive after too
+    /// many aborts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_mode: Option<TaskMode>,
+    /// Last progress a worker recorded, handed to the next attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::free_form_object")]
+    pub checkpoint: Option<Value>,
+    /// Small result reported by the worker that completed the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::free_form_object")]
+    pub result: Option<Value>,
+    /// Why the last attempt failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<Failure>,
+    /// The last 10 attempts, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub history: Vec<AttemptRecord>,
+    /// Standard conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "schema::conditions")]
+    pub conditions: Vec<Condition>,
+    /// The spec generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Why an attempt failed.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Failure {
+    /// Short CamelCase reason, e.g. `LeaseExpired`, `HandlerFailed`.
+    #[schemars(length(max = 128))]
+    pub reason: String,
+    /// Human-readable detail.
+    #[serde(default)]
+    #[schemars(length(max = 4096))]
+    pub message: String,
+    /// The attempt (fencing token) that failed.
+    pub attempt: i64,
+    /// When the operator recorded the failure.
+    pub time: Time,
+}
+
+/// One past attempt of a task.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptRecord {
+    /// Fencing token of the attempt's lease.
+    pub token: i64,
+    /// Worker that held the lease, if any claimed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// `Succeeded`, `Failed`, `Aborted`, `Interrupted`, `Expired` or `Released`.
+    #[schemars(length(max = 64))]
+    pub outcome: String,
+    /// When the lease was issued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<Time>,
+    /// When the operator settled the attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<Time>,
+    /// Short reason for the outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub reason: Option<String>,
+}
+
+/// Defaults shared by serde and the CRD schema (schemars reads them from the
+/// serde attributes), so `kubectl apply` and Rust callers agree.
+pub mod defaults {
+    /// 30 seconds.
+    pub fn lease_duration_seconds() -> i32 {
+        30
+    }
+    /// Three retries after the first attempt.
+    pub fn max_retries() -> i32 {
+        3
+    }
+    /// Three aborts before a speculative task is quarantined.
+    pub fn max_speculative_aborts() -> i32 {
+        3
+    }
+    /// One second.
+    pub fn backoff_initial_seconds() -> i64 {
+        1
+    }
+    /// Five minutes.
+    pub fn backoff_max_seconds() -> i64 {
+        300
+    }
+    /// Doubling.
+    pub fn backoff_multiplier() -> i64 {
+        2
+    }
+}
+
+impl BatchTaskSpec {
+    /// A spec with every default applied, for the given queue.
+    pub fn for_queue(queue: impl Into<String>) -> Self {
+        Self {
+            queue: queue.into(),
+            payload: None,
+            lease_duration_seconds: defaults::lease_duration_seconds(),
+            max_retries: defaults::max_retries(),
+            backoff: BackoffSpec::default(),
+            active_deadline_seconds: None,
+            depends_on: Vec::new(),
+            resources: Vec::new(),
+            mode: TaskMode::default(),
+            max_speculative_aborts: defaults::max_speculative_aborts(),
+            redrive: 0,
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! The `batchlease.dev/v1alpha1` API: `BatchTask` and `TaskLease`.
+//!
+//! Both the operator and the worker SDK depend on this crate and on nothing
+//! of each other. It picks no `k8s-openapi` version feature: binaries do.
+
+mod batch_task;
+pub mod keys;
+pub mod names;
+mod schema;
+mod task_lease;
+
+pub use batch_task::{
+    AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, TaskMode,
+    TaskPhase, defaults,
+};
+pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+/// The CRDs to install, exactly as `crds/` holds them.
+///
+/// Use this rather than `TaskLease::crd()`: kube-derive gives every kind with
+/// a status a status subresource, and TaskLease must not have one (design
+/// §2: each lease transition is one write of spec and status together).
+pub fn crds() -> Vec<CustomResourceDefinition> {
+    let mut lease = TaskLease::crd();
+    for version in &mut lease.spec.versions {
+        version.subresources = None;
+    }
+    vec![BatchTask::crd(), lease]
+}

@@ -1,0 +1,178 @@
+//! `TaskLease`: one object per attempt of a `BatchTask`.
+//!
+//! Like `coordination.k8s.io/v1` Lease it has no status subresource: spec and
+//! status are written together, so every transition (offer, claim, renew,
+//! complete, expire, release) is one conditional write of the whole object.
+//! The CEL rules below keep the invariants even against a writer that skips
+//! the `resourceVersion` precondition.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::schema;
+
+/// The lease of one attempt: who holds it, under which fencing token.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "batchlease.dev",
+    version = "v1alpha1",
+    kind = "TaskLease",
+    namespaced,
+    // `status` here only adds the field to the root type; `crate::crds()`
+    // strips the status subresource kube-derive adds with it (design §2).
+    status = "TaskLeaseStatus",
+    shortname = "tl",
+    category = "batchlease",
+    derive = "PartialEq",
+    doc = "The lease of one attempt of a BatchTask. Created Offered by the operator, claimed and renewed by one worker.",
+    printcolumn(name = "Task", type_ = "string", json_path = ".spec.taskName"),
+    printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holderIdentity"),
+    printcolumn(name = "Token", type_ = "integer", json_path = ".spec.fencingToken"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Renewed", type_ = "date", json_path = ".spec.renewTime"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    selectable = ".spec.queue",
+    selectable = ".spec.taskName",
+    selectable = ".status.phase",
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.phase) || !(oldSelf.status.phase in ['Completed', 'Expired', 'Released']) || (has(self.status) && has(self.status.phase) && self.status.phase == oldSelf.status.phase && self.spec == oldSelf.spec)"
+    )
+    .message("a Completed, Expired or Released lease is final: neither its phase nor its spec may change")
+    .field_path(".status.phase")
+    .reason(Reason::FieldValueForbidden),
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Held' || !has(self.status) || !has(self.status.phase) || self.status.phase != 'Offered'"
+    )
+    .message("a Held lease cannot be offered again")
+    .field_path(".status.phase")
+    .reason(Reason::FieldValueForbidden),
+    validation = Rule::new(
+        "!has(self.status) || !has(self.status.phase) || !(self.status.phase in ['Held', 'Completed']) || (has(self.spec.holderIdentity) && self.spec.holderIdentity != '')"
+    )
+    .message("a Held or Completed lease must name its holder in spec.holderIdentity")
+    .field_path(".spec.holderIdentity")
+    .reason(Reason::FieldValueRequired),
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(
+    "!has(oldSelf.holderIdentity) || oldSelf.holderIdentity == '' || (has(self.holderIdentity) && self.holderIdentity == oldSelf.holderIdentity)"
+)
+.message("holderIdentity may be set once and never changed")
+.field_path(".holderIdentity")
+.reason(Reason::FieldValueForbidden))]
+pub struct TaskLeaseSpec {
+    /// Name of the BatchTask this lease belongs to. Immutable.
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("taskName is immutable"))]
+    pub task_name: String,
+    /// UID of that BatchTask, so a lease never outlives a re-created task of
+    /// the same name.
+    #[serde(rename = "taskUID")]
+    #[schemars(length(max = 128))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("taskUID is immutable"))]
+    pub task_uid: String,
+    /// Queue of the task, copied so workers can list leases by queue.
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("queue is immutable"))]
+    pub queue: String,
+    /// The fencing token of this attempt; every write the holder makes to
+    /// storage carries it. Immutable.
+    #[schemars(range(min = 1))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("fencingToken is immutable"))]
+    pub fencing_token: i64,
+    /// Lease TTL in seconds, fixed when the lease is offered. Immutable.
+    #[x_kube(
+        validation = Rule::new("self == oldSelf").message("leaseDurationSeconds is immutable"),
+        validation = Rule::new("self >= 5 && self <= 3600").message("leaseDurationSeconds must be between 5 and 3600"),
+    )]
+    pub lease_duration_seconds: i32,
+    /// The worker holding the lease; empty while offered. Set once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub holder_identity: Option<String>,
+    /// When the holder claimed the lease (holder's clock, informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acquire_time: Option<MicroTime>,
+    /// When the holder last renewed (holder's clock, informational: the
+    /// operator times expiry by when it *observed* a renewal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew_time: Option<MicroTime>,
+    /// Fencing token of each resource lock taken for this attempt.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub resource_tokens: BTreeMap<String, i64>,
+}
+
+/// Lifecycle of a lease. Completed, Expired and Released are final.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LeasePhase {
+    /// Created by the operator, waiting for a worker of the queue.
+    Offered,
+    /// Claimed by `holderIdentity`, kept alive by renewals.
+    Held,
+    /// The holder finished the attempt; see `status.outcome`.
+    Completed,
+    /// Renewals stopped; the task is handed to someone else.
+    Expired,
+    /// Ended by the operator without a holder's outcome (e.g. task deleted
+    /// or redriven).
+    Released,
+}
+
+impl LeasePhase {
+    /// A final lease never changes again (enforced by CEL).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Completed | Self::Expired | Self::Released)
+    }
+}
+
+/// How a holder ended an attempt.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LeaseOutcome {
+    /// The work is committed.
+    Succeeded,
+    /// The work failed; the task is retried within its budget, or
+    /// dead-lettered at once when `status.permanent` is set.
+    Failed,
+    /// A speculative commit lost its compare-and-swap; retried without
+    /// spending the retry budget.
+    Aborted,
+    /// The worker was drained (SIGTERM); retried at once without spending
+    /// the retry budget.
+    Interrupted,
+}
+
+/// Where a lease is in its lifecycle and how it ended.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskLeaseStatus {
+    /// Lifecycle phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<LeasePhase>,
+    /// Set with phase Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<LeaseOutcome>,
+    /// Short CamelCase reason of the outcome, e.g. `HandlerFailed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub reason: Option<String>,
+    /// With outcome Failed: a retry cannot help, dead-letter the task now.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub permanent: bool,
+    /// Human-readable detail of the outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub message: Option<String>,
+    /// Small result reported with a successful completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::free_form_object")]
+    pub result: Option<Value>,
+    /// Latest progress recorded by the holder, sent with renewals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "schema::free_form_object")]
+    pub checkpoint: Option<Value>,
+}

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Starts etcd, kube-apiserver and kube-controller-manager on free loopback
+# ports with fresh certificates, under STATE_DIR (default: a new temp dir).
+# Writes STATE_DIR/env (KUBECONFIG, BATCHLEASE_CP_DIR, PATH with kubectl and
+# helm first) for callers to source. Stop with down.sh STATE_DIR.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+LOG_TAG=controlplane
+. "$here/../lib/common.sh"
+
+state=${1:-$(mktemp -d /tmp/batchlease-cp.XXXXXX)}
+mkdir -p "$state"/{pki,etcd,logs,run}
+state=$(cd "$state" && pwd)
+bin=$("$here/build.sh")
+pki=$state/pki
+
+etcd_port=$(free_port); peer_port=$(free_port); api_port=$(free_port)
+while [ "$peer_port" = "$etcd_port" ]; do peer_port=$(free_port); done
+while [ "$api_port" = "$etcd_port" ] || [ "$api_port" = "$peer_port" ]; do api_port=$(free_port); done
+
+# --- certificates: one CA, a serving cert, an admin client cert, SA keys ---
+gen() { openssl "$@" >/dev/null 2>&1; }
+gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/ca.key"
+gen req -x509 -new -key "$pki/ca.key" -subj "/CN=batchlease-e2e-ca" -days 2 -out "$pki/ca.crt" \
+  -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+leaf() { # name subject extensions...
+  local name=$1 subj=$2; shift 2
+  gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/$name.key"
+  gen req -new -key "$pki/$name.key" -subj "$subj" -out "$pki/$name.csr"
+  printf '%s\n' "$@" > "$pki/$name.ext"
+  gen x509 -req -in "$pki/$name.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+    -days 2 -extfile "$pki/$name.ext" -out "$pki/$name.crt"
+}
+leaf serving "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,DNS:localhost" \
+  "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=serverAuth"
+leaf admin "/O=system:masters/CN=admin" \
+  "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=clientAuth"
+gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/sa.key"
+gen pkey -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
+
+# --- etcd ---
+"$bin/etcd" --name=e2e --data-dir="$state/etcd" \
+  --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
+  --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
+  --initial-cluster="e2e=http://127.0.0.1:$peer_port" \
+  --unsafe-no-fsync=true --quota-backend-bytes=4294967296 --log-level=warn \
+  >"$state/logs/etcd.log" 2>&1 &
+echo $! > "$state/run/etcd.pid"
+wait_until etcd 60 "$state/logs/etcd.log" curl -sf "http://127.0.0.1:$etcd_port/health"
+
+# --- kube-apiserver ---
+"$bin/kube-apiserver" \
+  --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address=127.0.0.1 \
+  --advertise-address=127.0.0.1 --secure-port="$api_port" --cert-dir="$pki" \
+  --tls-cert-file="$pki/serving.crt" --tls-private-key-file="$pki/serving.key" \
+  --client-ca-file="$pki/ca.crt" --authorization-mode=RBAC \
+  --service-account-issuer="https://127.0.0.1:$api_port/" \
+  --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
+  --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+  --disable-admission-plugins=ServiceAccount --endpoint-reconciler-type=none \
+  >"$state/logs/kube-apiserver.log" 2>&1 &
+echo $! > "$state/run/kube-apiserver.pid"
+readyz() {
+  curl -sf --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \
+    "https://127.0.0.1:$api_port/readyz"
+}
+wait_until kube-apiserver 180 "$state/logs/kube-apiserver.log" readyz
+
+# --- kubeconfig with absolute paths, used by kubectl, helm and the tests ---
+cat > "$state/kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster:
+    server: https://127.0.0.1:$api_port
+    certificate-authority: $pki/ca.crt
+users:
+- name: admin
+  user:
+    client-certificate: $pki/admin.crt
+    client-key: $pki/admin.key
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: admin, namespace: default}
+current-context: e2e
+KC
+
+# --- kube-controller-manager: garbage collection and namespace deletion ---
+kcm_port=$(free_port)
+"$bin/kube-controller-manager" --kubeconfig="$state/kubeconfig" \
+  --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
+  --leader-elect=false --bind-address=127.0.0.1 --secure-port="$kcm_port" --cert-dir="$state/kcm-certs" \
+  --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller \
+  --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
+  >"$state/logs/kube-controller-manager.log" 2>&1 &
+echo $! > "$state/run/kube-controller-manager.pid"
+# Healthy, and its controllers act: the serviceaccount controller has
+# created the `default` ServiceAccount of the `default` namespace.
+kcm_ready() {
+  curl -sfk "https://127.0.0.1:$kcm_port/healthz" &&
+    KUBECONFIG="$state/kubeconfig" "$bin/kubectl" get serviceaccount default -n default
+}
+wait_until kube-controller-manager 120 "$state/logs/kube-controller-manager.log" kcm_ready
+
+cat > "$state/env" <<ENV
+export KUBECONFIG=$state/kubeconfig
+export BATCHLEASE_CP_DIR=$state
+export PATH=$bin:\$PATH
+export BATCHLEASE_KUBECTL=$bin/kubectl
+export BATCHLEASE_HELM=$bin/helm
+ENV
+log "up: KUBECONFIG=$state/kubeconfig (logs in $state/logs)"
+echo "$state"

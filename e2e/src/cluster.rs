@@ -1,0 +1,169 @@
+//! Connecting to the test control plane, installing the CRDs once, and a
+//! throwaway namespace per test.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, ResourceExt};
+use rand::Rng;
+use tokio::sync::OnceCell;
+
+use crate::kubectl;
+
+/// The control plane the tests talk to.
+#[derive(Clone)]
+pub struct Cluster {
+    pub client: Client,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").finish_non_exhaustive()
+    }
+}
+
+static CRDS: OnceCell<()> = OnceCell::const_new();
+
+impl Cluster {
+    /// Connects using `KUBECONFIG`, which `e2e/controlplane/up.sh` writes.
+    pub async fn connect() -> anyhow::Result<Self> {
+        if std::env::var_os("KUBECONFIG").is_none()
+            || std::env::var_os("BATCHLEASE_CP_DIR").is_none()
+        {
+            bail!(
+                "the e2e tests need the local control plane: run `hack/test.sh`, or \
+                 `. $(e2e/controlplane/up.sh)/env` first"
+            );
+        }
+        let client = Client::try_default()
+            .await
+            .context("building a client from KUBECONFIG")?;
+        Ok(Self { client })
+    }
+
+    /// Connects and makes sure the batchlease CRDs are installed and
+    /// `Established` (once per test binary; idempotent across binaries).
+    pub async fn with_crds() -> anyhow::Result<Self> {
+        let cluster = Self::connect().await?;
+        CRDS.get_or_try_init(|| cluster.install_crds()).await?;
+        Ok(cluster)
+    }
+
+    /// Server-side applies the generated CRDs and waits until each is
+    /// `Established`.
+    pub async fn install_crds(&self) -> anyhow::Result<()> {
+        let api: Api<CustomResourceDefinition> = Api::all(self.client.clone());
+        let pp = PatchParams::apply("batchlease-e2e").force();
+        for crd in batchlease_api::crds() {
+            let name = crd.name_any();
+            api.patch(&name, &pp, &Patch::Apply(&crd))
+                .await
+                .with_context(|| format!("applying CRD {name}"))?;
+            let established = await_condition(api.clone(), &name, conditions::is_crd_established());
+            tokio::time::timeout(Duration::from_secs(30), established)
+                .await
+                .with_context(|| format!("CRD {name} not Established within 30s"))??;
+        }
+        Ok(())
+    }
+
+    /// A fresh namespace named `bl-<prefix>-<random>`.
+    pub async fn namespace(&self, prefix: &str) -> anyhow::Result<TestNamespace> {
+        let suffix: u32 = rand::rng().random_range(0..0xff_ffff);
+        let name = format!("bl-{prefix}-{suffix:06x}");
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": { "name": name, "labels": { "batchlease.dev/e2e": "true" } }
+        }))?;
+        Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("creating namespace {name}"))?;
+        Ok(TestNamespace {
+            name,
+            client: self.client.clone(),
+        })
+    }
+}
+
+/// A namespace owned by one test. Call [`TestNamespace::cleanup`] at the end
+/// of a passing test; a failing test leaves it for inspection (the control
+/// plane is thrown away after the run anyway).
+pub struct TestNamespace {
+    pub name: String,
+    client: Client,
+}
+
+impl std::fmt::Debug for TestNamespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestNamespace")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl TestNamespace {
+    /// A typed API for namespaced kind `K` in this namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// Everything a human needs to see why a test failed in this namespace.
+    pub fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for args in [
+            vec!["get", "batchlease", "-o", "yaml"],
+            vec!["get", "events", "--sort-by=.lastTimestamp"],
+        ] {
+            let mut full = args.clone();
+            full.extend(["-n", &self.name]);
+            out.push_str(&format!("$ kubectl {}\n", full.join(" ")));
+            match kubectl::run(&full) {
+                Ok(o) => out.push_str(&o.combined()),
+                Err(e) => out.push_str(&format!("(kubectl failed: {e:#})\n")),
+            }
+        }
+        out.push_str(&component_logs());
+        out
+    }
+
+    /// Deletes the namespace (the namespace controller removes its content).
+    pub async fn cleanup(self) -> anyhow::Result<()> {
+        Api::<Namespace>::all(self.client.clone())
+            .delete(&self.name, &DeleteParams::background())
+            .await?;
+        Ok(())
+    }
+}
+
+/// The last lines of each control-plane component's log.
+pub fn component_logs() -> String {
+    let Some(dir) = std::env::var_os("BATCHLEASE_CP_DIR") else {
+        return String::new();
+    };
+    let mut out = String::new();
+    let logs = std::path::Path::new(&dir).join("logs");
+    if let Ok(entries) = std::fs::read_dir(&logs) {
+        for entry in entries.flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(15).collect();
+            out.push_str(&format!(
+                "--- last lines of {} ---\n",
+                entry.path().display()
+            ));
+            for line in tail.into_iter().rev() {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}

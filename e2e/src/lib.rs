@@ -1,0 +1,17 @@
+//! Harness for the end-to-end tests.
+//!
+//! The tests run against the control plane and PostgreSQL that
+//! `e2e/controlplane/up.sh` and `e2e/postgres/up.sh` start (`hack/test.sh`
+//! does both); their env files tell where. Every test gets its own
+//! namespace, waits on conditions with deadlines, and prints diagnostics
+//! (object YAML, events, component logs) when a wait fails.
+
+// A test-only crate: failing loudly is the point.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod cluster;
+pub mod kubectl;
+pub mod wait;
+
+pub use cluster::{Cluster, TestNamespace};
+pub use wait::wait_for;

@@ -1,0 +1,129 @@
+//! `kubectl apply -f examples/` works, and `kubectl get` shows the printer
+//! columns an on-call human reads.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use batchlease_api::{LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+use batchlease_e2e::{Cluster, kubectl};
+use kube::api::PostParams;
+
+/// Header cells of `kubectl get` output.
+fn header(out: &str) -> Vec<String> {
+    out.lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The row whose first cell is `name`.
+fn row<'a>(out: &'a str, name: &str) -> Vec<&'a str> {
+    out.lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.first() == Some(&name))
+        .unwrap_or_else(|| panic!("no row {name} in:\n{out}"))
+}
+
+#[tokio::test]
+async fn apply_examples_and_get_printer_columns() {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("kubectl").await.unwrap();
+    let n = ns.name.as_str();
+
+    let applied = kubectl::ok(&["apply", "-n", n, "-f", "examples/"]).unwrap();
+    for name in ["hello", "extract", "transform", "load", "recount"] {
+        assert!(
+            applied.contains(&format!("batchtask.batchlease.dev/{name} created")),
+            "{applied}"
+        );
+    }
+
+    for kind in ["batchtasks", "batchtask", "bt", "batchtasks.batchlease.dev"] {
+        let out = kubectl::ok(&["get", kind, "-n", n]).unwrap();
+        assert_eq!(
+            header(&out),
+            [
+                "NAME", "QUEUE", "PHASE", "TOKEN", "ATTEMPTS", "HOLDER", "AGE"
+            ],
+            "{kind}:\n{out}"
+        );
+        // No operator yet: no status, so Phase/Token/Attempts/Holder are empty.
+        assert_eq!(row(&out, "load")[1], "demo", "{out}");
+        assert_eq!(out.lines().count(), 6, "{kind}:\n{out}");
+    }
+
+    // Defaults were applied by the API server from the schema.
+    let hello = kubectl::ok(&["get", "bt", "hello", "-n", n, "-o",
+        "jsonpath={.spec.leaseDurationSeconds} {.spec.maxRetries} {.spec.mode} {.spec.backoff.initialSeconds} {.spec.backoff.maxSeconds} {.spec.backoff.multiplier} {.spec.redrive}"]).unwrap();
+    assert_eq!(hello, "30 3 Exclusive 1 300 2 0");
+
+    // A lease as the operator will create it, then held by a worker.
+    let leases = ns.api::<TaskLease>();
+    let mut lease = TaskLease::new(
+        "hello-1",
+        TaskLeaseSpec {
+            task_name: "hello".into(),
+            task_uid: "00000000-0000-0000-0000-000000000001".into(),
+            queue: "demo".into(),
+            fencing_token: 1,
+            lease_duration_seconds: 30,
+            holder_identity: Some("worker-a-7f3k".into()),
+            acquire_time: None,
+            renew_time: None,
+            resource_tokens: Default::default(),
+        },
+    );
+    lease.status = Some(TaskLeaseStatus {
+        phase: Some(LeasePhase::Held),
+        ..Default::default()
+    });
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+
+    for kind in ["taskleases", "tasklease", "tl"] {
+        let out = kubectl::ok(&["get", kind, "-n", n]).unwrap();
+        assert_eq!(
+            header(&out),
+            ["NAME", "TASK", "HOLDER", "TOKEN", "PHASE", "RENEWED", "AGE"],
+            "{kind}:\n{out}"
+        );
+        assert_eq!(
+            row(&out, "hello-1")[..5],
+            ["hello-1", "hello", "worker-a-7f3k", "1", "Held"],
+            "{out}"
+        );
+    }
+
+    // The category lists both kinds at once.
+    let all = kubectl::ok(&["get", "batchlease", "-n", n, "-o", "name"]).unwrap();
+    assert!(all.contains("batchtask.batchlease.dev/hello"), "{all}");
+    assert!(all.contains("tasklease.batchlease.dev/hello-1"), "{all}");
+
+    // Selectable fields: kubectl can filter by queue.
+    let by_queue = kubectl::ok(&[
+        "get",
+        "bt",
+        "-n",
+        n,
+        "--field-selector",
+        "spec.queue=demo",
+        "-o",
+        "name",
+    ])
+    .unwrap();
+    assert_eq!(by_queue.lines().count(), 5, "{by_queue}");
+    let none = kubectl::ok(&[
+        "get",
+        "bt",
+        "-n",
+        n,
+        "--field-selector",
+        "spec.queue=other",
+        "-o",
+        "name",
+    ])
+    .unwrap();
+    assert_eq!(none.trim(), "", "{none}");
+
+    ns.cleanup().await.unwrap();
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what a fresh machine lacks for the tests: Debian packages
+# (PostgreSQL server, openssl, curl), the Rust components (rustfmt, clippy),
+# and builds the control plane binaries into the cache (a no-op when cached).
+# Needs root (or sudo) only when a Debian package is missing.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+LOG_TAG=deps
+. "$root/e2e/lib/common.sh"
+
+missing=()
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+command -v openssl >/dev/null || missing+=(openssl)
+command -v curl >/dev/null || missing+=(curl)
+command -v python3 >/dev/null || missing+=(python3)
+command -v runuser >/dev/null || missing+=(util-linux)
+if ((${#missing[@]})); then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # Debian starts a default cluster on install; the tests use their own.
+  $sudo pg_ctlcluster --help >/dev/null 2>&1 && $sudo service postgresql stop >/dev/null 2>&1 || true
+fi
+
+command -v cargo >/dev/null || die "Rust is required (https://rustup.rs)"
+command -v go >/dev/null || die "Go >= 1.26 is required to build the control plane"
+if command -v rustup >/dev/null; then
+  for c in rustfmt clippy; do
+    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
+  done
+fi
+
+"$root/e2e/controlplane/build.sh" >/dev/null

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs every check and test of batchlease. This is the README's test command
+# and what CI (.ci/run) calls:
+#   deps → fmt → clippy → unit tests → CRD drift → control plane + PostgreSQL
+#   → e2e tests → stop everything (always, via trap).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+LOG_TAG=test
+. e2e/lib/common.sh
+. hack/env.sh
+
+step() { log "== $*"; }
+
+step "dependencies"
+hack/deps.sh
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "unit tests"
+cargo test --workspace --exclude batchlease-e2e --locked
+
+step "CRD drift check"
+cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
+
+step "start control plane and PostgreSQL"
+run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)
+cleanup() {
+  local rc=$?
+  e2e/controlplane/down.sh "$run_dir/cp" || true
+  e2e/postgres/down.sh "$run_dir/pg" || true
+  if [ "$rc" = 0 ]; then rm -rf "$run_dir"; else log "logs kept in $run_dir"; fi
+  exit "$rc"
+}
+trap cleanup EXIT INT TERM
+e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
+e2e/postgres/up.sh "$run_dir/pg" >/dev/null
+. "$run_dir/cp/env"
+. "$run_dir/pg/env"
+
+step "e2e tests"
+cargo test --locked -p batchlease-e2e -- --test-threads=4
