@@ -8,7 +8,11 @@ use std::process::Command;
 fn helm(args: &[&str]) -> String {
     let bin = std::env::var("BATCHLEASE_HELM").expect("BATCHLEASE_HELM unset: run hack/test.sh");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let out = Command::new(&bin).args(args).current_dir(root).output().unwrap();
+    let out = Command::new(&bin)
+        .args(args)
+        .current_dir(root)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "helm {} failed:\n{}{}",
@@ -27,8 +31,15 @@ fn chart_lints_and_ships_the_generated_crds() {
     assert!(lint.contains("0 chart(s) failed"), "{lint}");
 
     let shown = helm(&["show", "crds", "charts/batchlease-operator"]);
-    for file in ["batchtasks.batchlease.dev.yaml", "taskleases.batchlease.dev.yaml"] {
-        let crd = std::fs::read_to_string(format!("{}/../crds/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
-        assert!(shown.contains(crd.trim()), "chart's {file} differs from crds/{file}");
+    for file in [
+        "batchtasks.batchlease.dev.yaml",
+        "taskleases.batchlease.dev.yaml",
+    ] {
+        let crd = std::fs::read_to_string(format!("{}/../crds/{file}", env!("CARGO_MANIFEST_DIR")))
+            .unwrap();
+        assert!(
+            shown.contains(crd.trim()),
+            "chart's {file} differs from crds/{file}"
+        );
     }
 }
