@@ -29,6 +29,7 @@ cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
 
 step "start control plane and PostgreSQL"
 run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)
+chmod 755 "$run_dir" # PostgreSQL runs as an unprivileged user and must reach it
 cleanup() {
   local rc=$?
   e2e/controlplane/down.sh "$run_dir/cp" || true

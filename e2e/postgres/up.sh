@@ -21,6 +21,8 @@ if [ "$(id -u)" = 0 ]; then
   chown -R "$user" "$state"
   chmod 755 "$state"
   as_user=(runuser -u "$user" --)
+  "${as_user[@]}" test -w "$state" ||
+    die "user '$user' cannot reach $state: every parent directory must be traversable (chmod o+x)"
 fi
 port=$(free_port)
 data=$state/data
