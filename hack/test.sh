@@ -12,6 +12,16 @@ LOG_TAG=test
 
 step() { log "== $*"; }
 
+# cargo test, with its output also kept so the totals can be summed at the end.
+results=$(mktemp)
+cargo_test() {
+  cargo test "$@" 2>&1 | tee -a "$results"
+}
+summary() {
+  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+       END { printf "%d passed, %d failed\n", p, f }' "$results"
+}
+
 step "dependencies"
 hack/deps.sh
 
@@ -22,7 +32,7 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "unit tests"
-cargo test --workspace --exclude batchlease-e2e --locked
+cargo_test --workspace --exclude batchlease-e2e --locked
 
 step "CRD drift check"
 cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
@@ -34,7 +44,9 @@ cleanup() {
   local rc=$?
   e2e/controlplane/down.sh "$run_dir/cp" || true
   e2e/postgres/down.sh "$run_dir/pg" || true
-  if [ "$rc" = 0 ]; then rm -rf "$run_dir"; else log "logs kept in $run_dir"; fi
+  [ "$rc" = 0 ] && rm -rf "$run_dir" || log "logs kept in $run_dir"
+  summary # the last line: "N passed, N failed"
+  rm -f "$results"
   exit "$rc"
 }
 trap cleanup EXIT INT TERM
@@ -44,4 +56,4 @@ e2e/postgres/up.sh "$run_dir/pg" >/dev/null
 . "$run_dir/pg/env"
 
 step "e2e tests"
-cargo test --locked -p batchlease-e2e -- --test-threads=4
+cargo_test --locked -p batchlease-e2e -- --test-threads=4
