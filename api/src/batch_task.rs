@@ -169,6 +169,18 @@ pub enum TaskPhase {
 }
 
 impl TaskPhase {
+    /// The phase as written in the API (stable, for labels and logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Ready => "Ready",
+            Self::Running => "Running",
+            Self::Succeeded => "Succeeded",
+            Self::DeadLettered => "DeadLettered",
+            Self::Rejected => "Rejected",
+        }
+    }
+
     /// A task in a terminal phase gets no more leases until redriven.
     pub fn is_terminal(self) -> bool {
         matches!(self, Self::Succeeded | Self::DeadLettered | Self::Rejected)
@@ -231,6 +243,11 @@ pub struct BatchTaskStatus {
     /// The spec generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The `spec.redrive` value the operator has acted on; a larger
+    /// `spec.redrive` is a pending redrive request.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub observed_redrive: i64,
 }
 
 /// Why an attempt failed.

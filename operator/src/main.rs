@@ -1,1 +1,199 @@
-fn main() {}
+//! `batchlease-operator`: issues fenced TaskLeases for BatchTasks, follows
+//! claims, expires silent holders by observed time, settles attempts into
+//! success, retry or the dead-letter queue (design §3, §7, §8).
+
+mod backoff;
+mod config;
+mod controller;
+mod decide;
+mod http;
+mod leader;
+mod lease_build;
+mod metrics;
+mod observe;
+mod reconcile;
+mod settle;
+mod status;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use anyhow::Context;
+use clap::Parser;
+use kube::runtime::events::{Recorder, Reporter};
+use prometheus_client::registry::Registry;
+use rand::Rng;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::config::{Config, LogFormat};
+use crate::leader::{ElectionConfig, Leadership};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cfg = Config::parse();
+    init_tracing(cfg.log_format);
+    let client = client(&cfg).await?;
+    let identity = cfg.identity.clone().unwrap_or_else(default_identity);
+    info!(%identity, namespaces = ?cfg.watched_namespaces(), "starting batchlease-operator");
+
+    let mut registry = Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let health = Arc::new(http::Health {
+        registry,
+        ready: Default::default(),
+    });
+    let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
+
+    let mut leadership = if cfg.leader_election {
+        let election = ElectionConfig {
+            namespace: cfg.leader_lease_namespace.clone(),
+            lease_name: cfg.leader_lease_name.clone(),
+            identity: identity.clone(),
+            duration_seconds: cfg.leader_lease_seconds,
+            grace_seconds: cfg.leader_grace_seconds,
+        };
+        leader::campaign(client.clone(), &election)
+            .await
+            .context("starting leader election")?
+    } else {
+        Leadership::always()
+    };
+    // A standby replica is healthy and ready: it serves metrics and waits.
+    health.ready.store(true, Ordering::Release);
+    info!("waiting for leadership");
+    tokio::select! {
+        r = leadership.acquired() => r?,
+        _ = shutdown_signal() => return Ok(()),
+    }
+    health.ready.store(false, Ordering::Release);
+    metrics.is_leader.set(1);
+    info!(%identity, "leading: starting controllers");
+
+    // Observations start empty: every held lease gets a full TTL from now.
+    let tracker = Arc::new(observe::Tracker::default());
+    let reporter = Reporter {
+        controller: "batchlease-operator".into(),
+        instance: Some(identity.clone()),
+    };
+    let shared = controller::Shared {
+        client: client.clone(),
+        tracker: tracker.clone(),
+        make_ctx: {
+            let (client, metrics, leadership) =
+                (client.clone(), metrics.clone(), leadership.clone());
+            Box::new(move |leases| {
+                Arc::new(reconcile::Ctx {
+                    client: client.clone(),
+                    leases,
+                    tracker: tracker.clone(),
+                    metrics: metrics.clone(),
+                    recorder: Recorder::new(client.clone(), reporter.clone()),
+                    leadership: leadership.clone(),
+                })
+            })
+        },
+    };
+    let stop = CancellationToken::new();
+    let namespaces: Vec<Option<String>> = match cfg.watched_namespaces() {
+        Some(list) => list.into_iter().map(Some).collect(),
+        None => vec![None],
+    };
+    let running: Vec<_> = namespaces
+        .iter()
+        .map(|ns| controller::start(&shared, ns.as_deref(), stop.clone()))
+        .collect();
+    for r in &running {
+        metrics.watch_tasks(r.tasks.clone());
+    }
+    {
+        let health = health.clone();
+        let stores: Vec<_> = running
+            .iter()
+            .map(|r| (r.tasks.clone(), r.leases.clone()))
+            .collect();
+        tokio::spawn(async move {
+            for (tasks, leases) in stores {
+                if tasks.wait_until_ready().await.is_err()
+                    || leases.wait_until_ready().await.is_err()
+                {
+                    return;
+                }
+            }
+            health.ready.store(true, Ordering::Release);
+            info!("caches synced: ready");
+        });
+    }
+
+    let exit = tokio::select! {
+        _ = leadership.clone().lost() => {
+            error!("leadership lost: stopping all writers and exiting");
+            1
+        }
+        _ = shutdown_signal() => {
+            info!("shutting down");
+            0
+        }
+        r = server => {
+            error!(result = ?r, "metrics server ended");
+            1
+        }
+    };
+    stop.cancel();
+    metrics.is_leader.set(0);
+    for r in running {
+        let _ = r.done.await;
+    }
+    drop(leadership); // vacate the leader lease for a quick hand-over
+    std::process::exit(exit);
+}
+
+async fn client(cfg: &Config) -> anyhow::Result<kube::Client> {
+    let config = match &cfg.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).context("reading --kubeconfig")?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig and not in a cluster")?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+fn default_identity() -> String {
+    let base = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "batchlease-operator".into());
+    let suffix: u32 = rand::rng().random_range(0..0xff_ffff);
+    format!("{base}-{suffix:06x}")
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            let _ = ctrl_c.await;
+            return;
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

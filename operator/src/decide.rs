@@ -1,0 +1,346 @@
+//! The operator's whole decision, as one pure function: given a task, its
+//! leases, what was observed of the current lease and the time, what is the
+//! next write? The reconciler reads, calls [`decide`], performs the one write
+//! and lets the watch bring the next state (design §3).
+//!
+//! One write per pass keeps every step idempotent and crash-safe: whatever
+//! the process dies between, the next pass sees the state the API server
+//! holds and continues from there.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchlease_api::{
+    BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskMode, TaskPhase, names,
+};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use tokio::time::Instant;
+
+use crate::lease_build::offered_lease;
+use crate::observe::Observation;
+use crate::settle::{Transition, settle};
+use crate::status::{self, set_condition};
+
+/// Leases kept per task besides the current one; older ones are pruned.
+pub const KEEP_LEASES: usize = 3;
+
+/// Everything the decision depends on.
+#[derive(Debug)]
+pub struct Input<'a> {
+    pub task: &'a BatchTask,
+    /// The task's leases, in any order.
+    pub leases: &'a [Arc<TaskLease>],
+    /// What was observed of the current lease, if it is held.
+    pub observation: Option<Observation>,
+    /// Monotonic now, for expiry.
+    pub now: Instant,
+    /// Wall-clock now, for timestamps and backoff deadlines in status.
+    pub wall: Timestamp,
+    /// A uniform sample in [0, 1) for backoff jitter.
+    pub jitter: f64,
+}
+
+/// Why a held lease is taken away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpiryReason {
+    /// No renewal observed for the lease duration.
+    LeaseExpired,
+    /// The attempt ran longer than `activeDeadlineSeconds`.
+    ActiveDeadlineExceeded,
+}
+
+impl ExpiryReason {
+    /// The CamelCase reason written to the lease and the task's history.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::LeaseExpired => "LeaseExpired",
+            Self::ActiveDeadlineExceeded => "ActiveDeadlineExceeded",
+        }
+    }
+}
+
+/// The next write.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Write the task's status (conditional on its resourceVersion).
+    WriteStatus {
+        status: Box<BatchTaskStatus>,
+        transition: Transition,
+    },
+    /// Issue a lease: write the status (token + 1, `Ready`), then create the
+    /// lease `Offered`.
+    Issue {
+        status: Box<BatchTaskStatus>,
+        lease: Box<TaskLease>,
+        reassigned: bool,
+    },
+    /// The status names a lease that does not exist: the process died
+    /// between the two writes of an issue. Create it.
+    CreateLease(Box<TaskLease>),
+    /// Take the held lease away (conditional on the lease's resourceVersion;
+    /// a conflict means a renewal just landed).
+    Expire {
+        lease: Box<TaskLease>,
+        reason: ExpiryReason,
+    },
+    /// Delete these old, final leases (name, resourceVersion).
+    Prune(Vec<(String, Option<String>)>),
+    /// Nothing to write. Look again after this long, or on the next change.
+    Wait(Option<Duration>),
+}
+
+/// The pure core of the operator.
+pub fn decide(input: &Input<'_>) -> Decision {
+    let task = input.task;
+    if task.metadata.deletion_timestamp.is_some() {
+        // Garbage collection removes the leases; a holder's next renewal
+        // finds its lease gone and fires its kill switch.
+        return Decision::Wait(None);
+    }
+    let Some(current) = task.status.as_ref().filter(|s| s.phase.is_some()) else {
+        return initialize(task, input.wall);
+    };
+    if task.spec.redrive > current.observed_redrive {
+        return redrive(task, current, input.wall);
+    }
+    let phase = current.phase.unwrap_or(TaskPhase::Pending);
+    let lease = current
+        .current_lease
+        .as_deref()
+        .and_then(|name| input.leases.iter().find(|l| l.name_any() == name));
+
+    let decision = match phase {
+        TaskPhase::Pending => pending(input, current),
+        TaskPhase::Ready | TaskPhase::Running => match lease {
+            None => Decision::CreateLease(Box::new(offered_lease(task, current.fencing_token))),
+            Some(lease) => leased(input, current, phase, lease),
+        },
+        TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
+            Decision::Wait(None)
+        }
+    };
+    match decision {
+        Decision::Wait(after) => match prunable(input.leases, current.current_lease.as_deref()) {
+            victims if !victims.is_empty() => Decision::Prune(victims),
+            _ => Decision::Wait(after),
+        },
+        other => other,
+    }
+}
+
+fn initialize(task: &BatchTask, wall: Timestamp) -> Decision {
+    let mut status = task.status.clone().unwrap_or_default();
+    status.phase = Some(TaskPhase::Pending);
+    status.effective_mode = Some(status.effective_mode.unwrap_or(task.spec.mode));
+    status.observed_redrive = task.spec.redrive;
+    status.observed_generation = task.metadata.generation;
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::leased(false, "NotIssued", "no lease issued yet"),
+    );
+    Decision::WriteStatus {
+        status: Box::new(status),
+        transition: Transition::Initialized,
+    }
+}
+
+fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Decision {
+    let mut status = current.clone();
+    status.observed_redrive = task.spec.redrive;
+    status.observed_generation = task.metadata.generation;
+    if current.phase != Some(TaskPhase::DeadLettered) {
+        // Only a dead-lettered task is redriven; remember the request as seen.
+        return Decision::WriteStatus {
+            status: Box::new(status),
+            transition: Transition::RedriveIgnored,
+        };
+    }
+    status.phase = Some(TaskPhase::Pending);
+    status.attempts = 0;
+    status.aborts = 0;
+    status.next_attempt_after = None;
+    status.holder = None;
+    status.effective_mode = Some(task.spec.mode);
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::dead_lettered(false, "Redriven", "spec.redrive was raised"),
+    );
+    Decision::WriteStatus {
+        status: Box::new(status),
+        transition: Transition::Redriven,
+    }
+}
+
+fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
+    if let Some(after) = &current.next_attempt_after {
+        let wait = after.0.duration_since(input.wall);
+        if wait.is_positive() {
+            return Decision::Wait(Some(
+                Duration::try_from(wait).unwrap_or(Duration::from_secs(1)),
+            ));
+        }
+    }
+    let task = input.task;
+    let token = current.fencing_token + 1;
+    let mut status = current.clone();
+    status.fencing_token = token;
+    status.phase = Some(TaskPhase::Ready);
+    status.current_lease = Some(names::lease_name(&task.name_any(), token));
+    status.holder = None;
+    status.next_attempt_after = None;
+    status.observed_generation = task.metadata.generation;
+    if status.effective_mode.is_none() {
+        status.effective_mode = Some(TaskMode::Exclusive);
+    }
+    set_condition(
+        &mut status,
+        task,
+        input.wall,
+        status::leased(
+            true,
+            "Offered",
+            &format!("lease with fencing token {token} offered"),
+        ),
+    );
+    let reassigned = current
+        .history
+        .last()
+        .is_some_and(|h| h.outcome == "Expired");
+    Decision::Issue {
+        status: Box::new(status),
+        lease: Box::new(offered_lease(task, token)),
+        reassigned,
+    }
+}
+
+fn leased(
+    input: &Input<'_>,
+    current: &BatchTaskStatus,
+    phase: TaskPhase,
+    lease: &TaskLease,
+) -> Decision {
+    let lease_phase = lease
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .unwrap_or(LeasePhase::Offered);
+    match lease_phase {
+        LeasePhase::Offered => Decision::Wait(None),
+        LeasePhase::Held => held(input, current, phase, lease),
+        LeasePhase::Completed | LeasePhase::Expired | LeasePhase::Released => {
+            let (status, transition) = settle(input.task, current, lease, input.wall, input.jitter);
+            Decision::WriteStatus {
+                status: Box::new(status),
+                transition,
+            }
+        }
+    }
+}
+
+fn held(
+    input: &Input<'_>,
+    current: &BatchTaskStatus,
+    phase: TaskPhase,
+    lease: &TaskLease,
+) -> Decision {
+    let task = input.task;
+    let holder = lease.spec.holder_identity.clone().unwrap_or_default();
+    if phase == TaskPhase::Ready || current.holder.as_deref() != Some(holder.as_str()) {
+        let mut status = current.clone();
+        status.phase = Some(TaskPhase::Running);
+        status.holder = Some(holder.clone());
+        status.observed_generation = task.metadata.generation;
+        set_condition(
+            &mut status,
+            task,
+            input.wall,
+            status::leased(
+                true,
+                "Held",
+                &format!(
+                    "held by {holder} with fencing token {}",
+                    current.fencing_token
+                ),
+            ),
+        );
+        return Decision::WriteStatus {
+            status: Box::new(status),
+            transition: Transition::Claimed { holder },
+        };
+    }
+    // The reconciler records an observation before deciding; without one
+    // (it cannot happen) the safe answer is to start the clock now.
+    let Some(obs) = input.observation else {
+        return Decision::Wait(Some(Duration::from_secs(1)));
+    };
+    let ttl =
+        Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
+    let since_renewal = input.now.saturating_duration_since(obs.last_renewal);
+    let mut wait = ttl.saturating_sub(since_renewal);
+    let mut reason = ExpiryReason::LeaseExpired;
+    if let Some(deadline) = task
+        .spec
+        .active_deadline_seconds
+        .and_then(|d| u64::try_from(d).ok())
+    {
+        let left = Duration::from_secs(deadline)
+            .saturating_sub(input.now.saturating_duration_since(obs.claimed_at));
+        if left < wait {
+            wait = left;
+            reason = ExpiryReason::ActiveDeadlineExceeded;
+        }
+    }
+    if !wait.is_zero() {
+        return Decision::Wait(Some(wait));
+    }
+    let mut expired = lease.clone();
+    let st = expired.status.get_or_insert_with(Default::default);
+    st.phase = Some(LeasePhase::Expired);
+    st.reason = Some(reason.as_str().into());
+    st.message = Some(match reason {
+        ExpiryReason::LeaseExpired => format!("no renewal observed for {}s", ttl.as_secs()),
+        ExpiryReason::ActiveDeadlineExceeded => {
+            format!(
+                "attempt ran longer than activeDeadlineSeconds={}",
+                task.spec.active_deadline_seconds.unwrap_or(0)
+            )
+        }
+    });
+    Decision::Expire {
+        lease: Box::new(expired),
+        reason,
+    }
+}
+
+/// Final leases other than the current one, beyond the newest
+/// [`KEEP_LEASES`], oldest first.
+fn prunable(leases: &[Arc<TaskLease>], current: Option<&str>) -> Vec<(String, Option<String>)> {
+    let mut done: Vec<&Arc<TaskLease>> = leases
+        .iter()
+        .filter(|l| Some(l.name_any().as_str()) != current)
+        .filter(|l| {
+            l.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(LeasePhase::is_terminal)
+        })
+        .collect();
+    if done.len() <= KEEP_LEASES {
+        return Vec::new();
+    }
+    done.sort_by_key(|l| l.spec.fencing_token);
+    let excess = done.len() - KEEP_LEASES;
+    done.into_iter()
+        .take(excess)
+        .map(|l| (l.name_any(), l.resource_version()))
+        .collect()
+}
+
+#[cfg(test)]
+#[path = "decide_tests.rs"]
+mod tests;

@@ -1,0 +1,595 @@
+//! Table tests of [`decide`]: every task phase and lease event, and the
+//! races (renewal vs. expiry, two claims, a crash between issue and lease
+//! creation, a stale cache).
+
+use super::*;
+use crate::observe::Observation;
+use batchlease_api::{BatchTaskSpec, LeaseOutcome, TaskLeaseStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+
+const WALL: i64 = 1_800_000_000;
+
+fn wall(offset: i64) -> Timestamp {
+    Timestamp::from_second(WALL + offset).unwrap()
+}
+
+/// A task fixture with builder methods.
+fn task() -> BatchTask {
+    let mut t = BatchTask::new("job", BatchTaskSpec::for_queue("q"));
+    t.metadata.namespace = Some("ns".into());
+    t.metadata.uid = Some("uid-job".into());
+    t.metadata.generation = Some(1);
+    t
+}
+
+trait TaskFixture {
+    fn phase(self, phase: TaskPhase, token: i64) -> Self;
+    fn with(self, f: impl FnOnce(&mut BatchTaskStatus)) -> Self;
+    fn spec(self, f: impl FnOnce(&mut BatchTaskSpec)) -> Self;
+}
+
+impl TaskFixture for BatchTask {
+    fn phase(mut self, phase: TaskPhase, token: i64) -> Self {
+        let st = self.status.get_or_insert_with(Default::default);
+        st.phase = Some(phase);
+        st.fencing_token = token;
+        st.effective_mode = Some(TaskMode::Exclusive);
+        if token > 0 {
+            st.current_lease = Some(format!("job-{token}"));
+        }
+        self
+    }
+    fn with(mut self, f: impl FnOnce(&mut BatchTaskStatus)) -> Self {
+        f(self.status.get_or_insert_with(Default::default));
+        self
+    }
+    fn spec(mut self, f: impl FnOnce(&mut BatchTaskSpec)) -> Self {
+        f(&mut self.spec);
+        self
+    }
+}
+
+fn lease(token: i64, phase: LeasePhase, holder: Option<&str>) -> Arc<TaskLease> {
+    let mut l = offered_lease(&task(), token);
+    l.metadata.resource_version = Some(format!("rv{token}"));
+    l.metadata.creation_timestamp = Some(Time(wall(-100)));
+    l.spec.holder_identity = holder.map(Into::into);
+    l.spec.renew_time = holder.map(|_| MicroTime(wall(-1)));
+    l.status = Some(TaskLeaseStatus {
+        phase: Some(phase),
+        ..Default::default()
+    });
+    Arc::new(l)
+}
+
+fn completed(
+    token: i64,
+    outcome: LeaseOutcome,
+    f: impl FnOnce(&mut TaskLeaseStatus),
+) -> Arc<TaskLease> {
+    let mut l = (*lease(token, LeasePhase::Completed, Some("w1"))).clone();
+    let st = l.status.get_or_insert_with(Default::default);
+    st.outcome = Some(outcome);
+    f(st);
+    Arc::new(l)
+}
+
+struct Case {
+    task: BatchTask,
+    leases: Vec<Arc<TaskLease>>,
+    /// Seconds since the renewal was observed / since the claim.
+    observed: Option<(u64, u64)>,
+    jitter: f64,
+}
+
+impl Case {
+    fn new(task: BatchTask) -> Self {
+        Self {
+            task,
+            leases: Vec::new(),
+            observed: None,
+            jitter: 0.0,
+        }
+    }
+    fn leases(mut self, l: Vec<Arc<TaskLease>>) -> Self {
+        self.leases = l;
+        self
+    }
+    fn observed(mut self, since_renewal: u64, since_claim: u64) -> Self {
+        self.observed = Some((since_renewal, since_claim));
+        self
+    }
+    fn run(&self) -> Decision {
+        let now = Instant::now() + Duration::from_secs(10_000);
+        let observation = self.observed.map(|(r, c)| Observation {
+            last_renewal: now - Duration::from_secs(r),
+            claimed_at: now - Duration::from_secs(c),
+        });
+        decide(&Input {
+            task: &self.task,
+            leases: &self.leases,
+            observation,
+            now,
+            wall: wall(0),
+            jitter: self.jitter,
+        })
+    }
+}
+
+fn status_of(d: &Decision) -> (&BatchTaskStatus, &Transition) {
+    match d {
+        Decision::WriteStatus { status, transition } => (status, transition),
+        other => panic!("expected a status write, got {other:?}"),
+    }
+}
+
+fn into_status(d: Decision) -> (BatchTaskStatus, Transition) {
+    match d {
+        Decision::WriteStatus { status, transition } => (*status, transition),
+        other => panic!("expected a status write, got {other:?}"),
+    }
+}
+
+#[test]
+fn new_task_is_initialized_pending() {
+    let d = Case::new(task().spec(|s| s.mode = TaskMode::Speculative)).run();
+    let (st, tr) = status_of(&d);
+    assert_eq!(st.phase, Some(TaskPhase::Pending));
+    assert_eq!(st.effective_mode, Some(TaskMode::Speculative));
+    assert_eq!(st.fencing_token, 0);
+    assert_eq!(*tr, Transition::Initialized);
+}
+
+#[test]
+fn pending_issues_the_next_token() {
+    let d = Case::new(task().phase(TaskPhase::Pending, 4)).run();
+    let Decision::Issue {
+        status,
+        lease,
+        reassigned,
+    } = d
+    else {
+        panic!("{d:?}")
+    };
+    assert_eq!(status.fencing_token, 5);
+    assert_eq!(status.phase, Some(TaskPhase::Ready));
+    assert_eq!(status.current_lease.as_deref(), Some("job-5"));
+    assert_eq!(lease.spec.fencing_token, 5);
+    assert_eq!(lease.metadata.name.as_deref(), Some("job-5"));
+    assert_eq!(
+        lease.status.as_ref().unwrap().phase,
+        Some(LeasePhase::Offered)
+    );
+    assert_eq!(lease.spec.task_uid, "uid-job");
+    let owner = &lease.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+        ("BatchTask", "uid-job", Some(true))
+    );
+    assert!(!reassigned);
+}
+
+#[test]
+fn pending_waits_for_backoff() {
+    let d = Case::new(
+        task()
+            .phase(TaskPhase::Pending, 1)
+            .with(|s| s.next_attempt_after = Some(Time(wall(7)))),
+    )
+    .run();
+    assert_eq!(d, Decision::Wait(Some(Duration::from_secs(7))));
+    // Elapsed backoff issues.
+    let d = Case::new(
+        task()
+            .phase(TaskPhase::Pending, 1)
+            .with(|s| s.next_attempt_after = Some(Time(wall(-1)))),
+    )
+    .run();
+    assert!(matches!(d, Decision::Issue { .. }), "{d:?}");
+}
+
+#[test]
+fn crash_between_issue_and_lease_creation_is_repaired() {
+    // Status says Ready with token 3, but lease job-3 does not exist.
+    let d = Case::new(task().phase(TaskPhase::Ready, 3))
+        .leases(vec![lease(2, LeasePhase::Expired, Some("w"))])
+        .run();
+    let Decision::CreateLease(l) = d else {
+        panic!("{d:?}")
+    };
+    assert_eq!(
+        l.spec.fencing_token, 3,
+        "the repair reuses the issued token, never a new one"
+    );
+    assert_eq!(l.metadata.name.as_deref(), Some("job-3"));
+}
+
+#[test]
+fn offered_lease_waits_for_a_claim() {
+    let d = Case::new(task().phase(TaskPhase::Ready, 1))
+        .leases(vec![lease(1, LeasePhase::Offered, None)])
+        .run();
+    assert_eq!(d, Decision::Wait(None));
+}
+
+#[test]
+fn claim_moves_the_task_to_running() {
+    let d = Case::new(task().phase(TaskPhase::Ready, 1))
+        .leases(vec![lease(1, LeasePhase::Held, Some("w1"))])
+        .observed(0, 0)
+        .run();
+    let (st, tr) = status_of(&d);
+    assert_eq!(st.phase, Some(TaskPhase::Running));
+    assert_eq!(st.holder.as_deref(), Some("w1"));
+    assert_eq!(
+        *tr,
+        Transition::Claimed {
+            holder: "w1".into()
+        }
+    );
+}
+
+#[test]
+fn two_claims_only_the_winner_is_followed() {
+    // Two workers raced; the API server let exactly one CAS through. The
+    // operator only ever sees the winner in the lease.
+    let d = Case::new(task().phase(TaskPhase::Ready, 1))
+        .leases(vec![lease(1, LeasePhase::Held, Some("winner"))])
+        .observed(0, 0)
+        .run();
+    assert_eq!(status_of(&d).0.holder.as_deref(), Some("winner"));
+}
+
+#[test]
+fn held_lease_expiry_table() {
+    // (ttl, since renewal, since claim, deadline, expected)
+    type Row = (i32, u64, u64, Option<i64>, Result<Duration, ExpiryReason>);
+    let cases: Vec<Row> = vec![
+        (30, 0, 0, None, Ok(Duration::from_secs(30))),
+        (30, 29, 100, None, Ok(Duration::from_secs(1))),
+        (30, 30, 100, None, Err(ExpiryReason::LeaseExpired)),
+        (30, 31, 100, None, Err(ExpiryReason::LeaseExpired)),
+        (30, 5, 55, Some(60), Ok(Duration::from_secs(5))),
+        (
+            30,
+            5,
+            60,
+            Some(60),
+            Err(ExpiryReason::ActiveDeadlineExceeded),
+        ),
+        (5, 2, 2, Some(600), Ok(Duration::from_secs(3))),
+    ];
+    for (ttl, since_renewal, since_claim, deadline, want) in cases {
+        let t = task()
+            .phase(TaskPhase::Running, 1)
+            .with(|s| s.holder = Some("w1".into()))
+            .spec(|s| {
+                s.lease_duration_seconds = ttl;
+                s.active_deadline_seconds = deadline;
+            });
+        let mut l = (*lease(1, LeasePhase::Held, Some("w1"))).clone();
+        l.spec.lease_duration_seconds = ttl;
+        let d = Case::new(t)
+            .leases(vec![Arc::new(l)])
+            .observed(since_renewal, since_claim)
+            .run();
+        match (want, d) {
+            (Ok(w), Decision::Wait(Some(got))) => {
+                assert_eq!(got, w, "ttl={ttl} r={since_renewal} c={since_claim}")
+            }
+            (Err(reason), Decision::Expire { lease, reason: got }) => {
+                assert_eq!(got, reason);
+                let st = lease.status.unwrap();
+                assert_eq!(st.phase, Some(LeasePhase::Expired));
+                assert_eq!(st.reason.as_deref(), Some(reason.as_str()));
+                assert_eq!(
+                    lease.metadata.resource_version.as_deref(),
+                    Some("rv1"),
+                    "expiry is a CAS on the read version"
+                );
+            }
+            (w, d) => panic!("ttl={ttl} r={since_renewal} c={since_claim}: want {w:?}, got {d:?}"),
+        }
+    }
+}
+
+#[test]
+fn renewal_observed_just_in_time_prevents_expiry() {
+    // The race renewal vs. expiry, decided by observation: a renewal seen
+    // 1 s ago restarts the clock whatever renewTime says.
+    let t = task()
+        .phase(TaskPhase::Running, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let d = Case::new(t)
+        .leases(vec![lease(1, LeasePhase::Held, Some("w1"))])
+        .observed(1, 500)
+        .run();
+    assert_eq!(d, Decision::Wait(Some(Duration::from_secs(29))));
+}
+
+#[test]
+fn success_settles_the_task() {
+    let t = task()
+        .phase(TaskPhase::Running, 2)
+        .with(|s| s.holder = Some("w1".into()));
+    let l = completed(2, LeaseOutcome::Succeeded, |s| {
+        s.result = Some(serde_json::json!({"rows": 7}));
+        s.checkpoint = Some(serde_json::json!({"step": 9}));
+    });
+    let d = Case::new(t).leases(vec![l]).run();
+    let (st, tr) = status_of(&d);
+    assert_eq!(*tr, Transition::Succeeded);
+    assert_eq!(st.phase, Some(TaskPhase::Succeeded));
+    assert_eq!(st.result, Some(serde_json::json!({"rows": 7})));
+    assert_eq!(st.holder, None);
+    assert_eq!(st.fencing_token, 2);
+    assert_eq!(st.history.last().unwrap().outcome, "Succeeded");
+    assert!(
+        st.conditions
+            .iter()
+            .any(|c| c.type_ == "Succeeded" && c.status == "True")
+    );
+}
+
+#[test]
+fn failures_retry_with_growing_backoff_then_dead_letter() {
+    let spec = |s: &mut BatchTaskSpec| {
+        s.max_retries = 2;
+        s.backoff = batchlease_api::BackoffSpec {
+            initial_seconds: 2,
+            max_seconds: 5,
+            multiplier: 2,
+        };
+    };
+    // (attempts before, expected: delay seconds or dead-letter)
+    for (attempts, want) in [(0, Some(2)), (1, Some(4)), (2, None)] {
+        let t = task()
+            .spec(spec)
+            .phase(TaskPhase::Running, attempts + 1)
+            .with(|s| {
+                s.attempts = attempts as i32;
+                s.holder = Some("w1".into());
+            });
+        let l = completed(attempts + 1, LeaseOutcome::Failed, |s| {
+            s.reason = Some("Boom".into());
+            s.message = Some("it broke".into());
+            s.checkpoint = Some(serde_json::json!({"step": 3}));
+        });
+        let d = Case::new(t).leases(vec![l]).run();
+        let (st, tr) = status_of(&d);
+        assert_eq!(st.attempts, attempts as i32 + 1);
+        let failure = st.last_failure.as_ref().unwrap();
+        assert_eq!(
+            (
+                failure.reason.as_str(),
+                failure.message.as_str(),
+                failure.attempt
+            ),
+            ("Boom", "it broke", attempts + 1)
+        );
+        assert_eq!(
+            st.checkpoint,
+            Some(serde_json::json!({"step": 3})),
+            "progress is handed to the next attempt"
+        );
+        match want {
+            Some(delay) => {
+                assert_eq!(st.phase, Some(TaskPhase::Pending));
+                assert_eq!(st.next_attempt_after, Some(Time(wall(delay))));
+                assert!(
+                    matches!(tr, Transition::Retry { expired: false, .. }),
+                    "{tr:?}"
+                );
+            }
+            None => {
+                assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
+                assert_eq!(st.next_attempt_after, None);
+                assert_eq!(
+                    *tr,
+                    Transition::DeadLettered {
+                        reason: "Boom".into(),
+                        expired: false
+                    }
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn backoff_respects_max_seconds_with_jitter() {
+    let t = task()
+        .spec(|s| {
+            s.max_retries = 50;
+            s.backoff = batchlease_api::BackoffSpec {
+                initial_seconds: 1,
+                max_seconds: 10,
+                multiplier: 10,
+            };
+        })
+        .phase(TaskPhase::Running, 5)
+        .with(|s| s.attempts = 4);
+    let mut c = Case::new(t).leases(vec![completed(5, LeaseOutcome::Failed, |_| {})]);
+    c.jitter = 0.999;
+    let (st, _) = into_status(c.run());
+    let after = st.next_attempt_after.as_ref().unwrap().0;
+    let delay = after.duration_since(wall(0)).as_secs_f64();
+    assert!(
+        (10.0..=15.0).contains(&delay),
+        "delay {delay} outside [max, 1.5·max]"
+    );
+}
+
+#[test]
+fn permanent_failure_dead_letters_at_once() {
+    let t = task()
+        .spec(|s| s.max_retries = 10)
+        .phase(TaskPhase::Running, 1);
+    let l = completed(1, LeaseOutcome::Failed, |s| {
+        s.permanent = true;
+        s.reason = Some("BadInput".into());
+    });
+    let (st, tr) = into_status(Case::new(t).leases(vec![l]).run());
+    assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
+    assert_eq!(st.attempts, 1);
+    assert_eq!(
+        tr,
+        Transition::DeadLettered {
+            reason: "BadInput".into(),
+            expired: false
+        }
+    );
+}
+
+#[test]
+fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
+    let t = task()
+        .phase(TaskPhase::Running, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let d = Case::new(t)
+        .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
+        .run();
+    let (st, tr) = status_of(&d);
+    assert!(
+        matches!(tr, Transition::Retry { expired: true, .. }),
+        "{tr:?}"
+    );
+    assert_eq!(st.history.last().unwrap().outcome, "Expired");
+    assert_eq!(st.last_failure.as_ref().unwrap().reason, "LeaseExpired");
+
+    let mut next = task();
+    next.status = Some(st.clone());
+    next.status.as_mut().unwrap().next_attempt_after = Some(Time(wall(-1)));
+    let d = Case::new(next)
+        .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
+        .run();
+    let Decision::Issue {
+        status, reassigned, ..
+    } = d
+    else {
+        panic!("{d:?}")
+    };
+    assert_eq!(status.fencing_token, 2);
+    assert!(reassigned);
+}
+
+#[test]
+fn interrupted_retries_at_once_without_spending_a_retry() {
+    let t = task().phase(TaskPhase::Running, 3).with(|s| s.attempts = 1);
+    let (st, tr) = into_status(
+        Case::new(t)
+            .leases(vec![completed(3, LeaseOutcome::Interrupted, |_| {})])
+            .run(),
+    );
+    assert_eq!(tr, Transition::Interrupted);
+    assert_eq!(
+        (st.phase, st.attempts, st.next_attempt_after.clone()),
+        (Some(TaskPhase::Pending), 1, None)
+    );
+}
+
+#[test]
+fn speculative_aborts_quarantine_to_exclusive() {
+    let t = task()
+        .spec(|s| {
+            s.mode = TaskMode::Speculative;
+            s.max_speculative_aborts = 2;
+        })
+        .phase(TaskPhase::Running, 2)
+        .with(|s| {
+            s.aborts = 1;
+            s.effective_mode = Some(TaskMode::Speculative);
+        });
+    let (st, tr) = into_status(
+        Case::new(t)
+            .leases(vec![completed(2, LeaseOutcome::Aborted, |_| {})])
+            .run(),
+    );
+    assert_eq!(tr, Transition::Aborted { quarantined: true });
+    assert_eq!(
+        (st.aborts, st.attempts, st.effective_mode),
+        (2, 0, Some(TaskMode::Exclusive))
+    );
+}
+
+#[test]
+fn redrive_brings_back_a_dead_lettered_task_with_a_fresh_budget() {
+    let t = task()
+        .spec(|s| s.redrive = 1)
+        .phase(TaskPhase::DeadLettered, 4)
+        .with(|s| {
+            s.attempts = 4;
+            s.observed_redrive = 0;
+        });
+    let (st, tr) = into_status(Case::new(t).run());
+    assert_eq!(tr, Transition::Redriven);
+    assert_eq!(
+        (st.phase, st.attempts, st.observed_redrive, st.fencing_token),
+        (Some(TaskPhase::Pending), 0, 1, 4)
+    );
+
+    // Raised on a running task: recorded, nothing else changes.
+    let t = task().spec(|s| s.redrive = 1).phase(TaskPhase::Running, 2);
+    let (st, tr) = into_status(Case::new(t).run());
+    assert_eq!(tr, Transition::RedriveIgnored);
+    assert_eq!(
+        (st.phase, st.observed_redrive),
+        (Some(TaskPhase::Running), 1)
+    );
+}
+
+#[test]
+fn final_tasks_wait_and_prune_old_leases() {
+    let t = task().phase(TaskPhase::Succeeded, 6);
+    let leases: Vec<_> = (1..=6)
+        .map(|k| lease(k, LeasePhase::Expired, Some("w")))
+        .collect();
+    let d = Case::new(t.clone()).leases(leases).run();
+    let names: Vec<String> = match d {
+        Decision::Prune(v) => v
+            .into_iter()
+            .map(|(n, rv)| format!("{n}@{}", rv.unwrap()))
+            .collect(),
+        other => panic!("{other:?}"),
+    };
+    // job-6 is current; keep job-3..5; prune the oldest two, with their versions.
+    assert_eq!(names, ["job-1@rv1", "job-2@rv2"]);
+
+    let few: Vec<_> = (4..=6)
+        .map(|k| lease(k, LeasePhase::Expired, Some("w")))
+        .collect();
+    assert_eq!(Case::new(t).leases(few).run(), Decision::Wait(None));
+}
+
+#[test]
+fn held_or_offered_leases_are_never_pruned() {
+    let t = task()
+        .phase(TaskPhase::Running, 9)
+        .with(|s| s.holder = Some("w".into()));
+    let mut leases: Vec<_> = (1..=8)
+        .map(|k| lease(k, LeasePhase::Held, Some("w")))
+        .collect();
+    leases.push(lease(9, LeasePhase::Held, Some("w")));
+    let d = Case::new(t).leases(leases).observed(0, 0).run();
+    assert!(matches!(d, Decision::Wait(Some(_))), "{d:?}");
+}
+
+#[test]
+fn deleted_task_is_left_to_garbage_collection() {
+    let mut t = task().phase(TaskPhase::Running, 1);
+    t.metadata.deletion_timestamp = Some(Time(wall(0)));
+    assert_eq!(Case::new(t).run(), Decision::Wait(None));
+}
+
+#[test]
+fn stale_status_after_claim_then_expiry_order() {
+    // The task still says Ready (its claim update not yet written) while the
+    // lease is Held and silent for longer than the TTL: first record the
+    // claim, then expire on the next pass — never skip the history.
+    let t = task().phase(TaskPhase::Ready, 1);
+    let d = Case::new(t)
+        .leases(vec![lease(1, LeasePhase::Held, Some("w1"))])
+        .observed(60, 60)
+        .run();
+    assert!(matches!(status_of(&d).1, Transition::Claimed { .. }));
+}

@@ -1,0 +1,160 @@
+//! Operator metrics (design §7), served as Prometheus text on `/metrics`.
+//! Labels stay low-cardinality: queue, reason, outcome — never task names.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use batchlease_api::BatchTask;
+use kube::runtime::reflector::Store;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// `queue`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub queue: String,
+}
+
+/// `queue`, `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub queue: String,
+    pub reason: String,
+}
+
+/// `kind`: the error category of a failed reconcile.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub kind: &'static str,
+}
+
+/// Every metric the operator updates.
+#[derive(Debug)]
+pub struct Metrics {
+    pub leases_issued: Family<QueueLabels, Counter>,
+    pub lease_expired_before_release: Family<ReasonLabels, Counter>,
+    pub reassignments: Family<QueueLabels, Counter>,
+    pub tasks_dead_lettered: Family<ReasonLabels, Counter>,
+    pub retries: Family<ReasonLabels, Counter>,
+    pub reconcile_duration: Histogram,
+    pub reconcile_errors: Family<ErrorLabels, Counter>,
+    pub write_conflicts: Counter,
+    pub is_leader: Gauge,
+    tasks: TaskPhases,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them under the `batchlease` prefix.
+    pub fn new(registry: &mut Registry) -> Arc<Self> {
+        let m = Self {
+            leases_issued: Family::default(),
+            lease_expired_before_release: Family::default(),
+            reassignments: Family::default(),
+            tasks_dead_lettered: Family::default(),
+            retries: Family::default(),
+            reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            reconcile_errors: Family::default(),
+            write_conflicts: Counter::default(),
+            is_leader: Gauge::default(),
+            tasks: TaskPhases::default(),
+        };
+        let r = registry.sub_registry_with_prefix("batchlease");
+        r.register(
+            "leases_issued",
+            "TaskLeases offered",
+            m.leases_issued.clone(),
+        );
+        r.register(
+            "lease_expired_before_release",
+            "Held leases taken away because no renewal was observed in time (or the attempt overran its deadline)",
+            m.lease_expired_before_release.clone(),
+        );
+        r.register(
+            "reassignments",
+            "Tasks offered again after their holder's lease expired",
+            m.reassignments.clone(),
+        );
+        r.register(
+            "tasks_dead_lettered",
+            "Tasks moved to DeadLettered",
+            m.tasks_dead_lettered.clone(),
+        );
+        r.register(
+            "retries",
+            "Attempts that failed and were scheduled again",
+            m.retries.clone(),
+        );
+        r.register(
+            "reconcile_duration_seconds",
+            "Time spent in one reconcile",
+            m.reconcile_duration.clone(),
+        );
+        r.register(
+            "reconcile_errors",
+            "Reconciles that ended in an error, by category",
+            m.reconcile_errors.clone(),
+        );
+        r.register(
+            "write_conflicts",
+            "Conditional writes refused with 409 (stale read; retried)",
+            m.write_conflicts.clone(),
+        );
+        r.register(
+            "is_leader",
+            "1 while this replica holds the leader lease",
+            m.is_leader.clone(),
+        );
+        r.register_collector(Box::new(m.tasks.clone()));
+        Arc::new(m)
+    }
+
+    /// Lets `batchlease_tasks{queue,phase}` count the tasks in `store`.
+    pub fn watch_tasks(&self, store: Store<BatchTask>) {
+        self.tasks
+            .stores
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(store);
+    }
+}
+
+/// `batchlease_tasks{queue,phase}`, computed from the task caches at scrape
+/// time, so deleted tasks never linger in a gauge.
+#[derive(Clone, Debug, Default)]
+struct TaskPhases {
+    stores: Arc<Mutex<Vec<Store<BatchTask>>>>,
+}
+
+impl prometheus_client::collector::Collector for TaskPhases {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut counts: BTreeMap<(String, String), i64> = BTreeMap::new();
+        for store in self.stores.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            for task in store.state() {
+                let phase = task
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .map_or("New", |p| p.as_str());
+                *counts
+                    .entry((task.spec.queue.clone(), phase.to_owned()))
+                    .or_default() += 1;
+            }
+        }
+        let gauge = ConstGauge::new(0i64);
+        let mut family = encoder.encode_descriptor(
+            "batchlease_tasks",
+            "BatchTasks by queue and phase",
+            None,
+            gauge.metric_type(),
+        )?;
+        for ((queue, phase), n) in counts {
+            let labels = [("queue", queue), ("phase", phase)];
+            ConstGauge::new(n).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}

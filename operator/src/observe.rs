@@ -1,0 +1,261 @@
+//! When did the operator last *see* each held lease renewed?
+//!
+//! Expiry is timed by the operator's monotonic clock at the moment a renewal
+//! was observed, never by the `renewTime` a worker wrote: clocks skew, and an
+//! observation is always later than the write it reports, so expiry can come
+//! late but never early. A fresh process (restart, new leader) knows nothing
+//! and so gives every held lease a full TTL from its first observation.
+//!
+//! The tracker also indexes leases by task so a reconcile finds a task's
+//! leases without scanning the whole cache.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+
+use batchlease_api::{LeasePhase, TaskLease};
+use kube::ResourceExt;
+use tokio::time::Instant;
+
+/// What the operator observed of the held lease of an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Observation {
+    /// When a renewal (or the claim) was last observed.
+    pub last_renewal: Instant,
+    /// When the claim was first observed (for `activeDeadlineSeconds`).
+    pub claimed_at: Instant,
+}
+
+/// The last state seen of one held lease.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Seen {
+    uid: String,
+    holder: String,
+    renew_marker: Option<String>,
+    pub observation: Observation,
+}
+
+/// Pure: the new record for `lease` seen at `now`, given the previous one.
+/// `None` when the lease is not held (nothing to time).
+pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option<Seen> {
+    let phase = lease.status.as_ref().and_then(|s| s.phase);
+    if phase != Some(LeasePhase::Held) {
+        return None;
+    }
+    let uid = lease.uid().unwrap_or_default();
+    let holder = lease.spec.holder_identity.clone().unwrap_or_default();
+    // renewTime is compared for equality only: its value is the holder's
+    // clock and means nothing here.
+    let renew_marker = lease.spec.renew_time.as_ref().map(|t| t.0.to_string());
+    let observation = match prev {
+        Some(p) if p.uid == uid && p.holder == holder => {
+            if p.renew_marker == renew_marker {
+                p.observation
+            } else {
+                Observation {
+                    last_renewal: now,
+                    ..p.observation
+                }
+            }
+        }
+        _ => Observation {
+            last_renewal: now,
+            claimed_at: now,
+        },
+    };
+    Some(Seen {
+        uid,
+        holder,
+        renew_marker,
+        observation,
+    })
+}
+
+type Key = (String, String);
+
+#[derive(Debug, Default)]
+struct State {
+    seen: HashMap<Key, Seen>,
+    /// (namespace, task name) → lease names.
+    by_task: HashMap<Key, BTreeSet<String>>,
+}
+
+/// Observations and the task → leases index, fed by the lease watch.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    state: Mutex<State>,
+}
+
+impl Tracker {
+    /// Records a lease event from the watch (apply or initial list).
+    pub fn observe(&self, lease: &TaskLease, now: Instant) {
+        let ns = lease.namespace().unwrap_or_default();
+        let key = (ns.clone(), lease.name_any());
+        let mut state = self.lock();
+        state
+            .by_task
+            .entry((ns, lease.spec.task_name.clone()))
+            .or_default()
+            .insert(key.1.clone());
+        match next_seen(state.seen.get(&key), lease, now) {
+            Some(seen) => {
+                state.seen.insert(key, seen);
+            }
+            None => {
+                state.seen.remove(&key);
+            }
+        }
+    }
+
+    /// Records a lease deletion.
+    pub fn forget(&self, lease: &TaskLease) {
+        let ns = lease.namespace().unwrap_or_default();
+        let name = lease.name_any();
+        let mut state = self.lock();
+        state.seen.remove(&(ns.clone(), name.clone()));
+        let task_key = (ns, lease.spec.task_name.clone());
+        if let Some(names) = state.by_task.get_mut(&task_key) {
+            names.remove(&name);
+            if names.is_empty() {
+                state.by_task.remove(&task_key);
+            }
+        }
+    }
+
+    /// A write to the lease was refused with a conflict: someone (the
+    /// holder, renewing) wrote it after our cached copy. Count that as a
+    /// renewal now; the watch brings the new state.
+    pub fn touch(&self, namespace: &str, lease: &str, now: Instant) {
+        if let Some(seen) = self
+            .lock()
+            .seen
+            .get_mut(&(namespace.to_owned(), lease.to_owned()))
+        {
+            seen.observation.last_renewal = now;
+        }
+    }
+
+    /// The observation of a held lease, if it is held.
+    pub fn observation(&self, namespace: &str, lease: &str) -> Option<Observation> {
+        self.lock()
+            .seen
+            .get(&(namespace.to_owned(), lease.to_owned()))
+            .map(|s| s.observation)
+    }
+
+    /// Names of the leases of a task.
+    pub fn leases_of(&self, namespace: &str, task: &str) -> Vec<String> {
+        self.lock()
+            .by_task
+            .get(&(namespace.to_owned(), task.to_owned()))
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding this lock leaves plain data behind; keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchlease_api::{TaskLeaseSpec, TaskLeaseStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use std::time::Duration;
+
+    fn lease(uid: &str, holder: Option<&str>, phase: LeasePhase, renew: i64) -> TaskLease {
+        let mut l = TaskLease::new(
+            "t-1",
+            TaskLeaseSpec {
+                task_name: "t".into(),
+                task_uid: "u".into(),
+                queue: "q".into(),
+                fencing_token: 1,
+                lease_duration_seconds: 30,
+                holder_identity: holder.map(Into::into),
+                acquire_time: None,
+                renew_time: Some(MicroTime(
+                    k8s_openapi::jiff::Timestamp::from_second(renew).unwrap(),
+                )),
+                resource_tokens: Default::default(),
+            },
+        );
+        l.metadata.uid = Some(uid.into());
+        l.metadata.namespace = Some("ns".into());
+        l.status = Some(TaskLeaseStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        l
+    }
+
+    #[test]
+    fn observation_table() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(5);
+        let held = lease("u1", Some("w1"), LeasePhase::Held, 100);
+        let first = next_seen(None, &held, t0).unwrap();
+        assert_eq!(
+            first.observation,
+            Observation {
+                last_renewal: t0,
+                claimed_at: t0
+            }
+        );
+
+        // The same state seen again (a relist): no renewal.
+        assert_eq!(
+            next_seen(Some(&first), &held, t1).unwrap().observation,
+            first.observation
+        );
+
+        // renewTime changed: a renewal, observed at t1, even though the
+        // written clock went *backwards* (clock values are not trusted).
+        let renewed = lease("u1", Some("w1"), LeasePhase::Held, 50);
+        let got = next_seen(Some(&first), &renewed, t1).unwrap().observation;
+        assert_eq!(
+            got,
+            Observation {
+                last_renewal: t1,
+                claimed_at: t0
+            }
+        );
+
+        // A different object of the same name (re-created): starts afresh.
+        let other = lease("u2", Some("w1"), LeasePhase::Held, 100);
+        assert_eq!(
+            next_seen(Some(&first), &other, t1).unwrap().observation,
+            Observation {
+                last_renewal: t1,
+                claimed_at: t1
+            }
+        );
+
+        // Not held: nothing to time.
+        for phase in [
+            LeasePhase::Offered,
+            LeasePhase::Completed,
+            LeasePhase::Expired,
+            LeasePhase::Released,
+        ] {
+            assert!(next_seen(Some(&first), &lease("u1", Some("w1"), phase, 100), t1).is_none());
+        }
+    }
+
+    #[test]
+    fn tracker_indexes_and_forgets() {
+        let tracker = Tracker::default();
+        let t0 = Instant::now();
+        let held = lease("u1", Some("w1"), LeasePhase::Held, 1);
+        tracker.observe(&held, t0);
+        assert_eq!(tracker.leases_of("ns", "t"), vec!["t-1".to_owned()]);
+        assert!(tracker.observation("ns", "t-1").is_some());
+        let t1 = t0 + Duration::from_secs(3);
+        tracker.touch("ns", "t-1", t1);
+        assert_eq!(tracker.observation("ns", "t-1").unwrap().last_renewal, t1);
+        tracker.forget(&held);
+        assert!(tracker.leases_of("ns", "t").is_empty());
+        assert!(tracker.observation("ns", "t-1").is_none());
+    }
+}

@@ -1,0 +1,375 @@
+//! The reconciler: read the task and its leases from the caches, call
+//! [`decide`], perform the one conditional write it asks for, report it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchlease_api::{BatchTask, TaskLease};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
+use rand::Rng;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::decide::{Decision, ExpiryReason, Input, decide};
+use crate::leader::Leadership;
+use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels};
+use crate::observe::Tracker;
+use crate::settle::Transition;
+
+/// Why a reconcile failed. Categories, not messages: they label metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// This replica is not (or no longer) the leader: it must not write.
+    #[error("not the leader; refusing to write")]
+    NotLeader,
+    /// A conditional write lost against a newer version (409).
+    #[error("conflict writing {what}: the cached copy is stale")]
+    Conflict { what: &'static str },
+    /// Any other API error.
+    #[error("kubernetes API error during {what}: {source}")]
+    Kube {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    /// Low-cardinality label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::NotLeader => "not_leader",
+            Self::Conflict { .. } => "conflict",
+            Self::Kube { .. } => "kube",
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Ctx {
+    pub client: kube::Client,
+    pub leases: Store<TaskLease>,
+    pub tracker: Arc<Tracker>,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    pub leadership: Leadership,
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx").finish_non_exhaustive()
+    }
+}
+
+/// One pass for one task.
+pub async fn reconcile(task: Arc<BatchTask>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&task, &ctx).await;
+    ctx.metrics
+        .reconcile_duration
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
+    let ns = task.namespace().unwrap_or_default();
+    let name = task.name_any();
+    let uid = task.uid().unwrap_or_default();
+    let leases: Vec<Arc<TaskLease>> = ctx
+        .tracker
+        .leases_of(&ns, &name)
+        .into_iter()
+        .filter_map(|l| ctx.leases.get(&ObjectRef::new(&l).within(&ns)))
+        .filter(|l| l.spec.task_uid == uid)
+        .collect();
+    let now = Instant::now();
+    let observation = task
+        .status
+        .as_ref()
+        .and_then(|s| s.current_lease.as_deref())
+        .and_then(|l| ctx.tracker.observation(&ns, l));
+    let decision = decide(&Input {
+        task,
+        leases: &leases,
+        observation,
+        now,
+        wall: Timestamp::now(),
+        jitter: rand::rng().random::<f64>(),
+    });
+    debug!(task = %name, namespace = %ns, ?decision, "decided");
+    let queue = QueueLabels {
+        queue: task.spec.queue.clone(),
+    };
+    match decision {
+        Decision::Wait(after) => Ok(after.map_or_else(Action::await_change, Action::requeue)),
+        Decision::WriteStatus { status, transition } => {
+            write_status(ctx, task, *status).await?;
+            report(ctx, task, &transition).await;
+            Ok(Action::await_change())
+        }
+        Decision::Issue {
+            status,
+            lease,
+            reassigned,
+        } => {
+            let token = status.fencing_token;
+            write_status(ctx, task, *status).await?;
+            ctx.metrics.leases_issued.get_or_create(&queue).inc();
+            if reassigned {
+                ctx.metrics.reassignments.get_or_create(&queue).inc();
+            }
+            create_lease(ctx, &lease).await?;
+            info!(task = %name, namespace = %ns, token, "lease issued");
+            let (reason, note) = if reassigned {
+                (
+                    "Reassigned",
+                    format!(
+                        "previous holder's lease expired; lease {} offered with fencing token {token}",
+                        lease.name_any()
+                    ),
+                )
+            } else {
+                (
+                    "LeaseIssued",
+                    format!(
+                        "lease {} offered with fencing token {token}",
+                        lease.name_any()
+                    ),
+                )
+            };
+            publish(ctx, task, EventType::Normal, reason, note).await;
+            Ok(Action::await_change())
+        }
+        Decision::CreateLease(lease) => {
+            warn!(task = %name, namespace = %ns, lease = %lease.name_any(), "current lease missing; creating it (repair)");
+            create_lease(ctx, &lease).await?;
+            Ok(Action::await_change())
+        }
+        Decision::Expire { lease, reason } => expire(ctx, task, &lease, reason).await,
+        Decision::Prune(victims) => {
+            prune(ctx, &ns, victims).await?;
+            Ok(Action::await_change())
+        }
+    }
+}
+
+async fn write_status(
+    ctx: &Ctx,
+    task: &BatchTask,
+    status: batchlease_api::BatchTaskStatus,
+) -> Result<(), Error> {
+    ctx.leadership.ensure()?;
+    let api: Api<BatchTask> =
+        Api::namespaced(ctx.client.clone(), &task.namespace().unwrap_or_default());
+    let mut updated = task.clone();
+    // The cached resourceVersion stays on the object: the write is a CAS.
+    updated.status = Some(status);
+    api.replace_status(&task.name_any(), &PostParams::default(), &updated)
+        .await
+        .map(|_| ())
+        .map_err(|e| classify(ctx, e, "status write"))
+}
+
+async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {
+    ctx.leadership.ensure()?;
+    let api: Api<TaskLease> =
+        Api::namespaced(ctx.client.clone(), &lease.namespace().unwrap_or_default());
+    match api.create(&PostParams::default(), lease).await {
+        Ok(_) => Ok(()),
+        // Already there (a retried pass, or a cache that had not caught up):
+        // the name carries the token, so it is the same attempt.
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(classify(ctx, e, "lease create")),
+    }
+}
+
+async fn expire(
+    ctx: &Ctx,
+    task: &BatchTask,
+    lease: &TaskLease,
+    reason: ExpiryReason,
+) -> Result<Action, Error> {
+    ctx.leadership.ensure()?;
+    let ns = lease.namespace().unwrap_or_default();
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    match api
+        .replace(&lease.name_any(), &PostParams::default(), lease)
+        .await
+    {
+        Ok(_) => {
+            let labels = ReasonLabels {
+                queue: task.spec.queue.clone(),
+                reason: reason.as_str().into(),
+            };
+            ctx.metrics
+                .lease_expired_before_release
+                .get_or_create(&labels)
+                .inc();
+            let holder = lease.spec.holder_identity.clone().unwrap_or_default();
+            info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), %holder, reason = reason.as_str(), "lease expired");
+            let note = format!(
+                "lease {} of {holder} (fencing token {}) expired: {}",
+                lease.name_any(),
+                lease.spec.fencing_token,
+                lease
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.message.clone())
+                    .unwrap_or_default()
+            );
+            publish(ctx, task, EventType::Warning, reason.as_str(), note).await;
+            Ok(Action::await_change())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            // A write landed after our read: the holder renewed (or completed).
+            // That is a renewal observed now; never expire on a stale copy.
+            ctx.metrics.write_conflicts.inc();
+            ctx.tracker.touch(&ns, &lease.name_any(), Instant::now());
+            debug!(lease = %lease.name_any(), "expiry lost to a concurrent write; not expiring");
+            Ok(Action::requeue(Duration::from_millis(500)))
+        }
+        Err(e) => Err(classify(ctx, e, "lease expire")),
+    }
+}
+
+async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {
+    ctx.leadership.ensure()?;
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), ns);
+    for (name, rv) in victims {
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: rv,
+                uid: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(&name, &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(classify(ctx, e, "lease prune")),
+        }
+    }
+    Ok(())
+}
+
+fn classify(ctx: &Ctx, e: kube::Error, what: &'static str) -> Error {
+    match e {
+        kube::Error::Api(s) if s.code == 409 => {
+            ctx.metrics.write_conflicts.inc();
+            Error::Conflict { what }
+        }
+        source => Error::Kube { what, source },
+    }
+}
+
+/// Events, metrics and logs for a status transition.
+async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
+    let queue = task.spec.queue.clone();
+    let token = task.status.as_ref().map_or(0, |s| s.fencing_token);
+    let (type_, reason, note) = match transition {
+        Transition::Initialized | Transition::RedriveIgnored => return,
+        Transition::Claimed { holder } => (
+            EventType::Normal,
+            "LeaseClaimed",
+            format!("{holder} holds the lease with fencing token {token}"),
+        ),
+        Transition::Succeeded => (
+            EventType::Normal,
+            "Succeeded",
+            format!("completed with fencing token {token}"),
+        ),
+        Transition::Retry {
+            reason,
+            delay_seconds,
+            ..
+        } => {
+            ctx.metrics
+                .retries
+                .get_or_create(&ReasonLabels {
+                    queue,
+                    reason: reason.clone(),
+                })
+                .inc();
+            (
+                EventType::Warning,
+                "Retrying",
+                format!(
+                    "attempt with token {token} ended: {reason}; next attempt in {delay_seconds:.1}s"
+                ),
+            )
+        }
+        Transition::Interrupted => (
+            EventType::Normal,
+            "Interrupted",
+            format!("worker drained during token {token}; offered again at once"),
+        ),
+        Transition::Aborted { quarantined } => {
+            let note = if *quarantined {
+                "speculative commit lost its compare-and-swap; too many aborts, falling back to Exclusive".to_owned()
+            } else {
+                "speculative commit lost its compare-and-swap; retrying".to_owned()
+            };
+            (EventType::Normal, "Aborted", note)
+        }
+        Transition::DeadLettered { reason, .. } => {
+            ctx.metrics
+                .tasks_dead_lettered
+                .get_or_create(&ReasonLabels {
+                    queue,
+                    reason: reason.clone(),
+                })
+                .inc();
+            (
+                EventType::Warning,
+                "DeadLettered",
+                format!(
+                    "gave up after the attempt with token {token}: {reason}; raise spec.redrive to retry"
+                ),
+            )
+        }
+        Transition::Redriven => (
+            EventType::Normal,
+            "Redriven",
+            "spec.redrive raised: back to Pending with a fresh retry budget".to_owned(),
+        ),
+    };
+    info!(task = %task.name_any(), namespace = %task.namespace().unwrap_or_default(), reason, "transition");
+    publish(ctx, task, type_, reason, note).await;
+}
+
+async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, note: String) {
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &task.object_ref(&())).await {
+        // Events are best effort: the status already says what happened.
+        warn!(error = %e, task = %task.name_any(), "publishing event failed");
+    }
+}
+
+/// What to do after a failed reconcile.
+pub fn error_policy(task: Arc<BatchTask>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels { kind: error.kind() })
+        .inc();
+    match error {
+        // The watch brings the newer version, which triggers a new pass; the
+        // requeue is a safety net.
+        Error::Conflict { .. } => Action::requeue(Duration::from_millis(500)),
+        Error::NotLeader => Action::await_change(),
+        Error::Kube { .. } => {
+            warn!(task = %task.name_any(), error = %error, "reconcile failed");
+            Action::requeue(Duration::from_secs(2))
+        }
+    }
+}

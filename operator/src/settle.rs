@@ -1,0 +1,199 @@
+//! Settling an attempt whose lease ended (design §3 step 7): success, a
+//! retry with backoff, an immediate retry, or the dead-letter queue.
+
+use batchlease_api::{
+    AttemptRecord, BatchTask, BatchTaskStatus, Failure, LeaseOutcome, LeasePhase, TaskLease,
+    TaskMode, TaskPhase,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::backoff::retry_delay;
+use crate::status::{self, push_history, set_condition};
+
+/// What a status write means, for Events, metrics and logs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// First status of a new task.
+    Initialized,
+    /// A worker claimed the offered lease.
+    Claimed { holder: String },
+    /// The task succeeded.
+    Succeeded,
+    /// The attempt failed or expired; retried after `delay_seconds`.
+    Retry {
+        reason: String,
+        expired: bool,
+        delay_seconds: f64,
+    },
+    /// The worker was drained; retried at once, no retry spent.
+    Interrupted,
+    /// A speculative commit lost its compare-and-swap.
+    Aborted { quarantined: bool },
+    /// The retry budget is spent, or the failure was permanent.
+    DeadLettered { reason: String, expired: bool },
+    /// A dead-lettered task was redriven.
+    Redriven,
+    /// `spec.redrive` was raised on a task that is not dead-lettered.
+    RedriveIgnored,
+}
+
+/// The status after the attempt of `lease` (final) ended.
+pub fn settle(
+    task: &BatchTask,
+    current: &BatchTaskStatus,
+    lease: &TaskLease,
+    wall: Timestamp,
+    jitter: f64,
+) -> (BatchTaskStatus, Transition) {
+    let lst = lease.status.clone().unwrap_or_default();
+    let phase = lst.phase.unwrap_or(LeasePhase::Completed);
+    let outcome = match phase {
+        LeasePhase::Expired => Outcome::Expired,
+        LeasePhase::Released => Outcome::Interrupted,
+        _ => match lst.outcome {
+            Some(LeaseOutcome::Succeeded) => Outcome::Succeeded,
+            Some(LeaseOutcome::Interrupted) => Outcome::Interrupted,
+            Some(LeaseOutcome::Aborted) => Outcome::Aborted,
+            Some(LeaseOutcome::Failed) | None => Outcome::Failed {
+                permanent: lst.permanent,
+            },
+        },
+    };
+    let mut status = current.clone();
+    status.holder = None;
+    status.observed_generation = task.metadata.generation;
+    if lst.checkpoint.is_some() {
+        status.checkpoint = lst.checkpoint.clone();
+    }
+    let default_reason = match outcome {
+        Outcome::Expired => "LeaseExpired",
+        Outcome::Failed { .. } => "HandlerFailed",
+        Outcome::Aborted => "CompareAndSwapLost",
+        Outcome::Interrupted => "WorkerDrained",
+        Outcome::Succeeded => "Completed",
+    };
+    let reason = lst
+        .reason
+        .clone()
+        .unwrap_or_else(|| default_reason.to_owned());
+    let message = lst.message.clone().unwrap_or_default();
+    push_history(
+        &mut status,
+        AttemptRecord {
+            token: lease.spec.fencing_token,
+            holder: lease.spec.holder_identity.clone(),
+            outcome: outcome.name().into(),
+            start: lease.metadata.creation_timestamp.clone(),
+            end: Some(Time(wall)),
+            reason: Some(reason.clone()),
+        },
+    );
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::leased(false, outcome.name(), "the attempt's lease ended"),
+    );
+
+    let transition = match outcome {
+        Outcome::Succeeded => {
+            status.phase = Some(TaskPhase::Succeeded);
+            status.result = lst.result.clone();
+            status.next_attempt_after = None;
+            set_condition(
+                &mut status,
+                task,
+                wall,
+                status::succeeded(
+                    true,
+                    "Completed",
+                    &format!("completed with fencing token {}", lease.spec.fencing_token),
+                ),
+            );
+            Transition::Succeeded
+        }
+        Outcome::Interrupted => {
+            status.phase = Some(TaskPhase::Pending);
+            status.next_attempt_after = None;
+            Transition::Interrupted
+        }
+        Outcome::Aborted => {
+            status.aborts += 1;
+            let quarantined = status.aborts >= task.spec.max_speculative_aborts
+                && status.effective_mode == Some(TaskMode::Speculative);
+            if quarantined {
+                status.effective_mode = Some(TaskMode::Exclusive);
+            }
+            let n = u32::try_from(status.aborts - 1).unwrap_or(0);
+            status.phase = Some(TaskPhase::Pending);
+            status.next_attempt_after =
+                Some(after(wall, retry_delay(&task.spec.backoff, n, jitter)));
+            Transition::Aborted { quarantined }
+        }
+        Outcome::Expired | Outcome::Failed { .. } => {
+            let expired = outcome == Outcome::Expired;
+            let permanent = matches!(outcome, Outcome::Failed { permanent: true });
+            status.attempts += 1;
+            status.last_failure = Some(Failure {
+                reason: reason.clone(),
+                message,
+                attempt: lease.spec.fencing_token,
+                time: Time(wall),
+            });
+            if permanent || status.attempts > task.spec.max_retries {
+                status.phase = Some(TaskPhase::DeadLettered);
+                status.next_attempt_after = None;
+                let why = if permanent {
+                    format!("permanent failure: {reason}")
+                } else {
+                    format!("{} attempts failed, last: {reason}", status.attempts)
+                };
+                set_condition(
+                    &mut status,
+                    task,
+                    wall,
+                    status::dead_lettered(true, &reason, &why),
+                );
+                Transition::DeadLettered { reason, expired }
+            } else {
+                let n = u32::try_from(status.attempts - 1).unwrap_or(0);
+                let delay = retry_delay(&task.spec.backoff, n, jitter);
+                status.phase = Some(TaskPhase::Pending);
+                status.next_attempt_after = Some(after(wall, delay));
+                Transition::Retry {
+                    reason,
+                    expired,
+                    delay_seconds: delay.as_secs_f64(),
+                }
+            }
+        }
+    };
+    (status, transition)
+}
+
+fn after(wall: Timestamp, delay: std::time::Duration) -> Time {
+    let delay = SignedDuration::try_from(delay).unwrap_or(SignedDuration::MAX);
+    Time(wall.checked_add(delay).unwrap_or(wall))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Succeeded,
+    Failed { permanent: bool },
+    Expired,
+    Aborted,
+    Interrupted,
+}
+
+impl Outcome {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Succeeded => "Succeeded",
+            Self::Failed { .. } => "Failed",
+            Self::Expired => "Expired",
+            Self::Aborted => "Aborted",
+            Self::Interrupted => "Interrupted",
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Small pure helpers for BatchTask status: conditions and history.
+
+use batchlease_api::keys::condition;
+use batchlease_api::{AttemptRecord, BatchTask, BatchTaskStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+/// Attempts kept in `status.history`.
+pub const HISTORY_LEN: usize = 10;
+
+/// A condition to set: (type, status, reason, message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cond {
+    type_: &'static str,
+    status: bool,
+    reason: String,
+    message: String,
+}
+
+fn cond(type_: &'static str, status: bool, reason: &str, message: &str) -> Cond {
+    Cond {
+        type_,
+        status,
+        reason: reason.into(),
+        message: message.into(),
+    }
+}
+
+/// `Leased`: a lease is offered or held for the current attempt.
+pub fn leased(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::LEASED, status, reason, message)
+}
+/// `Succeeded`.
+pub fn succeeded(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::SUCCEEDED, status, reason, message)
+}
+/// `DeadLettered`.
+pub fn dead_lettered(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::DEAD_LETTERED, status, reason, message)
+}
+
+/// Sets a condition; `lastTransitionTime` changes only when its status does
+/// (the Kubernetes convention, so `kubectl wait` and humans see real flips).
+pub fn set_condition(status: &mut BatchTaskStatus, task: &BatchTask, wall: Timestamp, c: Cond) {
+    let value = if c.status { "True" } else { "False" };
+    let generation = task.metadata.generation;
+    match status.conditions.iter_mut().find(|x| x.type_ == c.type_) {
+        Some(existing) => {
+            if existing.status != value {
+                existing.last_transition_time = Time(wall);
+            }
+            existing.status = value.into();
+            existing.reason = c.reason;
+            existing.message = c.message;
+            existing.observed_generation = generation;
+        }
+        None => status.conditions.push(Condition {
+            type_: c.type_.into(),
+            status: value.into(),
+            reason: c.reason,
+            message: c.message,
+            last_transition_time: Time(wall),
+            observed_generation: generation,
+        }),
+    }
+}
+
+/// Appends an attempt to the history, keeping the last [`HISTORY_LEN`].
+pub fn push_history(status: &mut BatchTaskStatus, record: AttemptRecord) {
+    status.history.push(record);
+    let excess = status.history.len().saturating_sub(HISTORY_LEN);
+    status.history.drain(..excess);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchlease_api::BatchTaskSpec;
+
+    #[test]
+    fn transition_time_moves_only_on_flips() {
+        let task = BatchTask::new("t", BatchTaskSpec::for_queue("q"));
+        let mut st = BatchTaskStatus::default();
+        let t0 = Timestamp::from_second(1_000).unwrap();
+        let t1 = Timestamp::from_second(2_000).unwrap();
+        let t2 = Timestamp::from_second(3_000).unwrap();
+        set_condition(&mut st, &task, t0, leased(true, "Offered", "a"));
+        set_condition(&mut st, &task, t1, leased(true, "Held", "b"));
+        assert_eq!(st.conditions.len(), 1);
+        assert_eq!(st.conditions[0].last_transition_time, Time(t0));
+        assert_eq!(st.conditions[0].reason, "Held");
+        set_condition(&mut st, &task, t2, leased(false, "Released", "c"));
+        assert_eq!(st.conditions[0].last_transition_time, Time(t2));
+        assert_eq!(st.conditions[0].status, "False");
+    }
+
+    #[test]
+    fn history_keeps_the_last_ten() {
+        let mut st = BatchTaskStatus::default();
+        for token in 1..=13 {
+            push_history(
+                &mut st,
+                AttemptRecord {
+                    token,
+                    holder: None,
+                    outcome: "Failed".into(),
+                    start: None,
+                    end: None,
+                    reason: None,
+                },
+            );
+        }
+        let tokens: Vec<i64> = st.history.iter().map(|h| h.token).collect();
+        assert_eq!(tokens, (4..=13).collect::<Vec<_>>());
+    }
+}
