@@ -56,4 +56,6 @@ e2e/postgres/up.sh "$run_dir/pg" >/dev/null
 . "$run_dir/pg/env"
 
 step "e2e tests"
+cargo build --locked -p batchlease-operator
+export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 cargo_test --locked -p batchlease-e2e -- --test-threads=4

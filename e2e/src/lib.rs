@@ -11,7 +11,10 @@
 
 pub mod cluster;
 pub mod kubectl;
+pub mod operator;
+pub mod tasks;
 pub mod wait;
+pub mod worker;
 
 pub use cluster::{Cluster, TestNamespace};
 pub use wait::wait_for;

@@ -2,6 +2,7 @@
 //! feeding the observation tracker, and the BatchTask controller.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use batchlease_api::{BatchTask, TaskLease};
 use futures::{StreamExt, TryStreamExt};
@@ -15,10 +16,47 @@ use tracing::{info, warn};
 use crate::observe::Tracker;
 use crate::reconcile::{Ctx, error_policy, reconcile};
 
+/// Counts the watches that have not finished their initial list yet; the
+/// operator is ready when it reaches zero.
+#[derive(Debug, Default)]
+pub struct SyncCounter(AtomicUsize, tokio::sync::Notify);
+
+impl SyncCounter {
+    /// True once every registered watch delivered its initial list.
+    pub fn synced(&self) -> bool {
+        self.0.load(Ordering::Acquire) == 0
+    }
+
+    /// Resolves once [`SyncCounter::synced`] is true.
+    pub async fn wait(&self) {
+        loop {
+            let notified = self.1.notified();
+            if self.synced() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Registers one watch; call the returned closure on each event.
+    fn register(self: &Arc<Self>) -> impl Fn(bool) + Send + Sync + 'static {
+        self.0.fetch_add(1, Ordering::AcqRel);
+        let this = self.clone();
+        let done = AtomicBool::new(false);
+        move |init_done| {
+            if init_done
+                && !done.swap(true, Ordering::AcqRel)
+                && this.0.fetch_sub(1, Ordering::AcqRel) == 1
+            {
+                this.1.notify_waiters();
+            }
+        }
+    }
+}
+
 /// Handles of one running controller.
 pub struct Running {
     pub tasks: Store<BatchTask>,
-    pub leases: Store<TaskLease>,
     pub done: tokio::task::JoinHandle<()>,
 }
 
@@ -31,6 +69,7 @@ impl std::fmt::Debug for Running {
 /// Context pieces shared by all namespaces' controllers.
 pub struct Shared {
     pub client: kube::Client,
+    pub synced: Arc<SyncCounter>,
     pub tracker: Arc<Tracker>,
     pub make_ctx: Box<dyn Fn(Store<TaskLease>) -> Arc<Ctx> + Send + Sync>,
 }
@@ -54,12 +93,16 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         ),
     };
     let (lease_store, lease_writer) = reflector::store();
+    let (task_store, task_writer) = reflector::store();
     let tracker = shared.tracker.clone();
+    let lease_synced = shared.synced.register();
+    let task_synced = shared.synced.register();
     // Observations are stamped as the watch delivers each event, before the
     // reconcile it triggers runs.
     let lease_stream = watcher(leases_api, watcher::Config::default())
         .default_backoff()
         .inspect_ok(move |event| {
+            lease_synced(matches!(event, watcher::Event::InitDone));
             let now = Instant::now();
             match event {
                 watcher::Event::Apply(l) | watcher::Event::InitApply(l) => tracker.observe(l, now),
@@ -70,10 +113,15 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         .reflect(lease_writer)
         .touched_objects();
     let ctx = (shared.make_ctx)(lease_store.clone());
-    let controller = Controller::new(tasks_api, watcher::Config::default())
+    let task_stream = watcher(tasks_api, watcher::Config::default())
+        .default_backoff()
+        .inspect_ok(move |event| task_synced(matches!(event, watcher::Event::InitDone)))
+        .reflect(task_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(task_stream, task_store.clone())
         .owns_stream(lease_stream)
         .graceful_shutdown_on(async move { stop.cancelled().await });
-    let tasks = controller.store();
+    let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();
     let done = tokio::spawn(async move {
         info!(namespace = %scope, "controller started");
@@ -90,9 +138,5 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             .await;
         info!(namespace = %scope, "controller stopped");
     });
-    Running {
-        tasks,
-        leases: lease_store,
-        done,
-    }
+    Running { tasks, done }
 }

@@ -68,7 +68,10 @@ pub struct ElectionConfig {
 /// Starts campaigning; the returned [`Leadership`] follows the lease.
 /// Dropping every clone of it releases the lease (the manager's task sees
 /// its channel closed and vacates, so a successor need not wait a TTL).
-pub async fn campaign(client: kube::Client, cfg: &ElectionConfig) -> anyhow::Result<Leadership> {
+pub async fn campaign(
+    client: kube::Client,
+    cfg: &ElectionConfig,
+) -> anyhow::Result<(Leadership, Campaign)> {
     let manager = LeaseManagerBuilder::new(client, &cfg.lease_name)
         .with_namespace(&cfg.namespace)
         .with_identity(&cfg.identity)
@@ -77,6 +80,32 @@ pub async fn campaign(client: kube::Client, cfg: &ElectionConfig) -> anyhow::Res
         .with_field_manager("batchlease-operator")
         .build()
         .await?;
-    let (rx, _task) = manager.watch().await;
-    Ok(Leadership { rx: Some(rx) })
+    let (rx, task) = manager.watch().await;
+    Ok((Leadership { rx: Some(rx) }, Campaign(Some(task))))
+}
+
+/// The background task that holds (and on shutdown releases) the lease.
+#[derive(Debug)]
+pub struct Campaign(
+    Option<tokio::task::JoinHandle<kube_lease_manager::Result<kube_lease_manager::LeaseManager>>>,
+);
+
+impl Campaign {
+    /// No election.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// Once every [`Leadership`] clone is dropped, waits (bounded) for the
+    /// lease to be vacated so a standby takes over without waiting a TTL.
+    pub async fn vacate(self) {
+        if let Some(task) = self.0 {
+            match tokio::time::timeout(std::time::Duration::from_secs(5), task).await {
+                Ok(Ok(Ok(_))) => tracing::info!("leader lease released"),
+                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "releasing the leader lease failed"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "leader election task failed"),
+                Err(_) => tracing::warn!("leader lease not released within 5s"),
+            }
+        }
+    }
 }

@@ -45,7 +45,7 @@ async fn main() -> anyhow::Result<()> {
     });
     let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
 
-    let mut leadership = if cfg.leader_election {
+    let (mut leadership, campaign) = if cfg.leader_election {
         let election = ElectionConfig {
             namespace: cfg.leader_lease_namespace.clone(),
             lease_name: cfg.leader_lease_name.clone(),
@@ -57,14 +57,19 @@ async fn main() -> anyhow::Result<()> {
             .await
             .context("starting leader election")?
     } else {
-        Leadership::always()
+        (Leadership::always(), leader::Campaign::none())
     };
     // A standby replica is healthy and ready: it serves metrics and waits.
     health.ready.store(true, Ordering::Release);
     info!("waiting for leadership");
     tokio::select! {
         r = leadership.acquired() => r?,
-        _ = shutdown_signal() => return Ok(()),
+        _ = shutdown_signal() => {
+            info!("shutting down before leading");
+            drop(leadership);
+            campaign.vacate().await;
+            std::process::exit(0);
+        }
     }
     health.ready.store(false, Ordering::Release);
     metrics.is_leader.set(1);
@@ -76,8 +81,10 @@ async fn main() -> anyhow::Result<()> {
         controller: "batchlease-operator".into(),
         instance: Some(identity.clone()),
     };
+    let synced = Arc::new(controller::SyncCounter::default());
     let shared = controller::Shared {
         client: client.clone(),
+        synced: synced.clone(),
         tracker: tracker.clone(),
         make_ctx: {
             let (client, metrics, leadership) =
@@ -107,19 +114,9 @@ async fn main() -> anyhow::Result<()> {
         metrics.watch_tasks(r.tasks.clone());
     }
     {
-        let health = health.clone();
-        let stores: Vec<_> = running
-            .iter()
-            .map(|r| (r.tasks.clone(), r.leases.clone()))
-            .collect();
+        let (health, synced) = (health.clone(), synced.clone());
         tokio::spawn(async move {
-            for (tasks, leases) in stores {
-                if tasks.wait_until_ready().await.is_err()
-                    || leases.wait_until_ready().await.is_err()
-                {
-                    return;
-                }
-            }
+            synced.wait().await;
             health.ready.store(true, Ordering::Release);
             info!("caches synced: ready");
         });
@@ -144,7 +141,11 @@ async fn main() -> anyhow::Result<()> {
     for r in running {
         let _ = r.done.await;
     }
-    drop(leadership); // vacate the leader lease for a quick hand-over
+    // Every Leadership clone gone: the election task vacates the lease, so a
+    // standby takes over at once instead of after a TTL.
+    drop(shared);
+    drop(leadership);
+    campaign.vacate().await;
     std::process::exit(exit);
 }
 

@@ -1,0 +1,159 @@
+//! Running the real `batchlease-operator` binary against the test control
+//! plane, one process per replica, scoped to the test's namespace.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::wait::wait_for;
+
+/// One operator replica.
+#[derive(Debug)]
+pub struct Operator {
+    child: Option<Child>,
+    pub name: String,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+    args: Vec<String>,
+}
+
+/// The operator binary, built by `hack/test.sh` (`BATCHLEASE_OPERATOR_BIN`).
+pub fn binary() -> anyhow::Result<String> {
+    std::env::var("BATCHLEASE_OPERATOR_BIN")
+        .context("BATCHLEASE_OPERATOR_BIN unset: run hack/test.sh (it builds the operator)")
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl Operator {
+    /// Starts replica `name` watching `namespace`, electing a leader on a
+    /// Lease in that namespace (short TTLs so hand-over is quick in tests).
+    pub fn start(namespace: &str, name: &str) -> anyhow::Result<Self> {
+        let port = free_port()?;
+        let dir = std::env::temp_dir().join(format!("batchlease-e2e-{namespace}"));
+        std::fs::create_dir_all(&dir)?;
+        let log = dir.join(format!("operator-{name}.log"));
+        let args = vec![
+            format!("--namespaces={namespace}"),
+            format!("--metrics-addr=127.0.0.1:{port}"),
+            "--leader-election=true".into(),
+            "--leader-lease-name=batchlease-operator".into(),
+            format!("--leader-lease-namespace={namespace}"),
+            "--leader-lease-seconds=6".into(),
+            "--leader-grace-seconds=2".into(),
+            format!("--identity={name}"),
+        ];
+        let mut op = Self {
+            child: None,
+            name: name.into(),
+            metrics_port: port,
+            log,
+            args,
+        };
+        op.spawn()?;
+        Ok(op)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let child = Command::new(binary()?)
+            .args(&self.args)
+            .env("RUST_LOG", "info,kube=warn,batchlease_operator=debug")
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("starting batchlease-operator")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL: the process dies between whatever two writes it was doing.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the same replica again (same identity, port and log).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// GET a path of the operator's HTTP server: (status code, body).
+    pub async fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).await?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await?;
+        let code = buf
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = buf
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((code, body))
+    }
+
+    /// The value of a sample line of `/metrics`, e.g.
+    /// `batchlease_leases_issued_total{queue="q"}`.
+    pub async fn metric(&self, sample: &str) -> anyhow::Result<Option<f64>> {
+        let (_, body) = self.get("/metrics").await?;
+        Ok(body.lines().find_map(|l| {
+            l.strip_prefix(sample)
+                .and_then(|rest| rest.trim().parse().ok())
+        }))
+    }
+
+    /// Waits until this replica leads and its caches synced.
+    pub async fn wait_leading(&self, timeout: Duration) -> anyhow::Result<()> {
+        wait_for(
+            &format!("operator {} to lead", self.name),
+            timeout,
+            || self.logs(),
+            || async {
+                let leading = self.metric("batchlease_is_leader").await.ok().flatten() == Some(1.0);
+                let ready = self
+                    .get("/readyz")
+                    .await
+                    .map(|(c, _)| c == 200)
+                    .unwrap_or(false);
+                Ok((leading && ready).then_some(()))
+            },
+        )
+        .await
+    }
+
+    /// The replica's log, for diagnostics.
+    pub fn logs(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(60).collect();
+        let mut out = format!("--- last lines of {} ---\n", self.log.display());
+        for l in tail.into_iter().rev() {
+            out.push_str(l);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,521 @@
+//! The operator against a real control plane, with a test worker driving
+//! TaskLeases through the API exactly as the SDK will.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use batchlease_api::{BatchTask, BatchTaskStatus, LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::tasks::{self, event_reasons, lease_phase, wait_lease, wait_phase, wait_task};
+use batchlease_e2e::worker::{self, claim, complete, renew};
+use batchlease_e2e::{Cluster, TestNamespace};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(30);
+
+async fn setup(prefix: &str) -> (TestNamespace, Operator) {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace(prefix).await.unwrap();
+    let op = Operator::start(&ns.name, "op-a").unwrap();
+    op.wait_leading(T).await.unwrap();
+    (ns, op)
+}
+
+#[tokio::test]
+async fn happy_path_one_lease_token_one() {
+    let (ns, op) = setup("happy").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(&ns, "job", json!({"queue": "q", "payload": {"n": 1}}))
+        .await
+        .unwrap();
+
+    let task = wait_phase(&ns, "job", TaskPhase::Ready, T, || op.logs())
+        .await
+        .unwrap();
+    let st = task.status.unwrap();
+    assert_eq!(
+        (st.fencing_token, st.current_lease.as_deref()),
+        (1, Some("job-1"))
+    );
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(offered.spec.fencing_token, 1);
+    assert_eq!(
+        offered.owner_references()[0].uid,
+        task.metadata.uid.clone().unwrap()
+    );
+
+    let held = claim(&leases, &offered, "worker-1").await.unwrap();
+    let running = wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(running.status.unwrap().holder.as_deref(), Some("worker-1"));
+    let held = renew(&leases, &held).await.unwrap();
+    let held = renew(&leases, &held).await.unwrap();
+    complete(
+        &leases,
+        &held,
+        LeaseOutcome::Succeeded,
+        None,
+        Some(json!({"rows": 42})),
+    )
+    .await
+    .unwrap();
+
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.fencing_token, 1);
+    assert_eq!(st.attempts, 0);
+    assert_eq!(st.result, Some(json!({"rows": 42})));
+    assert_eq!(st.history.len(), 1);
+    assert_eq!(st.history[0].outcome, "Succeeded");
+    assert_eq!(st.history[0].holder.as_deref(), Some("worker-1"));
+    assert!(
+        st.conditions
+            .iter()
+            .any(|c| c.type_ == "Succeeded" && c.status == "True"),
+        "{:?}",
+        st.conditions
+    );
+    assert_eq!(
+        leases.list(&Default::default()).await.unwrap().items.len(),
+        1,
+        "exactly one lease"
+    );
+    let reasons = event_reasons(&ns, "job").await.unwrap();
+    for r in ["LeaseIssued", "LeaseClaimed", "Succeeded"] {
+        assert!(
+            reasons.iter().any(|x| x == r),
+            "missing event {r}: {reasons:?}"
+        );
+    }
+    assert_eq!(
+        op.metric("batchlease_leases_issued_total{queue=\"q\"}")
+            .await
+            .unwrap(),
+        Some(1.0)
+    );
+    let (code, body) = op.get("/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        body.contains("batchlease_tasks{queue=\"q\",phase=\"Succeeded\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("batchlease_reconcile_duration_seconds_count"),
+        "{body}"
+    );
+    assert_eq!(op.get("/healthz").await.unwrap().0, 200);
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn crash_between_status_write_and_lease_creation_is_repaired() {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("repair").await.unwrap();
+    // Leave the task exactly as an operator that died after the first write
+    // of an issue would: status says Ready with token 1, no lease exists.
+    let task = tasks::create(&ns, "job", json!({"queue": "q"}))
+        .await
+        .unwrap();
+    let api: Api<BatchTask> = ns.api();
+    let mut t = task.clone();
+    t.status = Some(BatchTaskStatus {
+        phase: Some(TaskPhase::Ready),
+        fencing_token: 1,
+        current_lease: Some("job-1".into()),
+        ..Default::default()
+    });
+    api.replace_status("job", &PostParams::default(), &t)
+        .await
+        .unwrap();
+
+    let op = Operator::start(&ns.name, "op-a").unwrap();
+    let lease = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(
+        lease.spec.fencing_token, 1,
+        "the repair reuses the issued token"
+    );
+    let task = api.get("job").await.unwrap();
+    assert_eq!(
+        task.status.unwrap().fencing_token,
+        1,
+        "no token was skipped or reissued"
+    );
+    let all = ns
+        .api::<TaskLease>()
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert_eq!(all.items.len(), 1);
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn silent_holder_expires_after_ttl_and_the_zombie_is_fenced() {
+    let (ns, op) = setup("expiry").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(&ns, "job", json!({"queue": "q", "leaseDurationSeconds": 5}))
+        .await
+        .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+
+    let sent = Instant::now();
+    let zombie = claim(&leases, &offered, "zombie").await.unwrap();
+    let acked = Instant::now();
+    // The zombie now stalls: no renewal. Watch for the expiry.
+    let expired = wait_lease(
+        &ns,
+        "job-1",
+        LeasePhase::Expired,
+        Duration::from_secs(20),
+        || op.logs(),
+    )
+    .await
+    .unwrap();
+    let seen = Instant::now();
+    let ttl = Duration::from_secs(5);
+    assert!(
+        seen.duration_since(sent) >= ttl,
+        "expired early: {:?} after the claim was sent",
+        seen.duration_since(sent)
+    );
+    assert!(
+        seen.duration_since(acked) <= ttl + Duration::from_secs(3),
+        "expired late: {:?} after the claim was acknowledged",
+        seen.duration_since(acked)
+    );
+    assert_eq!(
+        expired.status.as_ref().unwrap().reason.as_deref(),
+        Some("LeaseExpired")
+    );
+
+    // Reassigned under token 2 and completed by another worker.
+    let offered2 = wait_lease(&ns, "job-2", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(offered2.spec.fencing_token, 2);
+    let held2 = claim(&leases, &offered2, "rescuer").await.unwrap();
+
+    // The zombie wakes up. Its renewal carries a stale resourceVersion: 409.
+    let late = renew(&leases, &zombie).await.unwrap_err();
+    assert_eq!(worker::code(&late), 409, "{late}");
+    // Even re-reading first (no stale version) cannot revive the lease: 422.
+    let fresh = leases.get("job-1").await.unwrap();
+    let blind = renew(&leases, &fresh).await.unwrap_err();
+    assert_eq!(worker::code(&blind), 422, "{blind}");
+    assert!(blind.to_string().contains("is final"), "{blind}");
+    // And its late completion is refused the same way.
+    let late_done = complete(&leases, &fresh, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap_err();
+    assert_eq!(worker::code(&late_done), 422, "{late_done}");
+
+    complete(
+        &leases,
+        &held2,
+        LeaseOutcome::Succeeded,
+        None,
+        Some(json!({"by": "rescuer"})),
+    )
+    .await
+    .unwrap();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.fencing_token, 2);
+    assert_eq!(st.result, Some(json!({"by": "rescuer"})));
+    assert_eq!(st.attempts, 1, "the expiry spent one retry");
+    let outcomes: Vec<_> = st
+        .history
+        .iter()
+        .map(|h| (h.token, h.outcome.as_str()))
+        .collect();
+    assert_eq!(outcomes, [(1, "Expired"), (2, "Succeeded")]);
+    assert_eq!(
+        leases.get("job-1").await.unwrap().status.unwrap().phase,
+        Some(LeasePhase::Expired)
+    );
+    let reasons = event_reasons(&ns, "job").await.unwrap();
+    for r in ["LeaseExpired", "Reassigned"] {
+        assert!(
+            reasons.iter().any(|x| x == r),
+            "missing event {r}: {reasons:?}"
+        );
+    }
+    assert_eq!(
+        op.metric(
+            "batchlease_lease_expired_before_release_total{queue=\"q\",reason=\"LeaseExpired\"}"
+        )
+        .await
+        .unwrap(),
+        Some(1.0)
+    );
+    assert_eq!(
+        op.metric("batchlease_reassignments_total{queue=\"q\"}")
+            .await
+            .unwrap(),
+        Some(1.0)
+    );
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
+    let (ns, op) = setup("deadletter").await;
+    let leases: Api<TaskLease> = ns.api();
+    let spec = json!({"queue": "q", "maxRetries": 2,
+                      "backoff": {"initialSeconds": 1, "maxSeconds": 2, "multiplier": 2}});
+    tasks::create(&ns, "job", spec).await.unwrap();
+
+    let mut delays = Vec::new();
+    for token in 1..=3 {
+        let name = format!("job-{token}");
+        let offered = wait_lease(&ns, &name, LeasePhase::Offered, T, || op.logs())
+            .await
+            .unwrap();
+        let held = claim(&leases, &offered, "w").await.unwrap();
+        complete(&leases, &held, LeaseOutcome::Failed, Some("Boom"), None)
+            .await
+            .unwrap();
+        let settled = wait_task(
+            &ns,
+            "job",
+            "attempt settled",
+            T,
+            || op.logs(),
+            |t| {
+                t.status
+                    .as_ref()
+                    .is_some_and(|s| s.attempts == token as i32)
+            },
+        )
+        .await
+        .unwrap();
+        let st = settled.status.unwrap();
+        let failure = st.last_failure.clone().unwrap();
+        assert_eq!((failure.reason.as_str(), failure.attempt), ("Boom", token));
+        if token < 3 {
+            assert_eq!(st.phase, Some(TaskPhase::Pending));
+            let after = st.next_attempt_after.unwrap().0;
+            delays.push(after.duration_since(failure.time.0).as_secs_f64());
+            // The next lease is not offered before the backoff elapsed.
+            let next = wait_lease(
+                &ns,
+                &format!("job-{}", token + 1),
+                LeasePhase::Offered,
+                T,
+                || op.logs(),
+            )
+            .await
+            .unwrap();
+            let created = next.metadata.creation_timestamp.unwrap().0;
+            assert!(
+                created.as_second() >= after.as_second(),
+                "offered at {created}, before {after}"
+            );
+        } else {
+            assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
+            assert_eq!(st.history.len(), 3);
+            assert!(st.history.iter().all(|h| h.outcome == "Failed"));
+        }
+    }
+    // initial·2^n capped at maxSeconds, plus jitter in [0, delay/2].
+    assert!((1.0..=1.5).contains(&delays[0]), "{delays:?}");
+    assert!((2.0..=3.0).contains(&delays[1]), "{delays:?}");
+    let reasons = event_reasons(&ns, "job").await.unwrap();
+    assert!(reasons.iter().any(|r| r == "DeadLettered"), "{reasons:?}");
+    assert_eq!(
+        op.metric("batchlease_tasks_dead_lettered_total{queue=\"q\",reason=\"Boom\"}")
+            .await
+            .unwrap(),
+        Some(1.0)
+    );
+
+    // Redrive: a fresh budget, a new lease with the next token.
+    ns.api::<BatchTask>()
+        .patch(
+            "job",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"redrive": 1}})),
+        )
+        .await
+        .unwrap();
+    let offered = wait_lease(&ns, "job-4", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let st = ns
+        .api::<BatchTask>()
+        .get("job")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!((st.attempts, st.observed_redrive), (0, 1));
+    let held = claim(&leases, &offered, "w").await.unwrap();
+    complete(&leases, &held, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap();
+    assert!(
+        event_reasons(&ns, "job")
+            .await
+            .unwrap()
+            .iter()
+            .any(|r| r == "Redriven")
+    );
+    // Old leases are pruned: the current one plus the last three remain.
+    let names = batchlease_e2e::wait_for(
+        "old leases pruned",
+        T,
+        || op.logs(),
+        || async {
+            let mut names: Vec<String> = leases
+                .list(&Default::default())
+                .await?
+                .items
+                .iter()
+                .map(|l| l.name_any())
+                .collect();
+            names.sort();
+            Ok((names.len() == 4).then_some(names))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(names, ["job-1", "job-2", "job-3", "job-4"]);
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn permanent_failure_and_interruption() {
+    let (ns, op) = setup("outcomes").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(&ns, "perm", json!({"queue": "q", "maxRetries": 5}))
+        .await
+        .unwrap();
+    tasks::create(&ns, "drain", json!({"queue": "q", "maxRetries": 0}))
+        .await
+        .unwrap();
+
+    let offered = wait_lease(&ns, "perm-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let mut held = claim(&leases, &offered, "w").await.unwrap();
+    let st = held.status.get_or_insert_with(Default::default);
+    st.permanent = true;
+    complete(&leases, &held, LeaseOutcome::Failed, Some("BadInput"), None)
+        .await
+        .unwrap();
+    let t = wait_phase(&ns, "perm", TaskPhase::DeadLettered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(
+        t.status.unwrap().attempts,
+        1,
+        "dead-lettered at once despite maxRetries=5"
+    );
+
+    // Interrupted (a drained worker) does not spend the (zero) retry budget.
+    let offered = wait_lease(&ns, "drain-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let held = claim(&leases, &offered, "w").await.unwrap();
+    complete(&leases, &held, LeaseOutcome::Interrupted, None, None)
+        .await
+        .unwrap();
+    let offered = wait_lease(&ns, "drain-2", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let st = ns
+        .api::<BatchTask>()
+        .get("drain")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!((st.attempts, st.phase), (0, Some(TaskPhase::Ready)));
+    let held = claim(&leases, &offered, "w").await.unwrap();
+    complete(&leases, &held, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap();
+    wait_phase(&ns, "drain", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap();
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn operator_restart_while_held_neither_expires_early_nor_reissues() {
+    let (ns, mut op) = setup("restart").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(&ns, "job", json!({"queue": "q", "leaseDurationSeconds": 6}))
+        .await
+        .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let mut held = claim(&leases, &offered, "w").await.unwrap();
+    wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs())
+        .await
+        .unwrap();
+
+    // Keep renewing every 2 s (TTL/3) across a SIGKILL and restart, for
+    // longer than two TTLs. Pacing a renewal loop is the worker's job; the
+    // interval is not a wait for a condition.
+    let until = Instant::now() + Duration::from_secs(14);
+    let mut restarted = false;
+    let mut ticker = tokio::time::interval(Duration::from_secs(2));
+    while Instant::now() < until {
+        ticker.tick().await;
+        held = renew(&leases, &held)
+            .await
+            .expect("renewal refused: the lease was expired while renewed");
+        if !restarted && Instant::now() + Duration::from_secs(10) > until {
+            op.restart().unwrap();
+            restarted = true;
+        }
+    }
+    let l = leases.get("job-1").await.unwrap();
+    assert_eq!(lease_phase(&l), Some(LeasePhase::Held));
+    // The restarted operator times the lease from its own first observation:
+    // stopping now, expiry comes no sooner than a full TTL after the last renewal.
+    let last_renewal = Instant::now();
+    let expired = wait_lease(&ns, "job-1", LeasePhase::Expired, T, || op.logs())
+        .await
+        .unwrap();
+    assert!(Instant::now().duration_since(last_renewal) >= Duration::from_secs(6));
+    assert_eq!(expired.spec.fencing_token, 1);
+    let offered = wait_lease(&ns, "job-2", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(
+        offered.spec.fencing_token, 2,
+        "one token per lease, none reused"
+    );
+    let held = claim(&leases, &offered, "w2").await.unwrap();
+    complete(&leases, &held, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap();
+    let st = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(st.fencing_token, 2);
+    ns.cleanup().await.unwrap();
+}
