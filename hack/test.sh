@@ -42,6 +42,7 @@ run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)
 chmod 755 "$run_dir" # PostgreSQL runs as an unprivileged user and must reach it
 cleanup() {
   local rc=$?
+  trap - EXIT INT TERM
   e2e/controlplane/down.sh "$run_dir/cp" || true
   e2e/postgres/down.sh "$run_dir/pg" || true
   [ "$rc" = 0 ] && rm -rf "$run_dir" || log "logs kept in $run_dir"

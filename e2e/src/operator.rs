@@ -85,6 +85,13 @@ impl Operator {
         }
     }
 
+    /// The exit status, once the process has ended on its own.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
     /// Starts the same replica again (same identity, port and log).
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
