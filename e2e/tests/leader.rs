@@ -188,15 +188,17 @@ async fn leader_killed_mid_run_standby_finishes_without_double_holding() {
 
     work.abort();
     auditor.abort();
-    let audit = audit.lock().unwrap();
-    assert!(
-        audit.violations.is_empty(),
-        "{:?}\n{}",
-        audit.violations,
-        b.logs()
-    );
-    let tasks_seen: BTreeSet<&String> = audit.tokens.keys().collect();
-    assert_eq!(tasks_seen.len(), 9, "{audit:?}");
+    {
+        let audit = audit.lock().unwrap();
+        assert!(
+            audit.violations.is_empty(),
+            "{:?}\n{}",
+            audit.violations,
+            b.logs()
+        );
+        let tasks_seen: BTreeSet<&String> = audit.tokens.keys().collect();
+        assert_eq!(tasks_seen.len(), 9, "{audit:?}");
+    }
     ns.cleanup().await.unwrap();
 }
 
