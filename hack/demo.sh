@@ -5,8 +5,8 @@
 # with kubectl. Keeps running until Ctrl-C (or exits at once with
 # DEMO_EXIT=1), then stops everything it started.
 #
-# Stage: the operator and the demo workers are not built yet (issues 3 and
-# 4); until then the tasks stay without status.
+# Stage: the operator runs; the demo workers come with the worker SDK, so
+# the tasks wait with their leases Offered.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -16,7 +16,11 @@ LOG_TAG=demo
 
 hack/deps.sh
 run_dir=$(mktemp -d /tmp/batchlease-demo.XXXXXX)
-cleanup() { e2e/controlplane/down.sh "$run_dir/cp" || true; rm -rf "$run_dir"; }
+cleanup() {
+  [ -f "$run_dir/operator.pid" ] && kill "$(cat "$run_dir/operator.pid")" 2>/dev/null
+  e2e/controlplane/down.sh "$run_dir/cp" || true
+  rm -rf "$run_dir"
+}
 trap cleanup EXIT INT TERM
 e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
 . "$run_dir/cp/env"
@@ -24,14 +28,19 @@ e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
 kubectl apply --server-side -f crds/
 kubectl wait --for=condition=Established --timeout=60s crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev
 kubectl create namespace demo
+cargo build -q -p batchlease-operator
+"$CARGO_TARGET_DIR/debug/batchlease-operator" --namespaces=demo --leader-lease-namespace=demo \
+  --metrics-addr=127.0.0.1:0 >"$run_dir/operator.log" 2>&1 &
+echo $! > "$run_dir/operator.pid"
 kubectl apply -n demo -f examples/
+kubectl wait -n demo --for=jsonpath='{.status.phase}'=Ready --timeout=60s batchtask --all
 echo
 kubectl get batchtasks -n demo
 kubectl get taskleases -n demo
 echo
 log "control plane is up. In another shell:"
 log "  export KUBECONFIG=$KUBECONFIG PATH=$(dirname "$BATCHLEASE_KUBECTL"):\$PATH"
-log "  kubectl get bt,tl -n demo"
+log "  kubectl get bt,tl -n demo        (operator log: $run_dir/operator.log)"
 [ "${DEMO_EXIT:-0}" = 1 ] && exit 0
 log "Ctrl-C stops it."
 while kill -0 "$(cat "$run_dir/cp/run/kube-apiserver.pid")" 2>/dev/null; do sleep 2; done
