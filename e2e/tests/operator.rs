@@ -519,3 +519,50 @@ async fn operator_restart_while_held_neither_expires_early_nor_reissues() {
     assert_eq!(st.fencing_token, 2);
     ns.cleanup().await.unwrap();
 }
+
+#[tokio::test]
+async fn attempt_overrunning_active_deadline_is_expired_despite_renewals() {
+    let (ns, op) = setup("deadline").await;
+    let leases: Api<TaskLease> = ns.api();
+    let spec = json!({"queue": "q", "leaseDurationSeconds": 30, "activeDeadlineSeconds": 3, "maxRetries": 0});
+    tasks::create(&ns, "job", spec).await.unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    let mut held = claim(&leases, &offered, "slow").await.unwrap();
+    // The holder keeps renewing (it is alive, just too slow).
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let expired = loop {
+        tick.tick().await;
+        match renew(&leases, &held).await {
+            Ok(l) => held = l,
+            Err(e) => {
+                assert_eq!(worker::code(&e), 409, "{e}");
+                break leases.get("job-1").await.unwrap();
+            }
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(15),
+            "not expired by the deadline\n{}",
+            op.logs()
+        );
+    };
+    assert!(
+        sent.elapsed() >= Duration::from_secs(3),
+        "expired before the deadline"
+    );
+    let st = expired.status.unwrap();
+    assert_eq!(
+        (st.phase, st.reason.as_deref()),
+        (Some(LeasePhase::Expired), Some("ActiveDeadlineExceeded"))
+    );
+    let t = wait_phase(&ns, "job", TaskPhase::DeadLettered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(
+        t.status.unwrap().last_failure.unwrap().reason,
+        "ActiveDeadlineExceeded"
+    );
+    ns.cleanup().await.unwrap();
+}
