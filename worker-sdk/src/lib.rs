@@ -1,1 +1,39 @@
-//! placeholder
+//! The batchlease worker SDK: claim TaskLeases of your queues, run a handler
+//! under a background heartbeat, stop it locally the moment the lease can no
+//! longer be proven yours (the kill switch), and commit results carrying the
+//! attempt's fencing token so a zombie's late write is refused — by the API
+//! server and by your storage.
+//!
+//! ```no_run
+//! # async fn demo(client: kube::Client) -> Result<(), batchlease_worker_sdk::Error> {
+//! use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
+//! let worker = WorkerBuilder::new(client, "default").queue("etl").slots(4).build()?;
+//! worker
+//!     .run(
+//!         |ctx: TaskContext| async move {
+//!             let n: u64 = ctx.payload()?;
+//!             ctx.checkpoint(serde_json::json!({"done": n}));
+//!             Ok::<_, TaskError>(Output::json(serde_json::json!({"n": n})))
+//!         },
+//!         async { let _ = tokio::signal::ctrl_c().await; },
+//!     )
+//!     .await
+//! # }
+//! ```
+
+mod attempt;
+mod context;
+mod error;
+mod fence;
+mod lease_ops;
+mod metrics;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+mod worker;
+
+pub use attempt::Ended;
+pub use context::{Output, TaskContext};
+pub use error::{Error, TaskError};
+pub use fence::{Fence, KillClock, KillReason};
+pub use metrics::WorkerMetrics;
+pub use worker::{Worker, WorkerBuilder};

@@ -1,0 +1,120 @@
+//! Errors: what a handler reports ([`TaskError`]) and what the SDK reports
+//! ([`Error`]). Variants are categories, fit for metric labels.
+
+/// How a handler failed. Retryable failures spend the task's retry budget;
+/// permanent ones dead-letter the task at once.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TaskError {
+    /// A retry may succeed (a timeout, a flaky dependency).
+    #[error("{reason}: {message}")]
+    Retryable { reason: String, message: String },
+    /// A retry cannot help (bad input); the task is dead-lettered now.
+    #[error("{reason} (permanent): {message}")]
+    Permanent { reason: String, message: String },
+}
+
+impl TaskError {
+    /// A retryable failure with reason `HandlerFailed`.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self::Retryable {
+            reason: "HandlerFailed".into(),
+            message: message.into(),
+        }
+    }
+
+    /// A permanent failure with reason `PermanentFailure`.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self::Permanent {
+            reason: "PermanentFailure".into(),
+            message: message.into(),
+        }
+    }
+
+    /// Replaces the short CamelCase reason shown in the task's status.
+    #[must_use]
+    pub fn with_reason(self, reason: impl Into<String>) -> Self {
+        match self {
+            Self::Retryable { message, .. } => Self::Retryable {
+                reason: reason.into(),
+                message,
+            },
+            Self::Permanent { message, .. } => Self::Permanent {
+                reason: reason.into(),
+                message,
+            },
+        }
+    }
+}
+
+/// Why the SDK refused or failed an operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The attempt's lease is no longer ours (kill switch fired, lease
+    /// expired, task deleted): no commit or completion may happen any more.
+    #[error("the attempt with fencing token {token} was revoked: {reason}")]
+    Revoked { token: i64, reason: &'static str },
+    /// The storage holds a newer fencing token: this attempt is a zombie.
+    #[error("fenced: storage already holds token {current}, ours is {token}")]
+    Fenced { token: i64, current: i64 },
+    /// The API server refused our write of the lease (it is not ours).
+    #[error("the API server rejected the {what} of lease {lease}: {source}")]
+    Rejected {
+        what: &'static str,
+        lease: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// Any other Kubernetes API error.
+    #[error("kubernetes API error during {what}: {source}")]
+    Kube {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    /// A storage error other than fencing.
+    #[cfg(feature = "postgres")]
+    #[error("postgres error during {what}: {source}")]
+    Postgres {
+        what: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A write kept conflicting with our own earlier writes.
+    #[error("{what} kept conflicting; gave up")]
+    Contended { what: &'static str },
+    /// The worker was configured wrongly.
+    #[error("invalid worker configuration: {0}")]
+    Config(&'static str),
+}
+
+impl Error {
+    /// Low-cardinality label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Revoked { .. } => "revoked",
+            Self::Fenced { .. } => "fenced",
+            Self::Rejected { .. } => "rejected",
+            Self::Kube { .. } => "kube",
+            #[cfg(feature = "postgres")]
+            Self::Postgres { .. } => "postgres",
+            Self::Contended { .. } => "contended",
+            Self::Config(_) => "config",
+        }
+    }
+}
+
+/// A fenced or revoked commit inside a handler is a zombie's failure: the
+/// attempt is over. Handlers can `?` SDK errors.
+impl From<Error> for TaskError {
+    fn from(e: Error) -> Self {
+        let reason = match &e {
+            Error::Revoked { .. } => "Revoked",
+            Error::Fenced { .. } => "Fenced",
+            _ => "SdkError",
+        };
+        TaskError::Retryable {
+            reason: reason.into(),
+            message: e.to_string(),
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The kill switch and the fence of one attempt (design §3 step 4).
+//!
+//! The attempt may act only while the worker can prove to itself that the
+//! lease is still its own: a renewal succeeded less than 2/3 of the TTL ago,
+//! counted from when that renewal was *sent* (the server may have applied it
+//! at any moment after), by the worker's monotonic clock. Past that instant
+//! — or past `activeDeadlineSeconds`, or once the lease was found lost — the
+//! kill switch fires: the handler is dropped, its cancellation token fires,
+//! and [`Fence::check`] refuses every later commit or completion. The
+//! operator expires a lease only after a full TTL without an observed
+//! renewal, so the worker stops at least TTL/3 before anyone else can start.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Error;
+
+/// Why an attempt was stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KillReason {
+    /// No renewal succeeded for 2/3 of the TTL.
+    RenewalsFailed,
+    /// A renewal found the lease no longer held by us (expired, completed by
+    /// someone else, or deleted with its task).
+    LeaseLost,
+    /// The attempt ran past `activeDeadlineSeconds`.
+    DeadlineExceeded,
+}
+
+impl KillReason {
+    /// Low-cardinality label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RenewalsFailed => "renewals_failed",
+            Self::LeaseLost => "lease_lost",
+            Self::DeadlineExceeded => "deadline_exceeded",
+        }
+    }
+}
+
+/// Pure timing of the kill switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KillClock {
+    ttl: Duration,
+    /// When the last successful renewal (or the claim) was sent.
+    last_ok_sent: Instant,
+    /// `claim sent + activeDeadlineSeconds`, if set.
+    deadline: Option<Instant>,
+}
+
+impl KillClock {
+    /// The clock of an attempt whose claim was sent at `claim_sent`.
+    pub fn new(ttl: Duration, claim_sent: Instant, active_deadline: Option<Duration>) -> Self {
+        Self {
+            ttl,
+            last_ok_sent: claim_sent,
+            deadline: active_deadline.map(|d| claim_sent + d),
+        }
+    }
+
+    /// Renew every TTL/3.
+    pub fn renew_every(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// A renewal sent at `sent` succeeded.
+    pub fn renewed(&mut self, sent: Instant) {
+        self.last_ok_sent = self.last_ok_sent.max(sent);
+    }
+
+    /// When the kill switch fires, and why.
+    pub fn kill_at(&self) -> (Instant, KillReason) {
+        let renewal_bound = self.last_ok_sent + self.ttl * 2 / 3;
+        match self.deadline {
+            Some(d) if d <= renewal_bound => (d, KillReason::DeadlineExceeded),
+            _ => (renewal_bound, KillReason::RenewalsFailed),
+        }
+    }
+}
+
+/// The fence of one attempt: its token, and whether it may still act.
+/// Cheap to clone; hand it to storage adapters.
+#[derive(Debug, Clone)]
+pub struct Fence {
+    token: i64,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    killed: CancellationToken,
+    clock: Mutex<KillClock>,
+    reason: Mutex<Option<KillReason>>,
+}
+
+impl Fence {
+    /// A live fence for `token`.
+    pub fn new(token: i64, clock: KillClock) -> Self {
+        Self {
+            token,
+            inner: Arc::new(Inner {
+                killed: CancellationToken::new(),
+                clock: Mutex::new(clock),
+                reason: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The fencing token every write of this attempt must carry.
+    pub fn token(&self) -> i64 {
+        self.token
+    }
+
+    /// Ok while the attempt may still write; checked synchronously against
+    /// the clock too, so a process that wakes from a pause (SIGSTOP, GC)
+    /// refuses before its timers even had a chance to run.
+    pub fn check(&self) -> Result<(), Error> {
+        if let Some(reason) = self.kill_reason() {
+            return Err(Error::Revoked {
+                token: self.token,
+                reason: reason.as_str(),
+            });
+        }
+        let (at, reason) = self.clock().kill_at();
+        if Instant::now() >= at {
+            self.kill(reason);
+            return Err(Error::Revoked {
+                token: self.token,
+                reason: reason.as_str(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fires when the kill switch does.
+    pub fn killed(&self) -> &CancellationToken {
+        &self.inner.killed
+    }
+
+    /// Why the kill switch fired, if it did.
+    pub fn kill_reason(&self) -> Option<KillReason> {
+        *self.inner.reason.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Fires the kill switch (first reason wins). Returns true if this call
+    /// fired it.
+    pub fn kill(&self, reason: KillReason) -> bool {
+        let mut r = self.inner.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_some() {
+            return false;
+        }
+        *r = Some(reason);
+        self.inner.killed.cancel();
+        true
+    }
+
+    pub(crate) fn clock(&self) -> KillClock {
+        *self.inner.clock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn renewed(&self, sent: Instant) {
+        self.inner
+            .clock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .renewed(sent);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn kill_at_table() {
+        let t0 = Instant::now();
+        let cases = [
+            // (active deadline, renewed at offset, expected kill offset, reason)
+            (None, None, 20, KillReason::RenewalsFailed),
+            (None, Some(10), 30, KillReason::RenewalsFailed),
+            (Some(15), None, 15, KillReason::DeadlineExceeded),
+            (Some(100), Some(90), 100, KillReason::DeadlineExceeded),
+            (Some(100), Some(10), 30, KillReason::RenewalsFailed),
+        ];
+        for (deadline, renewed, want, reason) in cases {
+            let mut c = KillClock::new(TTL, t0, deadline.map(Duration::from_secs));
+            if let Some(r) = renewed {
+                c.renewed(t0 + Duration::from_secs(r));
+            }
+            assert_eq!(
+                c.kill_at(),
+                (t0 + Duration::from_secs(want), reason),
+                "{deadline:?} {renewed:?}"
+            );
+        }
+        // A late acknowledgement of an older renewal never moves the clock back.
+        let mut c = KillClock::new(TTL, t0, None);
+        c.renewed(t0 + Duration::from_secs(12));
+        c.renewed(t0 + Duration::from_secs(6));
+        assert_eq!(c.kill_at().0, t0 + Duration::from_secs(32));
+        assert_eq!(c.renew_every(), Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fence_refuses_after_two_thirds_of_the_ttl_without_timers() {
+        let fence = Fence::new(7, KillClock::new(TTL, Instant::now(), None));
+        assert!(fence.check().is_ok());
+        tokio::time::advance(Duration::from_secs(19)).await;
+        assert!(fence.check().is_ok());
+        fence.renewed(Instant::now()); // renewal sent at 19 s
+        tokio::time::advance(Duration::from_secs(19)).await; // 38 s: within 19 + 20
+        assert!(fence.check().is_ok());
+        tokio::time::advance(Duration::from_secs(1)).await; // 39 s = 19 + 20
+        let err = fence.check().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Revoked {
+                    token: 7,
+                    reason: "renewals_failed"
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            fence.killed().is_cancelled(),
+            "check() fires the switch itself"
+        );
+        assert_eq!(fence.kill_reason(), Some(KillReason::RenewalsFailed));
+    }
+
+    #[test]
+    fn first_kill_reason_wins() {
+        let fence = Fence::new(1, KillClock::new(TTL, Instant::now(), None));
+        assert!(fence.kill(KillReason::LeaseLost));
+        assert!(!fence.kill(KillReason::RenewalsFailed));
+        assert_eq!(fence.kill_reason(), Some(KillReason::LeaseLost));
+        assert!(matches!(
+            fence.check(),
+            Err(Error::Revoked {
+                reason: "lease_lost",
+                ..
+            })
+        ));
+    }
+}

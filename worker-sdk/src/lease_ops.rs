@@ -1,0 +1,167 @@
+//! The worker's writes to a TaskLease (design §3 steps 2, 3, 6). Each is
+//! one replace of the whole object carrying the resourceVersion read.
+
+use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use serde_json::Value;
+
+use crate::error::Error;
+
+/// Result of a renewal.
+#[derive(Debug)]
+pub enum Renewal {
+    /// Renewed; the lease as now stored.
+    Renewed(Box<TaskLease>),
+    /// The lease is no longer held by us: fire the kill switch.
+    Lost(&'static str),
+}
+
+fn now() -> MicroTime {
+    MicroTime(Timestamp::now())
+}
+
+/// True if `lease` is held by `holder`.
+pub fn held_by(lease: &TaskLease, holder: &str) -> bool {
+    lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held)
+        && lease.spec.holder_identity.as_deref() == Some(holder)
+}
+
+/// Claims an `Offered` lease. `Ok(None)`: another worker won (409) or the
+/// offer is gone.
+pub async fn claim(
+    api: &Api<TaskLease>,
+    offered: &TaskLease,
+    holder: &str,
+) -> Result<Option<TaskLease>, Error> {
+    let mut l = offered.clone();
+    let t = now();
+    l.spec.holder_identity = Some(holder.into());
+    l.spec.acquire_time = Some(t.clone());
+    l.spec.renew_time = Some(t);
+    l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+    match api.replace(&l.name_any(), &PostParams::default(), &l).await {
+        Ok(held) => Ok(Some(held)),
+        // 409: someone else's write won; 404: gone; 422: no longer Offered.
+        Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409 | 422) => Ok(None),
+        Err(source) => Err(Error::Kube {
+            what: "claim",
+            source,
+        }),
+    }
+}
+
+/// Renews from our last copy, carrying the latest checkpoint.
+pub async fn renew(
+    api: &Api<TaskLease>,
+    ours: &TaskLease,
+    holder: &str,
+    checkpoint: Option<Value>,
+) -> Result<Renewal, Error> {
+    let mut l = ours.clone();
+    l.spec.renew_time = Some(now());
+    if let Some(cp) = checkpoint {
+        l.status.get_or_insert_with(Default::default).checkpoint = Some(cp);
+    }
+    match api.replace(&l.name_any(), &PostParams::default(), &l).await {
+        Ok(stored) => Ok(Renewal::Renewed(Box::new(stored))),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(Renewal::Lost("lease deleted")),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => {
+            // Someone wrote after our copy. Only the operator writes a held
+            // lease besides us, and only to end it — but look before leaping.
+            match api.get_opt(&l.name_any()).await {
+                Ok(Some(fresh)) if held_by(&fresh, holder) => {
+                    // Still ours (e.g. our own earlier write whose answer was
+                    // lost): retry on the fresh copy right away.
+                    Box::pin(renew(
+                        api,
+                        &fresh,
+                        holder,
+                        l.status.and_then(|s| s.checkpoint),
+                    ))
+                    .await
+                }
+                Ok(Some(_)) => Ok(Renewal::Lost("lease no longer held by us")),
+                Ok(None) => Ok(Renewal::Lost("lease deleted")),
+                Err(source) => Err(Error::Kube {
+                    what: "renewal re-read",
+                    source,
+                }),
+            }
+        }
+        Err(source) => Err(Error::Kube {
+            what: "renewal",
+            source,
+        }),
+    }
+}
+
+/// How an attempt ended, as written to the lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub outcome: LeaseOutcome,
+    pub reason: Option<String>,
+    pub message: Option<String>,
+    pub permanent: bool,
+    pub result: Option<Value>,
+    pub checkpoint: Option<Value>,
+}
+
+/// Sets the lease `Completed`. A conflict is retried only while the lease
+/// is still held by us; otherwise the completion is rejected (typed).
+pub async fn complete(
+    api: &Api<TaskLease>,
+    ours: &TaskLease,
+    holder: &str,
+    c: &Completion,
+) -> Result<(), Error> {
+    let mut current = ours.clone();
+    for _ in 0..3 {
+        let mut l = current.clone();
+        let st = l.status.get_or_insert_with(Default::default);
+        st.phase = Some(LeasePhase::Completed);
+        st.outcome = Some(c.outcome);
+        st.reason = c.reason.clone();
+        st.message = c.message.clone();
+        st.permanent = c.permanent;
+        st.result = c.result.clone();
+        if c.checkpoint.is_some() {
+            st.checkpoint = c.checkpoint.clone();
+        }
+        match api.replace(&l.name_any(), &PostParams::default(), &l).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => match api.get_opt(&l.name_any()).await {
+                Ok(Some(fresh)) if held_by(&fresh, holder) => current = fresh,
+                Ok(_) => {
+                    return Err(Error::Rejected {
+                        what: "completion",
+                        lease: l.name_any(),
+                        source: kube::Error::Api(s),
+                    });
+                }
+                Err(source) => {
+                    return Err(Error::Kube {
+                        what: "completion re-read",
+                        source,
+                    });
+                }
+            },
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 => {
+                return Err(Error::Rejected {
+                    what: "completion",
+                    lease: l.name_any(),
+                    source: kube::Error::Api(s),
+                });
+            }
+            Err(source) => {
+                return Err(Error::Kube {
+                    what: "completion",
+                    source,
+                });
+            }
+        }
+    }
+    Err(Error::Contended { what: "completion" })
+}

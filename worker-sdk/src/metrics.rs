@@ -1,0 +1,83 @@
+//! SDK metrics (design §7), registered in the application's registry.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+/// `outcome`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+/// The worker's metrics.
+#[derive(Debug, Clone)]
+pub struct WorkerMetrics {
+    pub renewal_latency: Histogram,
+    pub kill_switch: Family<ReasonLabels, Counter>,
+    pub fenced_commit_rejected: Counter,
+    pub claims: Counter,
+    pub claim_conflicts: Counter,
+    pub completions: Family<OutcomeLabels, Counter>,
+    pub completion_rejected: Counter,
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        Self {
+            renewal_latency: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            kill_switch: Family::default(),
+            fenced_commit_rejected: Counter::default(),
+            claims: Counter::default(),
+            claim_conflicts: Counter::default(),
+            completions: Family::default(),
+            completion_rejected: Counter::default(),
+        }
+    }
+}
+
+impl WorkerMetrics {
+    /// Registers every metric under the `batchlease_worker` prefix.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("batchlease_worker");
+        r.register(
+            "renewal_latency_seconds",
+            "Round trip of a lease renewal",
+            self.renewal_latency.clone(),
+        );
+        r.register(
+            "kill_switch",
+            "Attempts stopped locally by the kill switch",
+            self.kill_switch.clone(),
+        );
+        r.register(
+            "fenced_commit_rejected",
+            "Commits refused because the attempt was fenced or revoked",
+            self.fenced_commit_rejected.clone(),
+        );
+        r.register("claims", "Leases claimed", self.claims.clone());
+        r.register(
+            "claim_conflicts",
+            "Claims lost to another worker (409)",
+            self.claim_conflicts.clone(),
+        );
+        r.register(
+            "completions",
+            "Attempts completed, by outcome",
+            self.completions.clone(),
+        );
+        r.register(
+            "completion_rejected",
+            "Completions refused because the lease was no longer ours",
+            self.completion_rejected.clone(),
+        );
+    }
+}

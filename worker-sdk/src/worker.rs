@@ -1,0 +1,332 @@
+//! The worker: watch the offered leases of its queues, claim one per free
+//! slot, run the handler under a heartbeat, and drain on shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchlease_api::keys::LABEL_QUEUE;
+use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease};
+use futures::StreamExt;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use rand::Rng;
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::attempt::{Attempt, Ended};
+use crate::context::{Output, TaskContext};
+use crate::error::{Error, TaskError};
+use crate::fence::{Fence, KillClock};
+use crate::lease_ops::{self, Completion};
+use crate::metrics::WorkerMetrics;
+
+/// Configures a [`Worker`].
+pub struct WorkerBuilder {
+    client: Client,
+    namespace: String,
+    queues: Vec<String>,
+    slots: usize,
+    identity: Option<String>,
+    drain_grace: Duration,
+    metrics: WorkerMetrics,
+}
+
+impl WorkerBuilder {
+    /// A worker for `namespace`: one slot, no queue yet, 30 s drain grace.
+    pub fn new(client: Client, namespace: impl Into<String>) -> Self {
+        Self {
+            client,
+            namespace: namespace.into(),
+            queues: Vec::new(),
+            slots: 1,
+            identity: None,
+            drain_grace: Duration::from_secs(30),
+            metrics: WorkerMetrics::default(),
+        }
+    }
+
+    /// Adds a queue to serve.
+    #[must_use]
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queues.push(queue.into());
+        self
+    }
+
+    /// How many attempts run at once.
+    #[must_use]
+    pub fn slots(mut self, slots: usize) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// The holder identity (default: `POD_NAME`, or the host name, plus a
+    /// per-process random suffix, so a restarted pod is a new holder).
+    #[must_use]
+    pub fn identity(mut self, identity: impl Into<String>) -> Self {
+        self.identity = Some(identity.into());
+        self
+    }
+
+    /// How long running handlers may finish after shutdown is requested
+    /// before they are dropped and their leases released as `Interrupted`.
+    #[must_use]
+    pub fn drain_grace(mut self, grace: Duration) -> Self {
+        self.drain_grace = grace;
+        self
+    }
+
+    /// The worker's metrics, to register in the application's registry.
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.metrics
+    }
+
+    /// Validates the configuration.
+    pub fn build(self) -> Result<Worker, Error> {
+        if self.queues.is_empty() {
+            return Err(Error::Config("at least one queue is required"));
+        }
+        if self.slots == 0 {
+            return Err(Error::Config("slots must be at least 1"));
+        }
+        let identity = self.identity.unwrap_or_else(default_identity);
+        Ok(Worker {
+            client: self.client,
+            namespace: self.namespace,
+            queues: self.queues,
+            slots: self.slots,
+            identity,
+            drain_grace: self.drain_grace,
+            metrics: self.metrics,
+        })
+    }
+}
+
+fn default_identity() -> String {
+    let base = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "worker".into());
+    let suffix: u32 = rand::rng().random_range(0..0xff_ffff);
+    format!("{base}-{suffix:06x}")
+}
+
+impl std::fmt::Debug for WorkerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerBuilder")
+            .field("namespace", &self.namespace)
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("identity", &self.identity)
+            .field("queues", &self.queues)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs tasks of its queues. See [`WorkerBuilder`].
+pub struct Worker {
+    client: Client,
+    namespace: String,
+    queues: Vec<String>,
+    slots: usize,
+    identity: String,
+    drain_grace: Duration,
+    metrics: WorkerMetrics,
+}
+
+impl Worker {
+    /// The holder identity written into claimed leases.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// Claims and runs tasks until `shutdown` resolves, then drains: no new
+    /// claims, running handlers get the grace period, the rest are dropped
+    /// and their leases released as `Interrupted`.
+    pub async fn run<H, F>(
+        self,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), Error>
+    where
+        H: Fn(TaskContext) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<Output, TaskError>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        let leases: Api<TaskLease> = Api::namespaced(self.client.clone(), &self.namespace);
+        let tasks: Api<BatchTask> = Api::namespaced(self.client.clone(), &self.namespace);
+        let selector = format!("{LABEL_QUEUE} in ({})", self.queues.join(","));
+        let (store, writer) = reflector::store();
+        let changed = Arc::new(Notify::new());
+        let stop_watch = CancellationToken::new();
+        {
+            let (changed, stop) = (changed.clone(), stop_watch.clone());
+            let stream = watcher(leases.clone(), watcher::Config::default().labels(&selector))
+                .default_backoff()
+                .reflect(writer)
+                .touched_objects();
+            tokio::spawn(async move {
+                futures::pin_mut!(stream);
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        ev = stream.next() => match ev {
+                            Some(Ok(_)) => changed.notify_one(),
+                            Some(Err(e)) => warn!(error = %e, "lease watch"),
+                            None => return,
+                        }
+                    }
+                }
+            });
+        }
+        info!(identity = %self.identity, queues = ?self.queues, slots = self.slots, "worker started");
+        let slots = Arc::new(Semaphore::new(self.slots));
+        let interrupt = CancellationToken::new();
+        let mut running: JoinSet<Ended> = JoinSet::new();
+        futures::pin_mut!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = changed.notified() => {}
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+            }
+            while let Ok(permit) = slots.clone().try_acquire_owned() {
+                let Some((held, sent)) = self.claim_one(&leases, &store).await else {
+                    break;
+                };
+                let attempt = AttemptStart {
+                    leases: leases.clone(),
+                    tasks: tasks.clone(),
+                    identity: self.identity.clone(),
+                    metrics: self.metrics.clone(),
+                    interrupt: interrupt.clone(),
+                };
+                let handler = handler.clone();
+                running.spawn(async move {
+                    let _permit = permit;
+                    attempt.run(held, sent, move |ctx| handler(ctx)).await
+                });
+            }
+        }
+        stop_watch.cancel();
+        info!(running = running.len(), grace = ?self.drain_grace, "draining: no more claims");
+        let drained = tokio::time::timeout(self.drain_grace, async {
+            while running.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                running = running.len(),
+                "grace period over: releasing the rest as Interrupted"
+            );
+            interrupt.cancel();
+            while running.join_next().await.is_some() {}
+        }
+        info!("worker stopped");
+        Ok(())
+    }
+
+    /// Claims one offered lease of our queues, oldest first, after a small
+    /// random delay against thundering herds. `None` when nothing could be
+    /// claimed (nothing offered, or every claim lost its race).
+    async fn claim_one(
+        &self,
+        api: &Api<TaskLease>,
+        store: &Store<TaskLease>,
+    ) -> Option<(TaskLease, Instant)> {
+        let mut offered: Vec<Arc<TaskLease>> = store
+            .state()
+            .into_iter()
+            .filter(|l| l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered))
+            .filter(|l| self.queues.contains(&l.spec.queue))
+            .collect();
+        if offered.is_empty() {
+            return None;
+        }
+        offered.sort_by_key(|l| l.metadata.creation_timestamp.clone().map(|t| t.0));
+        let herd_delay = Duration::from_millis(rand::rng().random_range(0..25));
+        tokio::time::sleep(herd_delay).await;
+        for candidate in offered {
+            let sent = Instant::now();
+            match lease_ops::claim(api, &candidate, &self.identity).await {
+                Ok(Some(held)) => {
+                    self.metrics.claims.inc();
+                    info!(lease = %held.name_any(), token = held.spec.fencing_token, "claimed");
+                    return Some((held, sent));
+                }
+                Ok(None) => {
+                    self.metrics.claim_conflicts.inc();
+                }
+                Err(e) => warn!(lease = %candidate.name_any(), error = %e, "claim failed"),
+            }
+        }
+        None
+    }
+}
+
+/// What a spawned attempt needs besides the lease.
+struct AttemptStart {
+    leases: Api<TaskLease>,
+    tasks: Api<BatchTask>,
+    identity: String,
+    metrics: WorkerMetrics,
+    interrupt: CancellationToken,
+}
+
+impl AttemptStart {
+    async fn run<H, F>(self, held: TaskLease, claim_sent: Instant, handler: H) -> Ended
+    where
+        H: FnOnce(TaskContext) -> F,
+        F: Future<Output = Result<Output, TaskError>>,
+    {
+        let ttl = Duration::from_secs(u64::try_from(held.spec.lease_duration_seconds).unwrap_or(5));
+        let task = match self.tasks.get(&held.spec.task_name).await {
+            Ok(t) if t.uid().as_deref() == Some(held.spec.task_uid.as_str()) => t,
+            other => {
+                // Without the task there is no payload: hand the lease back
+                // at once rather than let it time out.
+                warn!(lease = %held.name_any(), result = ?other.err(), "task unreadable; releasing the lease");
+                let c = Completion {
+                    outcome: LeaseOutcome::Interrupted,
+                    reason: Some("TaskUnreadable".into()),
+                    message: None,
+                    permanent: false,
+                    result: None,
+                    checkpoint: None,
+                };
+                let _ = lease_ops::complete(&self.leases, &held, &self.identity, &c).await;
+                return Ended::Completed(LeaseOutcome::Interrupted);
+            }
+        };
+        let deadline = task
+            .spec
+            .active_deadline_seconds
+            .and_then(|d| u64::try_from(d).ok())
+            .map(Duration::from_secs);
+        let fence = Fence::new(
+            held.spec.fencing_token,
+            KillClock::new(ttl, claim_sent, deadline),
+        );
+        Attempt {
+            api: self.leases,
+            identity: self.identity,
+            lease: held,
+            task,
+            fence,
+            metrics: self.metrics,
+            interrupt: self.interrupt,
+        }
+        .run(handler)
+        .await
+    }
+}
