@@ -57,6 +57,7 @@ e2e/postgres/up.sh "$run_dir/pg" >/dev/null
 . "$run_dir/pg/env"
 
 step "e2e tests"
-cargo build --locked -p batchlease-operator
+cargo build --locked -p batchlease-operator -p batchlease-demo-worker
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
+export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/debug/batchlease-demo-worker
 cargo_test --locked -p batchlease-e2e -- --test-threads=4

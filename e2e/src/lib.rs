@@ -12,9 +12,13 @@
 pub mod cluster;
 pub mod kubectl;
 pub mod operator;
+pub mod pg;
+pub mod process;
+pub mod proxy;
 pub mod tasks;
 pub mod wait;
 pub mod worker;
+pub mod workers;
 
 pub use cluster::{Cluster, TestNamespace};
 pub use wait::wait_for;

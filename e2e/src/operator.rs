@@ -2,22 +2,21 @@
 //! plane, one process per replica, scoped to the test's namespace.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::process::Process;
 use crate::wait::wait_for;
 
 /// One operator replica.
 #[derive(Debug)]
 pub struct Operator {
-    child: Option<Child>,
+    process: Process,
     pub name: String,
     pub metrics_port: u16,
     pub log: PathBuf,
-    args: Vec<String>,
 }
 
 /// The operator binary, built by `hack/test.sh` (`BATCHLEASE_OPERATOR_BIN`).
@@ -26,7 +25,8 @@ pub fn binary() -> anyhow::Result<String> {
         .context("BATCHLEASE_OPERATOR_BIN unset: run hack/test.sh (it builds the operator)")
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A free TCP port on loopback.
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -37,9 +37,6 @@ impl Operator {
     /// Lease in that namespace (short TTLs so hand-over is quick in tests).
     pub fn start(namespace: &str, name: &str) -> anyhow::Result<Self> {
         let port = free_port()?;
-        let dir = std::env::temp_dir().join(format!("batchlease-e2e-{namespace}"));
-        std::fs::create_dir_all(&dir)?;
-        let log = dir.join(format!("operator-{name}.log"));
         let args = vec![
             format!("--namespaces={namespace}"),
             format!("--metrics-addr=127.0.0.1:{port}"),
@@ -50,52 +47,33 @@ impl Operator {
             "--leader-grace-seconds=2".into(),
             format!("--identity={name}"),
         ];
-        let mut op = Self {
-            child: None,
+        let env = vec![(
+            "RUST_LOG".into(),
+            "info,kube=warn,batchlease_operator=debug".into(),
+        )];
+        let process = Process::start(binary()?, namespace, &format!("operator-{name}"), args, env)?;
+        let log = process.log.clone();
+        Ok(Self {
+            process,
             name: name.into(),
             metrics_port: port,
             log,
-            args,
-        };
-        op.spawn()?;
-        Ok(op)
-    }
-
-    fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
-        let child = Command::new(binary()?)
-            .args(&self.args)
-            .env("RUST_LOG", "info,kube=warn,batchlease_operator=debug")
-            .stdout(Stdio::from(log.try_clone()?))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .context("starting batchlease-operator")?;
-        self.child = Some(child);
-        Ok(())
+        })
     }
 
     /// SIGKILL: the process dies between whatever two writes it was doing.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.process.kill();
     }
 
     /// The exit status, once the process has ended on its own.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
+        self.process.exited()
     }
 
     /// Starts the same replica again (same identity, port and log).
     pub fn restart(&mut self) -> anyhow::Result<()> {
-        self.kill();
-        self.spawn()
+        self.process.restart()
     }
 
     /// GET a path of the operator's HTTP server: (status code, body).
@@ -148,19 +126,6 @@ impl Operator {
 
     /// The replica's log, for diagnostics.
     pub fn logs(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(60).collect();
-        let mut out = format!("--- last lines of {} ---\n", self.log.display());
-        for l in tail.into_iter().rev() {
-            out.push_str(l);
-            out.push('\n');
-        }
-        out
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.logs()
     }
 }

@@ -207,6 +207,8 @@ async fn heartbeat(
     loop {
         let (kill_at, reason) = fence.clock().kill_at();
         tokio::select! {
+            // Past the deadline, the kill switch wins over a late renewal.
+            biased;
             _ = done.cancelled() => return,
             _ = sleep_until(kill_at) => {
                 if fence.kill(reason) {

@@ -1,0 +1,64 @@
+//! Demo workers (`examples/demo-worker`) as real processes.
+
+use anyhow::Context;
+
+use crate::process::Process;
+
+/// The demo worker binary, built by `hack/test.sh` (`BATCHLEASE_DEMO_WORKER_BIN`).
+pub fn binary() -> anyhow::Result<String> {
+    std::env::var("BATCHLEASE_DEMO_WORKER_BIN")
+        .context("BATCHLEASE_DEMO_WORKER_BIN unset: run hack/test.sh (it builds the demo worker)")
+}
+
+/// The throwaway PostgreSQL of `e2e/postgres/up.sh`.
+pub fn pg_url() -> anyhow::Result<String> {
+    std::env::var("BATCHLEASE_PG_URL")
+        .context("BATCHLEASE_PG_URL unset: run hack/test.sh (it starts PostgreSQL)")
+}
+
+/// Options of a demo worker process.
+#[derive(Debug, Clone)]
+pub struct WorkerOpts {
+    pub queue: String,
+    pub slots: usize,
+    pub drain_grace_seconds: u64,
+    /// A kubeconfig other than `KUBECONFIG` (e.g. through a test proxy).
+    pub kubeconfig: Option<std::path::PathBuf>,
+}
+
+impl Default for WorkerOpts {
+    fn default() -> Self {
+        Self {
+            queue: "demo".into(),
+            slots: 2,
+            drain_grace_seconds: 10,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// Starts demo worker `identity` for `namespace`.
+pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Result<Process> {
+    let mut args = vec![
+        format!("--namespace={namespace}"),
+        format!("--queues={}", opts.queue),
+        format!("--slots={}", opts.slots),
+        format!("--identity={identity}"),
+        format!("--drain-grace-seconds={}", opts.drain_grace_seconds),
+        format!("--pg-url={}", pg_url()?),
+    ];
+    if let Some(kc) = &opts.kubeconfig {
+        args.push(format!("--kubeconfig={}", kc.display()));
+    }
+    let env = vec![(
+        "RUST_LOG".into(),
+        "info,kube=warn,batchlease_worker_sdk=debug".into(),
+    )];
+    Process::start(
+        binary()?,
+        namespace,
+        &format!("worker-{identity}"),
+        args,
+        env,
+    )
+}

@@ -1,0 +1,522 @@
+//! The worker SDK end to end: real control plane, real operator, real demo
+//! workers (processes), real PostgreSQL.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::process::Process;
+use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+use batchlease_e2e::tasks::{self, lease_phase, wait_lease, wait_phase, wait_task};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use batchlease_worker_sdk::postgres::FencedStore;
+use batchlease_worker_sdk::{Error as SdkError, Fence, KillClock, WorkerMetrics};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams};
+use serde_json::json;
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(60);
+
+async fn setup(prefix: &str) -> (TestNamespace, Operator, tokio_postgres::Client) {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace(prefix).await.unwrap();
+    let op = Operator::start(&ns.name, "op").unwrap();
+    op.wait_leading(T).await.unwrap();
+    let db = pg::connect().await.unwrap();
+    (ns, op, db)
+}
+
+fn logs(op: &Operator, workers: &[&Process]) -> String {
+    let mut out = op.logs();
+    for w in workers {
+        out.push_str(&w.logs());
+    }
+    out
+}
+
+#[tokio::test]
+async fn fifty_tasks_three_workers_all_succeed_with_their_tokens_in_postgres() {
+    let (ns, op, db) = setup("fifty").await;
+    let opts = WorkerOpts {
+        slots: 4,
+        ..Default::default()
+    };
+    let w: Vec<Process> = (1..=3)
+        .map(|i| workers::start(&ns.name, &format!("w{i}"), &opts).unwrap())
+        .collect();
+    for i in 0..50 {
+        tasks::create(
+            &ns,
+            &format!("t{i:02}"),
+            json!({"queue": "demo", "payload": {"steps": 2, "stepMillis": 50}}),
+        )
+        .await
+        .unwrap();
+    }
+    let refs: Vec<&Process> = w.iter().collect();
+    for i in 0..50 {
+        wait_phase(
+            &ns,
+            &format!("t{i:02}"),
+            TaskPhase::Succeeded,
+            Duration::from_secs(120),
+            || logs(&op, &refs),
+        )
+        .await
+        .unwrap();
+    }
+    let mut by_worker = std::collections::BTreeMap::<String, usize>::new();
+    for t in ns
+        .api::<BatchTask>()
+        .list(&Default::default())
+        .await
+        .unwrap()
+    {
+        let st = t.status.clone().unwrap();
+        let (token, payload) = pg::row(&db, &ns.name, &t.name_any())
+            .await
+            .unwrap()
+            .expect("row committed");
+        assert_eq!(
+            token,
+            st.fencing_token,
+            "{}: row token vs. the attempt that completed",
+            t.name_any()
+        );
+        let holder = st.history.last().and_then(|h| h.holder.clone()).unwrap();
+        assert_eq!(
+            payload["worker"],
+            json!(holder),
+            "{}: the row is the completing worker's",
+            t.name_any()
+        );
+        *by_worker.entry(holder).or_default() += 1;
+    }
+    assert_eq!(by_worker.values().sum::<usize>(), 50);
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
+    let (ns, op, db) = setup("gcpause").await;
+    let leases: Api<TaskLease> = ns.api();
+    let opts = WorkerOpts {
+        slots: 1,
+        ..Default::default()
+    };
+    let zombie = workers::start(&ns.name, "zombie", &opts).unwrap();
+    let payload = json!({"steps": 30, "stepMillis": 200});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 5, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_task(
+        &ns,
+        "job",
+        "held by zombie",
+        T,
+        || logs(&op, &[&zombie]),
+        |t| t.status.as_ref().and_then(|s| s.holder.as_deref()) == Some("zombie"),
+    )
+    .await
+    .unwrap();
+
+    // A stop-the-world pause longer than the TTL.
+    zombie.signal("STOP").unwrap();
+    wait_lease(&ns, "job-1", LeasePhase::Expired, T, || {
+        logs(&op, &[&zombie])
+    })
+    .await
+    .unwrap();
+    let rescuer = workers::start(&ns.name, "rescuer", &opts).unwrap();
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || {
+        logs(&op, &[&zombie, &rescuer])
+    })
+    .await
+    .unwrap();
+    let (token, row) = pg::row(&db, &ns.name, "job").await.unwrap().unwrap();
+    assert_eq!((token, &row["worker"]), (2, &json!("rescuer")));
+
+    // The zombie wakes up. Its kill switch fires (the lease was last renewed
+    // long ago): nothing it does afterwards reaches PostgreSQL or the lease.
+    zombie.signal("CONT").unwrap();
+    wait_for(
+        "zombie's kill switch",
+        T,
+        || zombie.logs(),
+        || {
+            let text = zombie.log_text();
+            async move { Ok(text.contains("kill switch fired").then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    let (token, row) = pg::row(&db, &ns.name, "job").await.unwrap().unwrap();
+    assert_eq!(
+        (token, &row["worker"]),
+        (2, &json!("rescuer")),
+        "the row keeps the second worker's result"
+    );
+    let writes = pg::audit(&db, &ns.name, "job").await.unwrap();
+    assert_eq!(
+        writes,
+        [(2, "rescuer".to_owned())],
+        "the zombie never wrote"
+    );
+    let l1 = leases.get("job-1").await.unwrap();
+    assert_eq!(
+        lease_phase(&l1),
+        Some(LeasePhase::Expired),
+        "the zombie's lease stays expired"
+    );
+
+    // Layers below the SDK hold even for a zombie that skipped the kill
+    // switch: PostgreSQL refuses its token …
+    let (client, conn) =
+        tokio_postgres::connect(&workers::pg_url().unwrap(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let mut store = FencedStore::new(client, WorkerMetrics::default());
+    let stale = Fence::new(
+        1,
+        KillClock::new(Duration::from_secs(5), Instant::now(), None),
+    );
+    let err = store
+        .commit(
+            &stale,
+            &format!("{}/job", ns.name),
+            &json!({"worker": "zombie"}),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SdkError::Fenced {
+                token: 1,
+                current: 2
+            }
+        ),
+        "{err}"
+    );
+    // … and the API server refuses its completion.
+    let mut late = l1.clone();
+    late.status.as_mut().unwrap().phase = Some(LeasePhase::Completed);
+    let err = leases
+        .replace("job-1", &Default::default(), &late)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("is final"), "{err}");
+    // Its own earlier commit, replayed (same token), is an idempotent success.
+    let same = Fence::new(
+        2,
+        KillClock::new(Duration::from_secs(5), Instant::now(), None),
+    );
+    let again = store
+        .commit(
+            &same,
+            &format!("{}/job", ns.name),
+            &json!({"worker": "rescuer"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        batchlease_worker_sdk::postgres::Committed::AlreadyCommitted
+    );
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
+    let (ns, op, db) = setup("partition").await;
+    let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
+    let opts = WorkerOpts {
+        slots: 1,
+        kubeconfig: Some(kubeconfig),
+        ..Default::default()
+    };
+    let cut_off = workers::start(&ns.name, "cutoff", &opts).unwrap();
+    let ttl = Duration::from_secs(6);
+    let payload = json!({"steps": 100, "stepMillis": 200});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 6, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_task(
+        &ns,
+        "job",
+        "held",
+        T,
+        || logs(&op, &[&cut_off]),
+        |t| t.status.as_ref().and_then(|s| s.holder.as_deref()) == Some("cutoff"),
+    )
+    .await
+    .unwrap();
+    // Wait for one renewal through the proxy, then cut it right after.
+    let first = ns
+        .api::<TaskLease>()
+        .get("job-1")
+        .await
+        .unwrap()
+        .spec
+        .renew_time;
+    wait_for(
+        "a renewal",
+        T,
+        || cut_off.logs(),
+        || async {
+            let now = ns.api::<TaskLease>().get("job-1").await?.spec.renew_time;
+            Ok((now != first).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    proxy.cut();
+    let cut_at = Instant::now();
+    wait_for(
+        "kill switch after the partition",
+        T,
+        || cut_off.logs(),
+        || {
+            let text = cut_off.log_text();
+            async move { Ok(text.contains("kill switch fired").then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    let fired_after = cut_at.elapsed();
+    // The last successful renewal was sent before the cut: the switch fires
+    // no later than 2/3·TTL after it (plus the log poll's granularity).
+    assert!(
+        fired_after <= ttl * 2 / 3 + Duration::from_millis(500),
+        "fired {fired_after:?} after the cut"
+    );
+
+    // PostgreSQL stayed reachable, yet the cut-off worker writes nothing.
+    let rescuer = workers::start(
+        &ns.name,
+        "rescuer",
+        &WorkerOpts {
+            slots: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    wait_phase(
+        &ns,
+        "job",
+        TaskPhase::Succeeded,
+        Duration::from_secs(90),
+        || logs(&op, &[&cut_off, &rescuer]),
+    )
+    .await
+    .unwrap();
+    let writes = pg::audit(&db, &ns.name, "job").await.unwrap();
+    assert_eq!(
+        writes,
+        [(2, "rescuer".to_owned())],
+        "only the rescuer wrote"
+    );
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn checkpoint_survives_a_killed_attempt() {
+    let (ns, op, _db) = setup("checkpoint").await;
+    let opts = WorkerOpts {
+        slots: 1,
+        ..Default::default()
+    };
+    let mut first = workers::start(&ns.name, "first", &opts).unwrap();
+    let payload = json!({"steps": 12, "stepMillis": 400});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 5, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    // Progress travels with the renewals: wait until the lease shows step ≥ 3.
+    let leases: Api<TaskLease> = ns.api();
+    wait_for(
+        "checkpoint step >= 3",
+        T,
+        || logs(&op, &[&first]),
+        || async {
+            let l = leases.get_opt("job-1").await?;
+            let step = l
+                .and_then(|l| l.status)
+                .and_then(|s| s.checkpoint)
+                .and_then(|c| c["step"].as_u64());
+            Ok(step.filter(|s| *s >= 3))
+        },
+    )
+    .await
+    .unwrap();
+    first.kill();
+    let second = workers::start(&ns.name, "second", &opts).unwrap();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || {
+        logs(&op, &[&second])
+    })
+    .await
+    .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.fencing_token, 2);
+    let resumed = st.result.unwrap()["resumedFrom"].as_u64().unwrap();
+    assert!(resumed >= 3, "attempt 2 started from step {resumed}");
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn sigterm_drains_releases_interrupted_and_spends_no_retry() {
+    let (ns, op, _db) = setup("drain").await;
+    let opts = WorkerOpts {
+        slots: 1,
+        drain_grace_seconds: 1,
+        ..Default::default()
+    };
+    let draining = workers::start(&ns.name, "draining", &opts).unwrap();
+    let payload = json!({"steps": 200, "stepMillis": 100});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "maxRetries": 0, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Running, T, || {
+        logs(&op, &[&draining])
+    })
+    .await
+    .unwrap();
+    draining.signal("TERM").unwrap();
+    let l = wait_lease(&ns, "job-1", LeasePhase::Completed, T, || {
+        logs(&op, &[&draining])
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        l.status.unwrap().outcome,
+        Some(batchlease_api::LeaseOutcome::Interrupted)
+    );
+    // Offered again at once, retry budget untouched (maxRetries is 0).
+    wait_lease(&ns, "job-2", LeasePhase::Offered, T, || {
+        logs(&op, &[&draining])
+    })
+    .await
+    .unwrap();
+    let st = ns
+        .api::<BatchTask>()
+        .get("job")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(st.attempts, 0);
+    assert_eq!(st.history.last().unwrap().outcome, "Interrupted");
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn permanent_error_dead_letters_immediately() {
+    let (ns, op, db) = setup("permanent").await;
+    let w = workers::start(&ns.name, "w", &WorkerOpts::default()).unwrap();
+    let payload = json!({"steps": 1, "stepMillis": 10, "permanentFailure": true});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "maxRetries": 5, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    let t = wait_phase(&ns, "job", TaskPhase::DeadLettered, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    let st = t.status.unwrap();
+    assert_eq!((st.attempts, st.fencing_token), (1, 1));
+    assert_eq!(st.last_failure.unwrap().reason, "DemoPermanent");
+    assert!(
+        pg::row(&db, &ns.name, "job").await.unwrap().is_none(),
+        "nothing committed"
+    );
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases() {
+    let (ns, op, db) = setup("delete").await;
+    let w = workers::start(
+        &ns.name,
+        "w",
+        &WorkerOpts {
+            slots: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let payload = json!({"steps": 200, "stepMillis": 100});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 6, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Running, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    ns.api::<BatchTask>()
+        .delete("job", &DeleteParams::background())
+        .await
+        .unwrap();
+    // The garbage collector removes the lease; the next renewal finds it gone.
+    let leases: Api<TaskLease> = ns.api();
+    wait_for(
+        "leases garbage-collected",
+        T,
+        || logs(&op, &[&w]),
+        || async {
+            Ok(leases
+                .list(&Default::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "kill switch on the lost lease",
+        T,
+        || w.logs(),
+        || {
+            let text = w.log_text();
+            async move {
+                Ok(
+                    (text.contains("kill switch fired") && text.contains("lease_lost"))
+                        .then_some(()),
+                )
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(pg::row(&db, &ns.name, "job").await.unwrap().is_none());
+    ns.cleanup().await.unwrap();
+}

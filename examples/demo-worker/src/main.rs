@@ -1,0 +1,184 @@
+//! `batchlease-demo-worker`: works through a task in steps, recording a
+//! checkpoint after each (so a retry resumes where the last attempt got),
+//! then commits its result to PostgreSQL under the attempt's fence.
+//!
+//! Payload: `{"steps": 5, "stepMillis": 200, "failureRate": 0.0,
+//! "permanentFailure": false}`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use batchlease_worker_sdk::postgres::{FencedStore, migrate};
+use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
+use clap::Parser;
+use rand::Rng;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::Mutex;
+use tracing::info;
+
+/// Flags (each also an environment variable).
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Namespace whose tasks to run.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// Queues to serve (comma-separated).
+    #[arg(
+        long,
+        env = "BATCHLEASE_QUEUES",
+        value_delimiter = ',',
+        default_value = "demo"
+    )]
+    queues: Vec<String>,
+    /// Attempts run at once.
+    #[arg(long, env = "BATCHLEASE_SLOTS", default_value_t = 2)]
+    slots: usize,
+    /// Holder identity (default: POD_NAME or host name, plus a random suffix).
+    #[arg(long, env = "BATCHLEASE_IDENTITY")]
+    identity: Option<String>,
+    /// PostgreSQL connection string for the fenced store.
+    #[arg(long, env = "BATCHLEASE_PG_URL")]
+    pg_url: String,
+    /// Seconds running handlers may finish after SIGTERM.
+    #[arg(long, env = "BATCHLEASE_DRAIN_GRACE_SECONDS", default_value_t = 10)]
+    drain_grace_seconds: u64,
+    /// Kubeconfig file (default: KUBECONFIG, then in-cluster).
+    #[arg(long, env = "BATCHLEASE_KUBECONFIG")]
+    kubeconfig: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Payload {
+    #[serde(default = "five")]
+    steps: u64,
+    #[serde(default = "two_hundred")]
+    step_millis: u64,
+    #[serde(default)]
+    failure_rate: f64,
+    #[serde(default)]
+    permanent_failure: bool,
+}
+
+fn five() -> u64 {
+    5
+}
+fn two_hundred() -> u64 {
+    200
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn")),
+        )
+        .init();
+    let args = Args::parse();
+    let client = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)?;
+            kube::Client::try_from(
+                kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?,
+            )?
+        }
+        None => kube::Client::try_default().await?,
+    };
+    let (pg, conn) = tokio_postgres::connect(&args.pg_url, tokio_postgres::NoTls)
+        .await
+        .context("connecting to PostgreSQL")?;
+    tokio::spawn(conn);
+    migrate(&pg).await?;
+
+    let mut builder = WorkerBuilder::new(client, &args.namespace)
+        .slots(args.slots)
+        .drain_grace(Duration::from_secs(args.drain_grace_seconds));
+    for q in &args.queues {
+        builder = builder.queue(q);
+    }
+    if let Some(id) = &args.identity {
+        builder = builder.identity(id);
+    }
+    let store = Arc::new(Mutex::new(FencedStore::new(pg, builder.metrics().clone())));
+    let worker = builder.build()?;
+    let identity = worker.identity().to_owned();
+    info!(%identity, "demo worker starting");
+    worker
+        .run(
+            move |ctx| {
+                let (store, identity) = (store.clone(), identity.clone());
+                async move { work(ctx, store, identity).await }
+            },
+            shutdown(),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn work(
+    ctx: TaskContext,
+    store: Arc<Mutex<FencedStore>>,
+    identity: String,
+) -> Result<Output, TaskError> {
+    let p: Payload = ctx.payload()?;
+    let from = ctx
+        .previous_checkpoint()
+        .and_then(|c| c["step"].as_u64())
+        .unwrap_or(0);
+    info!(
+        task = ctx.task_name(),
+        token = ctx.fencing_token(),
+        from,
+        steps = p.steps,
+        "working"
+    );
+    for step in from..p.steps {
+        // The "work" of this demo is waiting; a real worker computes here.
+        tokio::time::sleep(Duration::from_millis(p.step_millis)).await;
+        ctx.checkpoint(json!({"step": step + 1}));
+    }
+    if p.permanent_failure {
+        return Err(
+            TaskError::permanent("the payload asks for a permanent failure")
+                .with_reason("DemoPermanent"),
+        );
+    }
+    if rand::rng().random::<f64>() < p.failure_rate {
+        return Err(TaskError::retryable("simulated flaky failure").with_reason("DemoFlaky"));
+    }
+    let task_id = format!("{}/{}", ctx.namespace(), ctx.task_name());
+    let row = json!({"worker": identity, "token": ctx.fencing_token(), "steps": p.steps, "resumedFrom": from});
+    let committed = store.lock().await.commit(ctx.fence(), &task_id, &row).await;
+    match committed {
+        Ok(c) => info!(
+            task = ctx.task_name(),
+            token = ctx.fencing_token(),
+            ?c,
+            "committed"
+        ),
+        Err(e) => {
+            tracing::error!(task = ctx.task_name(), token = ctx.fencing_token(), error = %e, kind = e.kind(), "commit rejected");
+            return Err(e.into());
+        }
+    }
+    Ok(Output::json(
+        json!({"worker": identity, "resumedFrom": from}),
+    ))
+}
+
+async fn shutdown() {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    info!("SIGTERM: draining");
+}
