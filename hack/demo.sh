@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # The README's "run it locally" command: starts a local control plane (real
-# etcd, kube-apiserver, kube-controller-manager built from Go modules),
-# installs the CRDs, applies the sample tasks from examples/ and shows them
-# with kubectl. Keeps running until Ctrl-C (or exits at once with
-# DEMO_EXIT=1), then stops everything it started.
-#
-# Stage: the operator runs; the demo workers come with the worker SDK, so
-# the tasks wait with their leases Offered.
+# etcd, kube-apiserver, kube-controller-manager built from Go modules), a
+# throwaway PostgreSQL, the operator and two demo workers, applies the sample
+# tasks from examples/ and shows them finishing. Keeps running until Ctrl-C
+# (or exits once the tasks are done with DEMO_EXIT=1), then stops everything.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -15,32 +12,46 @@ LOG_TAG=demo
 . hack/env.sh
 
 hack/deps.sh
+cargo build -q -p batchlease-operator -p batchlease-demo-worker
+bin=$CARGO_TARGET_DIR/debug
 run_dir=$(mktemp -d /tmp/batchlease-demo.XXXXXX)
+chmod 755 "$run_dir"
+pids=()
 cleanup() {
-  [ -f "$run_dir/operator.pid" ] && kill "$(cat "$run_dir/operator.pid")" 2>/dev/null
+  trap - EXIT INT TERM
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   e2e/controlplane/down.sh "$run_dir/cp" || true
+  e2e/postgres/down.sh "$run_dir/pg" || true
   rm -rf "$run_dir"
 }
 trap cleanup EXIT INT TERM
 e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
+e2e/postgres/up.sh "$run_dir/pg" >/dev/null
 . "$run_dir/cp/env"
+. "$run_dir/pg/env"
 
 kubectl apply --server-side -f crds/
 kubectl wait --for=condition=Established --timeout=60s crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev
 kubectl create namespace demo
-cargo build -q -p batchlease-operator
-"$CARGO_TARGET_DIR/debug/batchlease-operator" --namespaces=demo --leader-lease-namespace=demo \
+"$bin/batchlease-operator" --namespaces=demo --leader-lease-namespace=demo \
   --metrics-addr=127.0.0.1:0 >"$run_dir/operator.log" 2>&1 &
-echo $! > "$run_dir/operator.pid"
+pids+=($!)
+for w in 1 2; do
+  "$bin/batchlease-demo-worker" --namespace=demo --queues=demo --slots=2 --identity="demo-worker-$w" \
+    >"$run_dir/worker-$w.log" 2>&1 &
+  pids+=($!)
+done
 kubectl apply -n demo -f examples/
-kubectl wait -n demo --for=jsonpath='{.status.phase}'=Ready --timeout=60s batchtask --all
+log "waiting for the sample tasks (a flaky one may retry)…"
+kubectl wait -n demo --for=jsonpath='{.status.phase}'=Succeeded --timeout=180s batchtask --all || true
 echo
 kubectl get batchtasks -n demo
 kubectl get taskleases -n demo
 echo
-log "control plane is up. In another shell:"
+psql "$BATCHLEASE_PG_URL" -c 'SELECT task_id, last_fencing_token AS token, payload->>'"'"'worker'"'"' AS worker FROM task_state ORDER BY task_id'
+log "In another shell:"
 log "  export KUBECONFIG=$KUBECONFIG PATH=$(dirname "$BATCHLEASE_KUBECTL"):\$PATH"
-log "  kubectl get bt,tl -n demo        (operator log: $run_dir/operator.log)"
+log "  kubectl get bt,tl -n demo      (logs: $run_dir/*.log)"
 [ "${DEMO_EXIT:-0}" = 1 ] && exit 0
 log "Ctrl-C stops it."
-while kill -0 "$(cat "$run_dir/cp/run/kube-apiserver.pid")" 2>/dev/null; do sleep 2; done
+while kill -0 "${pids[0]}" 2>/dev/null; do sleep 2; done

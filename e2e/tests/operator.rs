@@ -276,12 +276,12 @@ async fn silent_holder_expires_after_ttl_and_the_zombie_is_fenced() {
 async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     let (ns, op) = setup("deadletter").await;
     let leases: Api<TaskLease> = ns.api();
-    let spec = json!({"queue": "q", "maxRetries": 2,
+    let spec = json!({"queue": "q", "maxRetries": 3,
                       "backoff": {"initialSeconds": 1, "maxSeconds": 2, "multiplier": 2}});
     tasks::create(&ns, "job", spec).await.unwrap();
 
     let mut delays = Vec::new();
-    for token in 1..=3 {
+    for token in 1..=4 {
         let name = format!("job-{token}");
         let offered = wait_lease(&ns, &name, LeasePhase::Offered, T, || op.logs())
             .await
@@ -307,7 +307,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
         let st = settled.status.unwrap();
         let failure = st.last_failure.clone().unwrap();
         assert_eq!((failure.reason.as_str(), failure.attempt), ("Boom", token));
-        if token < 3 {
+        if token < 4 {
             assert_eq!(st.phase, Some(TaskPhase::Pending));
             let after = st.next_attempt_after.unwrap().0;
             delays.push(after.duration_since(failure.time.0).as_secs_f64());
@@ -328,13 +328,19 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
             );
         } else {
             assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
-            assert_eq!(st.history.len(), 3);
+            assert_eq!(st.history.len(), 4);
             assert!(st.history.iter().all(|h| h.outcome == "Failed"));
         }
     }
-    // initial·2^n capped at maxSeconds, plus jitter in [0, delay/2].
-    assert!((1.0..=1.5).contains(&delays[0]), "{delays:?}");
+    // initial·2^n capped at maxSeconds, plus jitter in [0, delay/2]: 1–1.5 s,
+    // 2–3 s, then capped at 2–3 s (4–6 s uncapped). Status times have
+    // one-second resolution, so each bound widens by a second.
+    assert!((1.0..=2.0).contains(&delays[0]), "{delays:?}");
     assert!((2.0..=3.0).contains(&delays[1]), "{delays:?}");
+    assert!(
+        (2.0..=3.0).contains(&delays[2]),
+        "maxSeconds not respected: {delays:?}"
+    );
     let reasons = event_reasons(&ns, "job").await.unwrap();
     assert!(reasons.iter().any(|r| r == "DeadLettered"), "{reasons:?}");
     assert_eq!(
@@ -353,7 +359,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
         )
         .await
         .unwrap();
-    let offered = wait_lease(&ns, "job-4", LeasePhase::Offered, T, || op.logs())
+    let offered = wait_lease(&ns, "job-5", LeasePhase::Offered, T, || op.logs())
         .await
         .unwrap();
     let st = ns
@@ -397,7 +403,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     )
     .await
     .unwrap();
-    assert_eq!(names, ["job-1", "job-2", "job-3", "job-4"]);
+    assert_eq!(names, ["job-2", "job-3", "job-4", "job-5"], "job-1 pruned");
     ns.cleanup().await.unwrap();
 }
 
