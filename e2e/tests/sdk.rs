@@ -301,9 +301,10 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     .unwrap();
     let fired_after = cut_at.elapsed();
     // The last successful renewal was sent before the cut: the switch fires
-    // no later than 2/3·TTL after it (plus the log poll's granularity).
+    // no later than 2/3·TTL after it (plus a second for the log poll and
+    // scheduling on a loaded 2-core machine).
     assert!(
-        fired_after <= ttl * 2 / 3 + Duration::from_millis(500),
+        fired_after <= ttl * 2 / 3 + Duration::from_secs(1),
         "fired {fired_after:?} after the cut"
     );
 
