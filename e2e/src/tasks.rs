@@ -61,6 +61,25 @@ pub async fn wait_phase(
     .await
 }
 
+/// Waits until task `name` is held by worker `holder`.
+pub async fn wait_holder(
+    ns: &TestNamespace,
+    name: &str,
+    holder: &str,
+    timeout: Duration,
+    extra: impl FnOnce() -> String,
+) -> anyhow::Result<BatchTask> {
+    wait_task(
+        ns,
+        name,
+        &format!("held by {holder}"),
+        timeout,
+        extra,
+        |t| t.status.as_ref().and_then(|s| s.holder.as_deref()) == Some(holder),
+    )
+    .await
+}
+
 /// Waits until lease `name` exists and is in `phase`.
 pub async fn wait_lease(
     ns: &TestNamespace,

@@ -9,7 +9,7 @@ use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
-use batchlease_e2e::tasks::{self, lease_phase, wait_lease, wait_phase, wait_task};
+use batchlease_e2e::tasks::{self, lease_phase, wait_holder, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
 use batchlease_worker_sdk::postgres::FencedStore;
@@ -117,16 +117,9 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     )
     .await
     .unwrap();
-    wait_task(
-        &ns,
-        "job",
-        "held by zombie",
-        T,
-        || logs(&op, &[&zombie]),
-        |t| t.status.as_ref().and_then(|s| s.holder.as_deref()) == Some("zombie"),
-    )
-    .await
-    .unwrap();
+    wait_holder(&ns, "job", "zombie", T, || logs(&op, &[&zombie]))
+        .await
+        .unwrap();
 
     // A stop-the-world pause longer than the TTL.
     zombie.signal("STOP").unwrap();
@@ -257,16 +250,9 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     )
     .await
     .unwrap();
-    wait_task(
-        &ns,
-        "job",
-        "held",
-        T,
-        || logs(&op, &[&cut_off]),
-        |t| t.status.as_ref().and_then(|s| s.holder.as_deref()) == Some("cutoff"),
-    )
-    .await
-    .unwrap();
+    wait_holder(&ns, "job", "cutoff", T, || logs(&op, &[&cut_off]))
+        .await
+        .unwrap();
     // Wait for one renewal through the proxy, then cut it right after.
     let first = ns
         .api::<TaskLease>()

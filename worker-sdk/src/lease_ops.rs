@@ -29,6 +29,22 @@ pub fn held_by(lease: &TaskLease, holder: &str) -> bool {
         && lease.spec.holder_identity.as_deref() == Some(holder)
 }
 
+/// Re-reads a lease after a conflict: `Some(fresh)` while it is still held
+/// by `holder`, `None` once it is not (or is gone).
+async fn still_ours(
+    api: &Api<TaskLease>,
+    name: &str,
+    holder: &str,
+) -> Result<Option<TaskLease>, Error> {
+    match api.get_opt(name).await {
+        Ok(fresh) => Ok(fresh.filter(|f| held_by(f, holder))),
+        Err(source) => Err(Error::Kube {
+            what: "re-read after conflict",
+            source,
+        }),
+    }
+}
+
 /// Claims an `Offered` lease. `Ok(None)`: another worker won (409) or the
 /// offer is gone.
 pub async fn claim(
@@ -71,10 +87,10 @@ pub async fn renew(
         Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => {
             // Someone wrote after our copy. Only the operator writes a held
             // lease besides us, and only to end it — but look before leaping.
-            match api.get_opt(&l.name_any()).await {
-                Ok(Some(fresh)) if held_by(&fresh, holder) => {
-                    // Still ours (e.g. our own earlier write whose answer was
-                    // lost): retry on the fresh copy right away.
+            match still_ours(api, &l.name_any(), holder).await? {
+                // Still ours (e.g. our own earlier write whose answer was
+                // lost): retry on the fresh copy right away.
+                Some(fresh) => {
                     Box::pin(renew(
                         api,
                         &fresh,
@@ -83,12 +99,7 @@ pub async fn renew(
                     ))
                     .await
                 }
-                Ok(Some(_)) => Ok(Renewal::Lost("lease no longer held by us")),
-                Ok(None) => Ok(Renewal::Lost("lease deleted")),
-                Err(source) => Err(Error::Kube {
-                    what: "renewal re-read",
-                    source,
-                }),
+                None => Ok(Renewal::Lost("lease no longer held by us")),
             }
         }
         Err(source) => Err(Error::Kube {
@@ -130,31 +141,20 @@ pub async fn complete(
         if c.checkpoint.is_some() {
             st.checkpoint = c.checkpoint.clone();
         }
+        let rejected = |s| Error::Rejected {
+            what: "completion",
+            lease: l.name_any(),
+            source: kube::Error::Api(s),
+        };
         match api.replace(&l.name_any(), &PostParams::default(), &l).await {
             Ok(_) => return Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => match api.get_opt(&l.name_any()).await {
-                Ok(Some(fresh)) if held_by(&fresh, holder) => current = fresh,
-                Ok(_) => {
-                    return Err(Error::Rejected {
-                        what: "completion",
-                        lease: l.name_any(),
-                        source: kube::Error::Api(s),
-                    });
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                match still_ours(api, &l.name_any(), holder).await? {
+                    Some(fresh) => current = fresh,
+                    None => return Err(rejected(s)),
                 }
-                Err(source) => {
-                    return Err(Error::Kube {
-                        what: "completion re-read",
-                        source,
-                    });
-                }
-            },
-            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 => {
-                return Err(Error::Rejected {
-                    what: "completion",
-                    lease: l.name_any(),
-                    source: kube::Error::Api(s),
-                });
             }
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 => return Err(rejected(s)),
             Err(source) => {
                 return Err(Error::Kube {
                     what: "completion",
