@@ -52,3 +52,32 @@ pub fn ok(args: &[&str]) -> anyhow::Result<String> {
     );
     Ok(out.stdout)
 }
+
+/// A kubeconfig that authenticates as ServiceAccount `sa` of `namespace`
+/// with a fresh token (TokenRequest), against the same server and CA as
+/// `KUBECONFIG`. Written to `dir`.
+pub fn service_account_kubeconfig(
+    namespace: &str,
+    sa: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<std::path::PathBuf> {
+    let token = ok(&["create", "token", sa, "-n", namespace, "--duration=1h"])?;
+    let admin = std::fs::read_to_string(std::env::var("KUBECONFIG")?)?;
+    let field = |key: &str| {
+        admin
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(key).map(|v| v.trim().to_owned()))
+            .ok_or_else(|| anyhow::anyhow!("no {key} in KUBECONFIG"))
+    };
+    let (server, ca) = (field("server:")?, field("certificate-authority:")?);
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\n\
+         users:\n- name: {sa}\n  user:\n    token: {}\ncontexts:\n- name: {sa}\n  context: {{cluster: e2e, user: {sa}, namespace: {namespace}}}\n\
+         current-context: {sa}\n",
+        token.trim()
+    );
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("kubeconfig-{sa}"));
+    std::fs::write(&path, text)?;
+    Ok(path)
+}

@@ -36,8 +36,13 @@ impl Operator {
     /// Starts replica `name` watching `namespace`, electing a leader on a
     /// Lease in that namespace (short TTLs so hand-over is quick in tests).
     pub fn start(namespace: &str, name: &str) -> anyhow::Result<Self> {
+        Self::start_with(namespace, name, Vec::new())
+    }
+
+    /// Like [`Operator::start`], with extra flags (e.g. `--kubeconfig`).
+    pub fn start_with(namespace: &str, name: &str, extra: Vec<String>) -> anyhow::Result<Self> {
         let port = free_port()?;
-        let args = vec![
+        let mut args = vec![
             format!("--namespaces={namespace}"),
             format!("--metrics-addr=127.0.0.1:{port}"),
             "--leader-election=true".into(),
@@ -47,6 +52,7 @@ impl Operator {
             "--leader-grace-seconds=2".into(),
             format!("--identity={name}"),
         ];
+        args.extend(extra);
         let env = vec![(
             "RUST_LOG".into(),
             "info,kube=warn,batchlease_operator=debug".into(),

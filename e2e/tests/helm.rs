@@ -1,9 +1,19 @@
-//! The Helm chart carries exactly the generated CRDs, and the real helm
-//! (built by `e2e/controlplane/build.sh`) accepts it.
+//! The Helm chart: it lints, carries exactly the generated CRDs, installs
+//! with the real helm, and its RBAC is both sufficient (the operator and a
+//! worker run end to end on the chart's ServiceAccount permissions) and
+//! least-privilege (what they must not do, they cannot).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
+use std::time::Duration;
+
+use batchlease_api::TaskPhase;
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::tasks::{self, wait_phase};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, kubectl, pg};
+use serde_json::json;
 
 fn helm(args: &[&str]) -> String {
     let bin = std::env::var("BATCHLEASE_HELM").expect("BATCHLEASE_HELM unset: run hack/test.sh");
@@ -42,4 +52,132 @@ fn chart_lints_and_ships_the_generated_crds() {
             "chart's {file} differs from crds/{file}"
         );
     }
+}
+
+/// `kubectl auth can-i VERB RESOURCE` as `sa` in `ns`.
+fn can(ns: &str, sa: &str, verb: &str, resource: &str, in_ns: &str) -> bool {
+    let who = format!("--as=system:serviceaccount:{ns}:{sa}");
+    let mut args = vec!["auth", "can-i", verb, "-n", in_ns, &who];
+    let sub;
+    match resource.split_once('/') {
+        Some((res, subresource)) => {
+            sub = format!("--subresource={subresource}");
+            args.extend([res, sub.as_str()]);
+        }
+        None => args.push(resource),
+    }
+    let out = kubectl::run(&args).unwrap();
+    out.stdout.trim() == "yes"
+}
+
+#[tokio::test]
+async fn helm_install_rbac_is_sufficient_and_least_privilege() {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("helm").await.unwrap();
+    let n = ns.name.as_str();
+    let release = format!("r{}", &n[n.len() - 6..]);
+    let watch = format!("watchNamespaces={{{n}}}");
+    helm(&[
+        "install",
+        &release,
+        "charts/batchlease-operator",
+        "-n",
+        n,
+        "--set",
+        &watch,
+        "--wait=false",
+    ]);
+    let sa = format!("{release}-batchlease-operator");
+    let deploy = kubectl::ok(&[
+        "get",
+        "deployment",
+        &sa,
+        "-n",
+        n,
+        "-o",
+        "jsonpath={.spec.replicas} {.spec.template.spec.serviceAccountName}",
+    ])
+    .unwrap();
+    assert_eq!(deploy, format!("2 {sa}"));
+    kubectl::ok(&["get", "service", &format!("{sa}-metrics"), "-n", n]).unwrap();
+
+    // Least privilege.
+    let yes = [
+        ("update", "batchtasks.batchlease.dev/status", n),
+        ("watch", "batchtasks.batchlease.dev", n),
+        ("create", "taskleases.batchlease.dev", n),
+        ("create", "events.events.k8s.io", n),
+    ];
+    let no = [
+        ("update", "batchtasks.batchlease.dev", n),
+        ("delete", "batchtasks.batchlease.dev", n),
+        ("get", "secrets", n),
+        ("create", "pods", n),
+        ("list", "taskleases.batchlease.dev", "default"),
+        ("delete", "leases.coordination.k8s.io", n),
+    ];
+    for (verb, res, in_ns) in yes {
+        assert!(
+            can(n, &sa, verb, res, in_ns),
+            "operator cannot {verb} {res} in {in_ns}"
+        );
+    }
+    for (verb, res, in_ns) in no {
+        assert!(
+            !can(n, &sa, verb, res, in_ns),
+            "operator may {verb} {res} in {in_ns}"
+        );
+    }
+
+    // Sufficient: run the operator and a worker on those identities only.
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{n}"));
+    let op_kc = kubectl::service_account_kubeconfig(n, &sa, &dir).unwrap();
+    let op = Operator::start_with(
+        n,
+        "sa-op",
+        vec![format!("--kubeconfig={}", op_kc.display())],
+    )
+    .unwrap();
+    op.wait_leading(Duration::from_secs(30)).await.unwrap();
+    kubectl::ok(&["create", "serviceaccount", "worker", "-n", n]).unwrap();
+    kubectl::ok(&[
+        "create",
+        "rolebinding",
+        "worker",
+        "-n",
+        n,
+        &format!("--clusterrole={release}-batchlease-operator-worker"),
+        &format!("--serviceaccount={n}:worker"),
+    ])
+    .unwrap();
+    assert!(
+        !can(n, "worker", "update", "batchtasks.batchlease.dev/status", n),
+        "workers never write task status"
+    );
+    let worker_kc = kubectl::service_account_kubeconfig(n, "worker", &dir).unwrap();
+    let _db = pg::connect().await.unwrap();
+    let opts = WorkerOpts {
+        kubeconfig: Some(worker_kc),
+        ..Default::default()
+    };
+    let worker = workers::start(n, "sa-worker", &opts).unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    wait_phase(
+        &ns,
+        "job",
+        TaskPhase::Succeeded,
+        Duration::from_secs(60),
+        || format!("{}{}", op.logs(), worker.logs()),
+    )
+    .await
+    .unwrap();
+    assert!(!op.logs().contains("403"), "{}", op.logs());
+    helm(&["uninstall", &release, "-n", n]);
+    ns.cleanup().await.unwrap();
 }
