@@ -67,6 +67,11 @@ impl Operator {
         })
     }
 
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
+    }
+
     /// SIGKILL: the process dies between whatever two writes it was doing.
     pub fn kill(&mut self) {
         self.process.kill();

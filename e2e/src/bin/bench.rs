@@ -1,0 +1,189 @@
+//! Throughput and scale benchmark, run by `hack/bench.sh` against the local
+//! control plane. Reports ratios measured side by side in one run:
+//!
+//! 1. raw API-server write throughput (ConfigMap creates, same concurrency);
+//! 2. end-to-end task throughput (operator + demo workers + PostgreSQL);
+//! 3. scale: N idle BatchTasks issued by one operator, and how quickly a
+//!    new task gets its lease while they exist, plus the operator's memory.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use anyhow::Context;
+use batchlease_api::{BatchTask, TaskPhase};
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::tasks::{phase_of, wait_phase};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use tokio::time::Instant;
+
+fn arg(name: &str, default: usize) -> usize {
+    let flag = format!("--{name}=");
+    std::env::args()
+        .find_map(|a| a.strip_prefix(&flag).and_then(|v| v.parse().ok()))
+        .unwrap_or(default)
+}
+
+async fn create_tasks(
+    ns: &TestNamespace,
+    prefix: &str,
+    n: usize,
+    queue: &str,
+    conc: usize,
+) -> anyhow::Result<()> {
+    let api: Api<BatchTask> = ns.api();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let t: BatchTask = serde_json::from_value(json!({
+                    "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
+                    "metadata": {"name": format!("{prefix}-{i:05}")},
+                    "spec": {"queue": queue, "payload": {"steps": 0, "stepMillis": 0}},
+                }))?;
+                api.create(&PostParams::default(), &t)
+                    .await
+                    .context("create task")?;
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(conc)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+async fn count_phase(ns: &TestNamespace, phase: TaskPhase) -> anyhow::Result<usize> {
+    let list = ns.api::<BatchTask>().list(&Default::default()).await?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|t| phase_of(t) == Some(phase))
+        .count())
+}
+
+fn rss_mib(pid: Option<u32>) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let raw_n = arg("raw", 2000);
+    let tasks_n = arg("tasks", 500);
+    let scale_n = arg("scale", 10_000);
+    let conc = arg("concurrency", 16);
+    let cluster = Cluster::with_crds().await?;
+    let mut report = String::new();
+
+    // 1. Raw API-server writes.
+    let ns = cluster.namespace("bench-raw").await?;
+    let cms: Api<ConfigMap> = ns.api();
+    let start = Instant::now();
+    futures::stream::iter(0..raw_n)
+        .map(|i| {
+            let cms = cms.clone();
+            async move {
+                let cm: ConfigMap = serde_json::from_value(json!({
+                    "apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": format!("cm-{i:05}")}, "data": {"k": "v"},
+                }))?;
+                cms.create(&PostParams::default(), &cm).await?;
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(conc)
+        .try_collect::<Vec<_>>()
+        .await?;
+    let raw_rate = raw_n as f64 / start.elapsed().as_secs_f64();
+    report.push_str(&format!(
+        "raw API writes: {raw_n} ConfigMap creates, concurrency {conc}: {raw_rate:.0} writes/s\n"
+    ));
+    ns.cleanup().await?;
+
+    // 2. End-to-end task throughput.
+    let ns = cluster.namespace("bench-e2e").await?;
+    let _db = pg::connect().await?;
+    let op = Operator::start(&ns.name, "op")?;
+    op.wait_leading(Duration::from_secs(60)).await?;
+    let opts = WorkerOpts {
+        slots: 8,
+        ..Default::default()
+    };
+    let w1 = workers::start(&ns.name, "bench-w1", &opts)?;
+    let w2 = workers::start(&ns.name, "bench-w2", &opts)?;
+    let start = Instant::now();
+    create_tasks(&ns, "t", tasks_n, "demo", conc).await?;
+    wait_for(
+        "all tasks succeeded",
+        Duration::from_secs(1800),
+        || format!("{}{}{}", op.logs(), w1.logs(), w2.logs()),
+        || async { Ok((count_phase(&ns, TaskPhase::Succeeded).await? == tasks_n).then_some(())) },
+    )
+    .await?;
+    let task_rate = tasks_n as f64 / start.elapsed().as_secs_f64();
+    report.push_str(&format!(
+        "end-to-end: {tasks_n} tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
+         ratio tasks/s ÷ raw writes/s: {:.3} (each task costs ≥ 7 API writes: create, init, issue, lease, claim, running, complete, settle)\n",
+        task_rate / raw_rate
+    ));
+    drop((w1, w2, op));
+    ns.cleanup().await?;
+
+    // 3. Scale: many idle tasks, one operator.
+    if scale_n > 0 {
+        let ns = cluster.namespace("bench-scale").await?;
+        let op = Operator::start(&ns.name, "op")?;
+        op.wait_leading(Duration::from_secs(60)).await?;
+        let start = Instant::now();
+        create_tasks(&ns, "idle", scale_n, "nobody", conc).await?;
+        let created = start.elapsed();
+        wait_for(
+            "all idle tasks issued",
+            Duration::from_secs(3600),
+            || op.logs(),
+            || async { Ok((count_phase(&ns, TaskPhase::Ready).await? == scale_n).then_some(())) },
+        )
+        .await?;
+        let issued = start.elapsed();
+        // Responsiveness with N tasks cached: a new task's lease.
+        let probe_start = Instant::now();
+        create_tasks(&ns, "probe", 1, "probe", 1).await?;
+        wait_phase(
+            &ns,
+            "probe-00000",
+            TaskPhase::Ready,
+            Duration::from_secs(120),
+            || op.logs(),
+        )
+        .await?;
+        let probe = probe_start.elapsed();
+        let rss = rss_mib(op.pid())
+            .map(|m| format!("{m:.0} MiB"))
+            .unwrap_or_else(|| "n/a".into());
+        report.push_str(&format!(
+            "scale: {scale_n} BatchTasks created in {:.1}s; all issued (Ready, lease Offered) after {:.1}s ({:.0} tasks/s); \
+             a new task got its lease {:.0} ms after creation with {scale_n} cached; operator RSS {rss}\n",
+            created.as_secs_f64(),
+            issued.as_secs_f64(),
+            scale_n as f64 / issued.as_secs_f64(),
+            probe.as_secs_f64() * 1000.0
+        ));
+        drop(op);
+        ns.cleanup().await?;
+    }
+    print!("{report}");
+    Ok(())
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Benchmarks (not part of CI): raw API-server write throughput vs. end-to-end
+# task throughput side by side, and one operator with many tasks. Release
+# builds, a fresh local control plane and PostgreSQL. Flags go to the bench:
+#   hack/bench.sh --raw=2000 --tasks=500 --scale=10000 --concurrency=16
+# Results: e2e/bench/RESULTS.md (append the printed block by hand, with the
+# command and the date).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+LOG_TAG=bench
+. e2e/lib/common.sh
+. hack/env.sh
+hack/deps.sh
+cargo build -q --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/release/batchlease-operator
+export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/release/batchlease-demo-worker
+run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)
+chmod 755 "$run_dir"
+cleanup() {
+  trap - EXIT INT TERM
+  e2e/controlplane/down.sh "$run_dir/cp" || true
+  e2e/postgres/down.sh "$run_dir/pg" || true
+  rm -rf "$run_dir"
+}
+trap cleanup EXIT INT TERM
+e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
+e2e/postgres/up.sh "$run_dir/pg" >/dev/null
+. "$run_dir/cp/env"
+. "$run_dir/pg/env"
+"$CARGO_TARGET_DIR/release/bench" "$@"
