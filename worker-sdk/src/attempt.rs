@@ -3,6 +3,8 @@
 //! only if the fence still allows it.
 
 use std::future::Future;
+
+use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,6 +67,9 @@ impl Attempt {
             pending_checkpoint: pending_checkpoint.clone(),
         };
         let done = CancellationToken::new();
+        // However this attempt ends — even dropped mid-way — the heartbeat
+        // stops with it: a lease must never outlive its work.
+        let _stop_heartbeat = done.clone().drop_guard();
         let heartbeat = tokio::spawn(heartbeat(
             self.api.clone(),
             self.identity.clone(),
@@ -75,8 +80,13 @@ impl Attempt {
             done.clone(),
         ));
         info!(lease = %lease_name, token, "attempt started");
+        // A panicking handler is a failed attempt, not a lease held forever.
+        let work = std::panic::AssertUnwindSafe(handler(ctx)).catch_unwind();
         let result = tokio::select! {
-            r = handler(ctx) => Some(r),
+            r = work => Some(r.unwrap_or_else(|_| {
+                error!(lease = %lease_name, token, "handler panicked");
+                Err(TaskError::retryable("the handler panicked").with_reason("HandlerPanicked"))
+            })),
             _ = self.fence.killed().cancelled() => None,
             // Drained: the handler is dropped and the lease released as
             // Interrupted, so the task is offered again at once.
@@ -341,6 +351,35 @@ mod tests {
         );
         assert!(dropped, "the handler's future was dropped");
         assert!(cancelled, "the cancellation token fired");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_attempt_stops_its_heartbeat() {
+        let fence = Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(30), Instant::now(), None),
+        );
+        let attempt = Attempt {
+            api: unreachable_api(),
+            identity: "me".into(),
+            lease: held_lease(),
+            task: BatchTask::new("t", BatchTaskSpec::for_queue("q")),
+            fence: fence.clone(),
+            metrics: WorkerMetrics::default(),
+            interrupt: CancellationToken::new(),
+        };
+        let run =
+            attempt.run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>());
+        // Drop the attempt mid-way (e.g. its task was aborted).
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), run)
+                .await
+                .is_err()
+        );
+        // The heartbeat saw `done` and ended: no kill switch ever fires for
+        // an attempt nobody runs any more, and nothing keeps renewing.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(fence.kill_reason(), None);
     }
 
     #[tokio::test(start_paused = true)]
