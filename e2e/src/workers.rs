@@ -24,6 +24,8 @@ pub struct WorkerOpts {
     pub drain_grace_seconds: u64,
     /// A kubeconfig other than `KUBECONFIG` (e.g. through a test proxy).
     pub kubeconfig: Option<std::path::PathBuf>,
+    /// Serve the SDK metrics on this loopback port.
+    pub metrics_port: Option<u16>,
 }
 
 impl Default for WorkerOpts {
@@ -33,6 +35,7 @@ impl Default for WorkerOpts {
             slots: 2,
             drain_grace_seconds: 10,
             kubeconfig: None,
+            metrics_port: None,
         }
     }
 }
@@ -47,6 +50,9 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
         format!("--drain-grace-seconds={}", opts.drain_grace_seconds),
         format!("--pg-url={}", pg_url()?),
     ];
+    if let Some(port) = opts.metrics_port {
+        args.push(format!("--metrics-addr=127.0.0.1:{port}"));
+    }
     if let Some(kc) = &opts.kubeconfig {
         args.push(format!("--kubeconfig={}", kc.display()));
     }
@@ -61,4 +67,17 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
         args,
         env,
     )
+}
+
+/// The value of a sample line of a demo worker's `/metrics`.
+pub async fn metric(port: u16, sample: &str) -> anyhow::Result<Option<f64>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await?;
+    Ok(body
+        .lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok())))
 }

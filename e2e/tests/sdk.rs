@@ -108,7 +108,12 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         slots: 1,
         ..Default::default()
     };
-    let zombie = workers::start(&ns.name, "zombie", &opts).unwrap();
+    let zombie_metrics = batchlease_e2e::operator::free_port().unwrap();
+    let zombie_opts = WorkerOpts {
+        metrics_port: Some(zombie_metrics),
+        ..opts.clone()
+    };
+    let zombie = workers::start(&ns.name, "zombie", &zombie_opts).unwrap();
     let payload = json!({"steps": 30, "stepMillis": 200});
     tasks::create(
         &ns,
@@ -157,6 +162,13 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         (2, &json!("rescuer")),
         "the row keeps the second worker's result"
     );
+    let fired = workers::metric(
+        zombie_metrics,
+        "batchlease_worker_kill_switch_total{reason=\"renewals_failed\"}",
+    )
+    .await
+    .unwrap();
+    assert_eq!(fired, Some(1.0), "kill switch counted in the SDK metrics");
     let writes = pg::audit(&db, &ns.name, "job").await.unwrap();
     assert_eq!(
         writes,

@@ -45,6 +45,9 @@ struct Args {
     /// Seconds running handlers may finish after SIGTERM.
     #[arg(long, env = "BATCHLEASE_DRAIN_GRACE_SECONDS", default_value_t = 10)]
     drain_grace_seconds: u64,
+    /// Serve the SDK's metrics on this address (`/metrics`), e.g. 0.0.0.0:9090.
+    #[arg(long, env = "BATCHLEASE_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// Kubeconfig file (default: KUBECONFIG, then in-cluster).
     #[arg(long, env = "BATCHLEASE_KUBECONFIG")]
     kubeconfig: Option<std::path::PathBuf>,
@@ -102,6 +105,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(id) = &args.identity {
         builder = builder.identity(id);
+    }
+    if let Some(addr) = args.metrics_addr {
+        let mut registry = prometheus_client::registry::Registry::default();
+        builder.metrics().register(&mut registry);
+        tokio::spawn(serve_metrics(addr, Arc::new(registry)));
     }
     let store = Arc::new(Mutex::new(FencedStore::new(pg, builder.metrics().clone())));
     let worker = builder.build()?;
@@ -168,6 +176,30 @@ async fn work(
     Ok(Output::json(
         json!({"worker": identity, "resumedFrom": from}),
     ))
+}
+
+/// `/metrics` in the Prometheus text format.
+async fn serve_metrics(
+    addr: std::net::SocketAddr,
+    registry: Arc<prometheus_client::registry::Registry>,
+) -> anyhow::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut body = String::new();
+                match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                    Ok(()) => (axum::http::StatusCode::OK, body),
+                    Err(_) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, String::new()),
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    info!(addr = %listener.local_addr()?, "serving /metrics");
+    axum::serve(listener, app).await?;
+    Ok(())
 }
 
 async fn shutdown() {
