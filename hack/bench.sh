@@ -12,7 +12,8 @@ LOG_TAG=bench
 . e2e/lib/common.sh
 . hack/env.sh
 hack/deps.sh
-cargo build -q --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+cargo build -q --release -p batchlease-operator -p batchlease-demo-worker
+cargo build -q --release -p batchlease-e2e --bin bench
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/release/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/release/batchlease-demo-worker
 run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)

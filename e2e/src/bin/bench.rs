@@ -108,9 +108,12 @@ async fn main() -> anyhow::Result<()> {
         .try_collect::<Vec<_>>()
         .await?;
     let raw_rate = raw_n as f64 / start.elapsed().as_secs_f64();
-    report.push_str(&format!(
-        "raw API writes: {raw_n} ConfigMap creates, concurrency {conc}: {raw_rate:.0} writes/s\n"
-    ));
+    emit(
+        &mut report,
+        &format!(
+            "raw API writes: {raw_n} ConfigMap creates, concurrency {conc}: {raw_rate:.0} writes/s\n"
+        ),
+    );
     ns.cleanup().await?;
 
     // 2. End-to-end task throughput.
@@ -134,11 +137,14 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let task_rate = tasks_n as f64 / start.elapsed().as_secs_f64();
-    report.push_str(&format!(
-        "end-to-end: {tasks_n} tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
+    emit(
+        &mut report,
+        &format!(
+            "end-to-end: {tasks_n} tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
          ratio tasks/s ÷ raw writes/s: {:.3} (each task costs ≥ 7 API writes: create, init, issue, lease, claim, running, complete, settle)\n",
-        task_rate / raw_rate
-    ));
+            task_rate / raw_rate
+        ),
+    );
     drop((w1, w2, op));
     ns.cleanup().await?;
 
@@ -173,17 +179,26 @@ async fn main() -> anyhow::Result<()> {
         let rss = rss_mib(op.pid())
             .map(|m| format!("{m:.0} MiB"))
             .unwrap_or_else(|| "n/a".into());
-        report.push_str(&format!(
-            "scale: {scale_n} BatchTasks created in {:.1}s; all issued (Ready, lease Offered) after {:.1}s ({:.0} tasks/s); \
+        emit(
+            &mut report,
+            &format!(
+                "scale: {scale_n} BatchTasks created in {:.1}s; all issued (Ready, lease Offered) after {:.1}s ({:.0} tasks/s); \
              a new task got its lease {:.0} ms after creation with {scale_n} cached; operator RSS {rss}\n",
-            created.as_secs_f64(),
-            issued.as_secs_f64(),
-            scale_n as f64 / issued.as_secs_f64(),
-            probe.as_secs_f64() * 1000.0
-        ));
+                created.as_secs_f64(),
+                issued.as_secs_f64(),
+                scale_n as f64 / issued.as_secs_f64(),
+                probe.as_secs_f64() * 1000.0
+            ),
+        );
         drop(op);
         ns.cleanup().await?;
     }
-    print!("{report}");
+    println!("\n--- results ---\n{report}");
     Ok(())
+}
+
+/// Prints a result line as soon as it is known, and keeps it for the summary.
+fn emit(report: &mut String, line: &str) {
+    print!("{line}");
+    report.push_str(line);
 }
