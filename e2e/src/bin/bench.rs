@@ -116,6 +116,21 @@ async fn main() -> anyhow::Result<()> {
     );
     ns.cleanup().await?;
 
+    // 1b. Raw BatchTask creates, no operator: the cost of the CRD itself
+    // (schema validation, CEL) next to a ConfigMap.
+    let ns = cluster.namespace("bench-crd").await?;
+    let start = Instant::now();
+    create_tasks(&ns, "raw", raw_n, "nobody", conc).await?;
+    let crd_rate = raw_n as f64 / start.elapsed().as_secs_f64();
+    emit(
+        &mut report,
+        &format!(
+            "raw BatchTask creates (no operator): {raw_n}, concurrency {conc}: {crd_rate:.0} writes/s ({:.2}× ConfigMap)\n",
+            crd_rate / raw_rate
+        ),
+    );
+    ns.cleanup().await?;
+
     // 2. End-to-end task throughput.
     let ns = cluster.namespace("bench-e2e").await?;
     let _db = pg::connect().await?;
