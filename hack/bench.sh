@@ -11,22 +11,18 @@ cd "$root"
 LOG_TAG=bench
 . e2e/lib/common.sh
 . hack/env.sh
+. hack/local-env.sh
 hack/deps.sh
 cargo build -q --release -p batchlease-operator -p batchlease-demo-worker
 cargo build -q --release -p batchlease-e2e --bin bench
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/release/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/release/batchlease-demo-worker
 run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)
-chmod 755 "$run_dir"
 cleanup() {
   trap - EXIT INT TERM
-  e2e/controlplane/down.sh "$run_dir/cp" || true
-  e2e/postgres/down.sh "$run_dir/pg" || true
+  local_env_down "$run_dir"
   rm -rf "$run_dir"
 }
 trap cleanup EXIT INT TERM
-e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
-e2e/postgres/up.sh "$run_dir/pg" >/dev/null
-. "$run_dir/cp/env"
-. "$run_dir/pg/env"
+local_env_up "$run_dir"
 "$CARGO_TARGET_DIR/release/bench" "$@"

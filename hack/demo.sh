@@ -10,25 +10,21 @@ cd "$root"
 LOG_TAG=demo
 . e2e/lib/common.sh
 . hack/env.sh
+. hack/local-env.sh
 
 hack/deps.sh
 cargo build -q -p batchlease-operator -p batchlease-demo-worker
 bin=$CARGO_TARGET_DIR/debug
 run_dir=$(mktemp -d /tmp/batchlease-demo.XXXXXX)
-chmod 755 "$run_dir"
 pids=()
 cleanup() {
   trap - EXIT INT TERM
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  e2e/controlplane/down.sh "$run_dir/cp" || true
-  e2e/postgres/down.sh "$run_dir/pg" || true
+  local_env_down "$run_dir"
   rm -rf "$run_dir"
 }
 trap cleanup EXIT INT TERM
-e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
-e2e/postgres/up.sh "$run_dir/pg" >/dev/null
-. "$run_dir/cp/env"
-. "$run_dir/pg/env"
+local_env_up "$run_dir"
 
 kubectl apply --server-side -f crds/
 kubectl wait --for=condition=Established --timeout=60s crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev

@@ -9,6 +9,7 @@ cd "$root"
 LOG_TAG=test
 . e2e/lib/common.sh
 . hack/env.sh
+. hack/local-env.sh
 
 step() { log "== $*"; }
 
@@ -39,22 +40,17 @@ cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
 
 step "start control plane and PostgreSQL"
 run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)
-chmod 755 "$run_dir" # PostgreSQL runs as an unprivileged user and must reach it
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
-  e2e/controlplane/down.sh "$run_dir/cp" || true
-  e2e/postgres/down.sh "$run_dir/pg" || true
+  local_env_down "$run_dir"
   [ "$rc" = 0 ] && rm -rf "$run_dir" || log "logs kept in $run_dir"
   summary # the last line: "N passed, N failed"
   rm -f "$results"
   exit "$rc"
 }
 trap cleanup EXIT INT TERM
-e2e/controlplane/up.sh "$run_dir/cp" >/dev/null
-e2e/postgres/up.sh "$run_dir/pg" >/dev/null
-. "$run_dir/cp/env"
-. "$run_dir/pg/env"
+local_env_up "$run_dir"
 
 step "e2e tests"
 cargo build --locked -p batchlease-operator -p batchlease-demo-worker

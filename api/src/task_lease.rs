@@ -107,6 +107,29 @@ pub struct TaskLeaseSpec {
     pub resource_tokens: BTreeMap<String, i64>,
 }
 
+impl TaskLeaseSpec {
+    /// The spec of a lease as offered: no holder, no times, no locks yet.
+    pub fn offered(
+        task_name: impl Into<String>,
+        task_uid: impl Into<String>,
+        queue: impl Into<String>,
+        fencing_token: i64,
+        lease_duration_seconds: i32,
+    ) -> Self {
+        Self {
+            task_name: task_name.into(),
+            task_uid: task_uid.into(),
+            queue: queue.into(),
+            fencing_token,
+            lease_duration_seconds,
+            holder_identity: None,
+            acquire_time: None,
+            renew_time: None,
+            resource_tokens: BTreeMap::new(),
+        }
+    }
+}
+
 /// Lifecycle of a lease. Completed, Expired and Released are final.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LeasePhase {

@@ -60,20 +60,12 @@ async fn apply_examples_and_get_printer_columns() {
 
     // A lease as the operator will create it, then held by a worker.
     let leases = ns.api::<TaskLease>();
+    let uid = "00000000-0000-0000-0000-000000000001";
     let mut lease = TaskLease::new(
         "hello-1",
-        TaskLeaseSpec {
-            task_name: "hello".into(),
-            task_uid: "00000000-0000-0000-0000-000000000001".into(),
-            queue: "demo".into(),
-            fencing_token: 1,
-            lease_duration_seconds: 30,
-            holder_identity: Some("worker-a-7f3k".into()),
-            acquire_time: None,
-            renew_time: None,
-            resource_tokens: Default::default(),
-        },
+        TaskLeaseSpec::offered("hello", uid, "demo", 1, 30),
     );
+    lease.spec.holder_identity = Some("worker-a-7f3k".into());
     lease.status = Some(TaskLeaseStatus {
         phase: Some(LeasePhase::Held),
         ..Default::default()

@@ -12,17 +12,13 @@ pub fn offered_lease(task: &BatchTask, token: i64) -> TaskLease {
     let name = names::lease_name(&task.name_any(), token);
     let mut lease = TaskLease::new(
         &name,
-        TaskLeaseSpec {
-            task_name: task.name_any(),
-            task_uid: task.uid().unwrap_or_default(),
-            queue: task.spec.queue.clone(),
-            fencing_token: token,
-            lease_duration_seconds: task.spec.lease_duration_seconds,
-            holder_identity: None,
-            acquire_time: None,
-            renew_time: None,
-            resource_tokens: BTreeMap::new(),
-        },
+        TaskLeaseSpec::offered(
+            task.name_any(),
+            task.uid().unwrap_or_default(),
+            task.spec.queue.clone(),
+            token,
+            task.spec.lease_duration_seconds,
+        ),
     );
     lease.metadata.namespace = task.namespace();
     lease.metadata.labels = Some(BTreeMap::from([

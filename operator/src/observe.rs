@@ -165,22 +165,11 @@ mod tests {
     use std::time::Duration;
 
     fn lease(uid: &str, holder: Option<&str>, phase: LeasePhase, renew: i64) -> TaskLease {
-        let mut l = TaskLease::new(
-            "t-1",
-            TaskLeaseSpec {
-                task_name: "t".into(),
-                task_uid: "u".into(),
-                queue: "q".into(),
-                fencing_token: 1,
-                lease_duration_seconds: 30,
-                holder_identity: holder.map(Into::into),
-                acquire_time: None,
-                renew_time: Some(MicroTime(
-                    k8s_openapi::jiff::Timestamp::from_second(renew).unwrap(),
-                )),
-                resource_tokens: Default::default(),
-            },
-        );
+        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
+        l.spec.holder_identity = holder.map(Into::into);
+        l.spec.renew_time = Some(MicroTime(
+            k8s_openapi::jiff::Timestamp::from_second(renew).unwrap(),
+        ));
         l.metadata.uid = Some(uid.into());
         l.metadata.namespace = Some("ns".into());
         l.status = Some(TaskLeaseStatus {

@@ -289,20 +289,9 @@ mod tests {
     }
 
     fn held_lease() -> TaskLease {
-        TaskLease::new(
-            "t-1",
-            TaskLeaseSpec {
-                task_name: "t".into(),
-                task_uid: "u".into(),
-                queue: "q".into(),
-                fencing_token: 1,
-                lease_duration_seconds: 30,
-                holder_identity: Some("me".into()),
-                acquire_time: None,
-                renew_time: None,
-                resource_tokens: Default::default(),
-            },
-        )
+        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
+        l.spec.holder_identity = Some("me".into());
+        l
     }
 
     async fn run_until_killed(deadline: Option<Duration>) -> (Ended, Duration, bool, bool) {
