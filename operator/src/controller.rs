@@ -7,12 +7,15 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use batchlease_api::{BatchTask, TaskLease};
 use futures::{StreamExt, TryStreamExt};
 use kube::api::Api;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::leader::Leadership;
+use crate::metrics::Metrics;
 use crate::observe::Tracker;
 use crate::reconcile::{Ctx, error_policy, reconcile};
 
@@ -70,8 +73,9 @@ impl std::fmt::Debug for Running {
 pub struct Shared {
     pub client: kube::Client,
     pub synced: Arc<SyncCounter>,
-    pub tracker: Arc<Tracker>,
-    pub make_ctx: Box<dyn Fn(Store<TaskLease>) -> Arc<Ctx> + Send + Sync>,
+    pub metrics: Arc<Metrics>,
+    pub reporter: Reporter,
+    pub leadership: Leadership,
 }
 
 impl std::fmt::Debug for Shared {
@@ -94,7 +98,11 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     };
     let (lease_store, lease_writer) = reflector::store();
     let (task_store, task_writer) = reflector::store();
-    let tracker = shared.tracker.clone();
+    // One tracker per watch: a relist prunes exactly what this watch covers.
+    // Created with the controller, so a new leader starts with no
+    // observations and gives every held lease a full TTL.
+    let tracker = Arc::new(Tracker::default());
+    let ctx_tracker = tracker.clone();
     let lease_synced = shared.synced.register();
     let task_synced = shared.synced.register();
     // Observations are stamped as the watch delivers each event, before the
@@ -107,12 +115,20 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             match event {
                 watcher::Event::Apply(l) | watcher::Event::InitApply(l) => tracker.observe(l, now),
                 watcher::Event::Delete(l) => tracker.forget(l),
-                watcher::Event::Init | watcher::Event::InitDone => {}
+                watcher::Event::Init => tracker.list_started(),
+                watcher::Event::InitDone => tracker.list_done(),
             }
         })
         .reflect(lease_writer)
         .touched_objects();
-    let ctx = (shared.make_ctx)(lease_store.clone());
+    let ctx = Arc::new(Ctx {
+        client: shared.client.clone(),
+        leases: lease_store,
+        tracker: ctx_tracker,
+        metrics: shared.metrics.clone(),
+        recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
+        leadership: shared.leadership.clone(),
+    });
     let task_stream = watcher(tasks_api, watcher::Config::default())
         .default_backoff()
         .inspect_ok(move |event| task_synced(matches!(event, watcher::Event::InitDone)))

@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::Context;
 use clap::Parser;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
@@ -75,8 +75,6 @@ async fn main() -> anyhow::Result<()> {
     metrics.is_leader.set(1);
     info!(%identity, "leading: starting controllers");
 
-    // Observations start empty: every held lease gets a full TTL from now.
-    let tracker = Arc::new(observe::Tracker::default());
     let reporter = Reporter {
         controller: "batchlease-operator".into(),
         instance: Some(identity.clone()),
@@ -85,21 +83,9 @@ async fn main() -> anyhow::Result<()> {
     let shared = controller::Shared {
         client: client.clone(),
         synced: synced.clone(),
-        tracker: tracker.clone(),
-        make_ctx: {
-            let (client, metrics, leadership) =
-                (client.clone(), metrics.clone(), leadership.clone());
-            Box::new(move |leases| {
-                Arc::new(reconcile::Ctx {
-                    client: client.clone(),
-                    leases,
-                    tracker: tracker.clone(),
-                    metrics: metrics.clone(),
-                    recorder: Recorder::new(client.clone(), reporter.clone()),
-                    leadership: leadership.clone(),
-                })
-            })
-        },
+        metrics: metrics.clone(),
+        reporter,
+        leadership: leadership.clone(),
     };
     let stop = CancellationToken::new();
     let namespaces: Vec<Option<String>> = match cfg.watched_namespaces() {

@@ -77,6 +77,9 @@ struct State {
     seen: HashMap<Key, Seen>,
     /// (namespace, task name) → lease names.
     by_task: HashMap<Key, BTreeSet<String>>,
+    /// During a (re)list: the leases listed so far. A lease deleted while
+    /// the watch was down gets no Delete event; the list's end forgets it.
+    listed: Option<Vec<(Key, String)>>,
 }
 
 /// Observations and the task → leases index, fed by the lease watch.
@@ -86,11 +89,37 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// A (re)list of the watch begins.
+    pub fn list_started(&self) {
+        self.lock().listed = Some(Vec::new());
+    }
+
+    /// The (re)list ended: forget every lease it did not contain.
+    pub fn list_done(&self) {
+        let mut state = self.lock();
+        let Some(listed) = state.listed.take() else {
+            return;
+        };
+        let keep: std::collections::HashSet<&Key> = listed.iter().map(|(k, _)| k).collect();
+        let mut by_task: HashMap<Key, BTreeSet<String>> = HashMap::new();
+        for ((ns, name), task) in &listed {
+            by_task
+                .entry((ns.clone(), task.clone()))
+                .or_default()
+                .insert(name.clone());
+        }
+        state.seen.retain(|k, _| keep.contains(k));
+        state.by_task = by_task;
+    }
+
     /// Records a lease event from the watch (apply or initial list).
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let ns = lease.namespace().unwrap_or_default();
         let key = (ns.clone(), lease.name_any());
         let mut state = self.lock();
+        if let Some(listed) = &mut state.listed {
+            listed.push((key.clone(), lease.spec.task_name.clone()));
+        }
         state
             .by_task
             .entry((ns, lease.spec.task_name.clone()))
@@ -230,6 +259,27 @@ mod tests {
         ] {
             assert!(next_seen(Some(&first), &lease("u1", Some("w1"), phase, 100), t1).is_none());
         }
+    }
+
+    #[test]
+    fn a_relist_forgets_leases_deleted_while_the_watch_was_down() {
+        let tracker = Tracker::default();
+        let t0 = Instant::now();
+        let mut a = lease("u1", Some("w1"), LeasePhase::Held, 1);
+        a.metadata.name = Some("t-1".into());
+        let mut b = lease("u2", Some("w1"), LeasePhase::Held, 1);
+        b.metadata.name = Some("t-2".into());
+        tracker.observe(&a, t0);
+        tracker.observe(&b, t0);
+        assert_eq!(tracker.leases_of("ns", "t").len(), 2);
+        // t-2 was deleted during a disconnect: the relist lists only t-1.
+        tracker.list_started();
+        tracker.observe(&a, t0 + std::time::Duration::from_secs(1));
+        tracker.list_done();
+        assert_eq!(tracker.leases_of("ns", "t"), vec!["t-1".to_owned()]);
+        assert!(tracker.observation("ns", "t-2").is_none());
+        // The relist did not count as a renewal (same renewTime).
+        assert_eq!(tracker.observation("ns", "t-1").unwrap().last_renewal, t0);
     }
 
     #[test]
