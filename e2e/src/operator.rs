@@ -39,7 +39,8 @@ impl Operator {
         Self::start_with(namespace, name, Vec::new())
     }
 
-    /// Like [`Operator::start`], with extra flags (e.g. `--kubeconfig`).
+    /// Like [`Operator::start`], with extra flags (e.g. `--kubeconfig`);
+    /// an extra flag replaces the default of the same name.
     pub fn start_with(namespace: &str, name: &str, extra: Vec<String>) -> anyhow::Result<Self> {
         let port = free_port()?;
         let mut args = vec![
@@ -52,6 +53,10 @@ impl Operator {
             "--leader-grace-seconds=2".into(),
             format!("--identity={name}"),
         ];
+        // An extra flag replaces the default of the same name (clap would
+        // append to a list flag such as --namespaces instead).
+        let flag = |a: &str| a.split('=').next().unwrap_or_default().to_owned();
+        args.retain(|a| !extra.iter().any(|e| flag(e) == flag(a)));
         args.extend(extra);
         let env = vec![(
             "RUST_LOG".into(),
