@@ -2,7 +2,8 @@
 //!
 //! `crdgen` writes `crds/` and the Helm chart's copy; `crdgen --check` fails
 //! when either differs from what the types produce (run by `.ci/run`), so
-//! the checked-in YAML can never drift from the code.
+//! the checked-in YAML can never drift from the code. `--root DIR` works on
+//! another tree (the tests use it).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,8 +14,12 @@ use anyhow::Context;
 const TARGETS: &[&str] = &["crds", "charts/batchlease-operator/crds"];
 
 fn main() -> anyhow::Result<ExitCode> {
-    let check = std::env::args().skip(1).any(|a| a == "--check");
-    let root = repo_root()?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let check = args.iter().any(|a| a == "--check");
+    let root = match args.iter().position(|a| a == "--root") {
+        Some(i) => PathBuf::from(args.get(i + 1).context("--root needs a directory")?),
+        None => repo_root()?,
+    };
     let mut drifted = Vec::new();
     for crd in batchlease_api::crds() {
         let name = crd
