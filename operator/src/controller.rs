@@ -156,3 +156,33 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     });
     Running { tasks, done }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn ready_only_after_every_watch_listed_once() {
+        let counter = Arc::new(SyncCounter::default());
+        let leases = counter.register();
+        let tasks = counter.register();
+        assert!(!counter.synced());
+        leases(false); // an Apply before the list ended
+        leases(true);
+        assert!(!counter.synced(), "the task watch has not listed yet");
+        let waiter = tokio::spawn({
+            let c = counter.clone();
+            async move { c.wait().await }
+        });
+        tasks(true);
+        assert!(counter.synced());
+        tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .unwrap()
+            .unwrap();
+        // A later relist (InitDone again) must not count twice.
+        leases(true);
+        assert!(counter.synced());
+    }
+}
