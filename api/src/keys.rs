@@ -1,16 +1,11 @@
-//! Label, annotation, finalizer and condition names shared by the operator
+//! Label and condition names shared by the operator
 //! and the SDK, so neither spells them on its own.
-
-/// API group of all batchlease kinds.
-pub const GROUP: &str = "batchlease.dev";
 
 /// Label on a TaskLease: the (possibly shortened, see
 /// [`crate::names::label_value`]) name of its BatchTask.
 pub const LABEL_TASK: &str = "batchlease.dev/task";
 /// Label on a TaskLease: its queue, so workers list only their queues.
 pub const LABEL_QUEUE: &str = "batchlease.dev/queue";
-/// Label on a child BatchTask: the (shortened) name of the parent.
-pub const LABEL_PARENT: &str = "batchlease.dev/parent";
 
 /// Condition types of a BatchTask.
 pub mod condition {
@@ -20,8 +15,4 @@ pub mod condition {
     pub const SUCCEEDED: &str = "Succeeded";
     /// True while the task is dead-lettered.
     pub const DEAD_LETTERED: &str = "DeadLettered";
-    /// True when the task sits on a dependency cycle.
-    pub const CYCLE_DETECTED: &str = "CycleDetected";
-    /// True while the task waits for its dependencies.
-    pub const WAITING_FOR_DEPENDENCIES: &str = "WaitingForDependencies";
 }
