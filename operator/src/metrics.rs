@@ -158,3 +158,40 @@ impl prometheus_client::collector::Collector for TaskPhases {
         Ok(())
     }
 }
+
+/// A failure reason as a metric label. Reasons come from workers; only
+/// short CamelCase words pass, anything else is `Other`, so a handler that
+/// puts variable text in its reason cannot blow up the label set.
+pub fn reason_label(reason: &str) -> String {
+    let camel = reason.len() <= 64
+        && reason
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_uppercase())
+        && reason.chars().all(|c| c.is_ascii_alphanumeric());
+    if camel {
+        reason.to_owned()
+    } else {
+        "Other".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reason_label;
+
+    #[test]
+    fn reason_labels_stay_low_cardinality() {
+        for (reason, want) in [
+            ("Boom", "Boom"),
+            ("LeaseExpired", "LeaseExpired"),
+            ("timeout after 3.2s", "Other"),
+            ("lowercase", "Other"),
+            ("", "Other"),
+            ("Order-4711-Failed", "Other"),
+        ] {
+            assert_eq!(reason_label(reason), want, "{reason}");
+        }
+        assert_eq!(reason_label(&"A".repeat(65)), "Other");
+    }
+}

@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 
 use crate::decide::{Decision, ExpiryReason, Input, decide};
 use crate::leader::Leadership;
-use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels};
+use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
 use crate::observe::Tracker;
 use crate::settle::Transition;
 
@@ -292,7 +292,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
                 .retries
                 .get_or_create(&ReasonLabels {
                     queue,
-                    reason: reason.clone(),
+                    reason: reason_label(reason),
                 })
                 .inc();
             (
@@ -321,7 +321,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
                 .tasks_dead_lettered
                 .get_or_create(&ReasonLabels {
                     queue,
-                    reason: reason.clone(),
+                    reason: reason_label(reason),
                 })
                 .inc();
             (
