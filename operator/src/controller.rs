@@ -104,6 +104,12 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     let tracker = Arc::new(Tracker::default());
     let ctx_tracker = tracker.clone();
     let lease_synced = shared.synced.register();
+    let leases_listed = Arc::new(AtomicBool::new(false));
+    let listed = leases_listed.clone();
+    // After every (re)list of leases, reconcile every task once: the
+    // reflector swaps a list into the cache only at its end, so the
+    // reconciles its objects triggered may have read the cache before.
+    let (relisted_tx, relisted) = futures::channel::mpsc::unbounded::<()>();
     let task_synced = shared.synced.register();
     // Observations are stamped as the watch delivers each event, before the
     // reconcile it triggers runs.
@@ -111,6 +117,10 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         .default_backoff()
         .inspect_ok(move |event| {
             lease_synced(matches!(event, watcher::Event::InitDone));
+            if matches!(event, watcher::Event::InitDone) {
+                listed.store(true, Ordering::Release);
+                let _ = relisted_tx.unbounded_send(());
+            }
             let now = Instant::now();
             match event {
                 watcher::Event::Apply(l) | watcher::Event::InitApply(l) => tracker.observe(l, now),
@@ -124,6 +134,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     let ctx = Arc::new(Ctx {
         client: shared.client.clone(),
         leases: lease_store,
+        leases_listed,
         tracker: ctx_tracker,
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
@@ -136,6 +147,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         .applied_objects();
     let controller = Controller::for_stream(task_stream, task_store.clone())
         .owns_stream(lease_stream)
+        .reconcile_all_on(relisted)
         .graceful_shutdown_on(async move { stop.cancelled().await });
     let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();

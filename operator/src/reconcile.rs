@@ -54,6 +54,10 @@ impl Error {
 pub struct Ctx {
     pub client: kube::Client,
     pub leases: Store<TaskLease>,
+    /// Set once the lease watch delivered its first complete list. Until
+    /// then the lease cache is empty (the reflector fills it at the list's
+    /// end), and a task would look as if it had no leases.
+    pub leases_listed: Arc<std::sync::atomic::AtomicBool>,
     pub tracker: Arc<Tracker>,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
@@ -77,6 +81,9 @@ pub async fn reconcile(task: Arc<BatchTask>, ctx: Arc<Ctx>) -> Result<Action, Er
 }
 
 async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
+    if !ctx.leases_listed.load(std::sync::atomic::Ordering::Acquire) {
+        return Ok(Action::requeue(Duration::from_millis(200)));
+    }
     let ns = task.namespace().unwrap_or_default();
     let name = task.name_any();
     let uid = task.uid().unwrap_or_default();

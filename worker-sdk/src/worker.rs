@@ -171,10 +171,13 @@ impl Worker {
         let stop_watch = CancellationToken::new();
         {
             let (changed, stop) = (changed.clone(), stop_watch.clone());
+            // Wake the claim loop on every event, InitDone included: during a
+            // list the reflector buffers objects and fills the store only at
+            // the list's end, so an object event alone can arrive before the
+            // store shows it.
             let stream = watcher(leases.clone(), watcher::Config::default().labels(&selector))
                 .default_backoff()
-                .reflect(writer)
-                .touched_objects();
+                .reflect(writer);
             tokio::spawn(async move {
                 futures::pin_mut!(stream);
                 loop {
