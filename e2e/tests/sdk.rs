@@ -519,3 +519,88 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     assert!(pg::row(&db, &ns.name, "job").await.unwrap().is_none());
     ns.cleanup().await.unwrap();
 }
+
+/// A claim that fails with an API error (here: 403, the worker may not yet
+/// update leases) is retried on its own: no new watch event is needed.
+#[tokio::test]
+async fn claims_failing_with_api_errors_are_retried_without_new_events() {
+    use batchlease_e2e::kubectl;
+    let (ns, op, _db) = setup("claimretry").await;
+    let n = ns.name.as_str();
+    kubectl::ok(&["create", "serviceaccount", "w", "-n", n]).unwrap();
+    kubectl::ok(&[
+        "create",
+        "role",
+        "read",
+        "-n",
+        n,
+        "--verb=get,list,watch",
+        "--resource=taskleases.batchlease.dev,batchtasks.batchlease.dev",
+    ])
+    .unwrap();
+    kubectl::ok(&[
+        "create",
+        "rolebinding",
+        "read",
+        "-n",
+        n,
+        "--role=read",
+        &format!("--serviceaccount={n}:w"),
+    ])
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{n}"));
+    let kc = kubectl::service_account_kubeconfig(n, "w", &dir).unwrap();
+    let w = workers::start(
+        n,
+        "w",
+        &WorkerOpts {
+            kubeconfig: Some(kc),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "a refused claim",
+        T,
+        || w.logs(),
+        || {
+            let text = w.log_text();
+            async move { Ok(text.contains("claim failed").then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    // Now allow claims. The offered lease does not change, so only the
+    // worker's own retry can pick it up.
+    kubectl::ok(&[
+        "create",
+        "role",
+        "claim",
+        "-n",
+        n,
+        "--verb=update",
+        "--resource=taskleases.batchlease.dev",
+    ])
+    .unwrap();
+    kubectl::ok(&[
+        "create",
+        "rolebinding",
+        "claim",
+        "-n",
+        n,
+        "--role=claim",
+        &format!("--serviceaccount={n}:w"),
+    ])
+    .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    ns.cleanup().await.unwrap();
+}

@@ -197,15 +197,25 @@ impl Worker {
         let interrupt = CancellationToken::new();
         let mut running: JoinSet<Ended> = JoinSet::new();
         futures::pin_mut!(shutdown);
+        // After a claim failed for a reason other than a lost race (an API
+        // error), look again soon: no watch event may come to wake us.
+        let mut retry_at: Option<Instant> = None;
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = changed.notified() => {}
                 Some(_) = running.join_next(), if !running.is_empty() => {}
+                _ = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {}
             }
+            retry_at = None;
             while let Ok(permit) = slots.clone().try_acquire_owned() {
-                let Some((held, sent)) = self.claim_one(&leases, &store).await else {
-                    break;
+                let (held, sent) = match self.claim_one(&leases, &store).await {
+                    Claim::Claimed(held, sent) => (*held, sent),
+                    Claim::Nothing => break,
+                    Claim::Failed => {
+                        retry_at = Some(Instant::now() + CLAIM_RETRY);
+                        break;
+                    }
                 };
                 let attempt = AttemptStart {
                     leases: leases.clone(),
@@ -240,13 +250,8 @@ impl Worker {
     }
 
     /// Claims one offered lease of our queues, oldest first, after a small
-    /// random delay against thundering herds. `None` when nothing could be
-    /// claimed (nothing offered, or every claim lost its race).
-    async fn claim_one(
-        &self,
-        api: &Api<TaskLease>,
-        store: &Store<TaskLease>,
-    ) -> Option<(TaskLease, Instant)> {
+    /// random delay against thundering herds.
+    async fn claim_one(&self, api: &Api<TaskLease>, store: &Store<TaskLease>) -> Claim {
         let mut offered: Vec<Arc<TaskLease>> = store
             .state()
             .into_iter()
@@ -254,27 +259,48 @@ impl Worker {
             .filter(|l| self.queues.contains(&l.spec.queue))
             .collect();
         if offered.is_empty() {
-            return None;
+            return Claim::Nothing;
         }
         offered.sort_by_key(|l| l.metadata.creation_timestamp.clone().map(|t| t.0));
         let herd_delay = Duration::from_millis(rand::rng().random_range(0..25));
         tokio::time::sleep(herd_delay).await;
+        let mut failed = false;
         for candidate in offered {
             let sent = Instant::now();
             match lease_ops::claim(api, &candidate, &self.identity).await {
                 Ok(Some(held)) => {
                     self.metrics.claims.inc();
                     info!(lease = %held.name_any(), token = held.spec.fencing_token, "claimed");
-                    return Some((held, sent));
+                    return Claim::Claimed(Box::new(held), sent);
                 }
                 Ok(None) => {
                     self.metrics.claim_conflicts.inc();
                 }
-                Err(e) => warn!(lease = %candidate.name_any(), error = %e, "claim failed"),
+                Err(e) => {
+                    failed = true;
+                    warn!(lease = %candidate.name_any(), error = %e, "claim failed");
+                }
             }
         }
-        None
+        if failed {
+            Claim::Failed
+        } else {
+            Claim::Nothing
+        }
     }
+}
+
+/// How long to wait before looking again after a claim failed with an API error.
+const CLAIM_RETRY: Duration = Duration::from_secs(1);
+
+/// What one claim round got.
+enum Claim {
+    /// This lease, claimed by a request sent at that instant.
+    Claimed(Box<TaskLease>, Instant),
+    /// Nothing offered, or every race lost: wait for the next watch event.
+    Nothing,
+    /// An API error: look again after [`CLAIM_RETRY`].
+    Failed,
 }
 
 /// What a spawned attempt needs besides the lease.
