@@ -190,16 +190,17 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
             .unwrap();
     tokio::spawn(conn);
     let mut store = FencedStore::new(client, WorkerMetrics::default());
-    let stale = Fence::new(
-        1,
-        KillClock::new(Duration::from_secs(5), Instant::now(), None),
-    );
-    let err = store
-        .commit(
-            &stale,
-            &format!("{}/job", ns.name),
-            &json!({"worker": "zombie"}),
+    let id = format!("{}/job", ns.name);
+    // A live fence for `token`, as a worker without the SDK's clock check
+    // would effectively have.
+    let live = |token| {
+        Fence::new(
+            token,
+            KillClock::new(Duration::from_secs(5), Instant::now(), None),
         )
+    };
+    let err = store
+        .commit(&live(1), &id, &json!({"worker": "zombie"}))
         .await
         .unwrap_err();
     assert!(
@@ -221,16 +222,8 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         .unwrap_err();
     assert!(err.to_string().contains("is final"), "{err}");
     // Its own earlier commit, replayed (same token), is an idempotent success.
-    let same = Fence::new(
-        2,
-        KillClock::new(Duration::from_secs(5), Instant::now(), None),
-    );
     let again = store
-        .commit(
-            &same,
-            &format!("{}/job", ns.name),
-            &json!({"worker": "rescuer"}),
-        )
+        .commit(&live(2), &id, &json!({"worker": "rescuer"}))
         .await
         .unwrap();
     assert_eq!(
