@@ -189,7 +189,8 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
             .await
             .unwrap();
     tokio::spawn(conn);
-    let mut store = FencedStore::new(client, WorkerMetrics::default());
+    let metrics = WorkerMetrics::default();
+    let mut store = FencedStore::new(client, metrics.clone());
     let id = format!("{}/job", ns.name);
     // A live fence for `token`, as a worker without the SDK's clock check
     // would effectively have.
@@ -213,6 +214,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         ),
         "{err}"
     );
+    assert_eq!(metrics.fenced_commit_rejected.get(), 1, "counted");
     // … and the API server refuses its completion.
     let mut late = l1.clone();
     late.status.as_mut().unwrap().phase = Some(LeasePhase::Completed);
