@@ -1,7 +1,7 @@
 //! Running the real `batchlease-operator` binary against the test control
 //! plane, one process per replica, scoped to the test's namespace.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -16,7 +16,6 @@ pub struct Operator {
     process: Process,
     pub name: String,
     pub metrics_port: u16,
-    pub log: PathBuf,
 }
 
 /// The operator binary, built by `hack/test.sh` (`BATCHLEASE_OPERATOR_BIN`).
@@ -63,12 +62,10 @@ impl Operator {
             "info,kube=warn,batchlease_operator=debug".into(),
         )];
         let process = Process::start(binary()?, namespace, &format!("operator-{name}"), args, env)?;
-        let log = process.log.clone();
         Ok(Self {
             process,
             name: name.into(),
             metrics_port: port,
-            log,
         })
     }
 
@@ -138,6 +135,11 @@ impl Operator {
             },
         )
         .await
+    }
+
+    /// Where the replica logs.
+    pub fn log_path(&self) -> &Path {
+        &self.process.log
     }
 
     /// The replica's log, for diagnostics.

@@ -106,6 +106,18 @@ pub async fn wait_lease(
     .await
 }
 
+/// The current status of task `name` (fails if it has none yet).
+pub async fn status(
+    ns: &TestNamespace,
+    name: &str,
+) -> anyhow::Result<batchlease_api::BatchTaskStatus> {
+    ns.api::<BatchTask>()
+        .get(name)
+        .await?
+        .status
+        .ok_or_else(|| anyhow::anyhow!("task {name} has no status"))
+}
+
 /// The task's phase.
 pub fn phase_of(t: &BatchTask) -> Option<TaskPhase> {
     t.status.as_ref().and_then(|s| s.phase)

@@ -34,7 +34,7 @@ async fn watches_all_namespaces_and_logs_json() {
         .await
         .unwrap();
     }
-    let log = std::fs::read_to_string(&op.log).unwrap();
+    let log = std::fs::read_to_string(op.log_path()).unwrap();
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
     assert!(!lines.is_empty());
     for line in &lines {

@@ -228,7 +228,7 @@ async fn deposed_leader_exits() {
         )
         .await
         .unwrap();
-    let log = a.log.clone();
+    let log = a.log_path().to_owned();
     let status = wait_for(
         "deposed op-a to exit",
         T,

@@ -362,13 +362,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     let offered = wait_lease(&ns, "job-5", LeasePhase::Offered, T, || op.logs())
         .await
         .unwrap();
-    let st = ns
-        .api::<BatchTask>()
-        .get("job")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let st = tasks::status(&ns, "job").await.unwrap();
     assert_eq!((st.attempts, st.observed_redrive), (0, 1));
     let held = claim(&leases, &offered, "w").await.unwrap();
     complete(&leases, &held, LeaseOutcome::Succeeded, None, None)
@@ -447,13 +441,7 @@ async fn permanent_failure_and_interruption() {
     let offered = wait_lease(&ns, "drain-2", LeasePhase::Offered, T, || op.logs())
         .await
         .unwrap();
-    let st = ns
-        .api::<BatchTask>()
-        .get("drain")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let st = tasks::status(&ns, "drain").await.unwrap();
     assert_eq!((st.attempts, st.phase), (0, Some(TaskPhase::Ready)));
     let held = claim(&leases, &offered, "w").await.unwrap();
     complete(&leases, &held, LeaseOutcome::Succeeded, None, None)

@@ -414,13 +414,7 @@ async fn sigterm_drains_releases_interrupted_and_spends_no_retry() {
     })
     .await
     .unwrap();
-    let st = ns
-        .api::<BatchTask>()
-        .get("job")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let st = tasks::status(&ns, "job").await.unwrap();
     assert_eq!(st.attempts, 0);
     assert_eq!(st.history.last().unwrap().outcome, "Interrupted");
     ns.cleanup().await.unwrap();

@@ -29,26 +29,24 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-async fn create_tasks(
-    ns: &TestNamespace,
-    prefix: &str,
+/// Creates `n` objects built by `object(i)` through `api`, `conc` at a time.
+async fn create_all<K>(
+    api: &Api<K>,
     n: usize,
-    queue: &str,
     conc: usize,
-) -> anyhow::Result<()> {
-    let api: Api<BatchTask> = ns.api();
+    object: impl Fn(usize) -> serde_json::Value,
+) -> anyhow::Result<()>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     futures::stream::iter(0..n)
         .map(|i| {
             let api = api.clone();
+            let obj = serde_json::from_value::<K>(object(i));
             async move {
-                let t: BatchTask = serde_json::from_value(json!({
-                    "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
-                    "metadata": {"name": format!("{prefix}-{i:05}")},
-                    "spec": {"queue": queue, "payload": {"steps": 0, "stepMillis": 0}},
-                }))?;
-                api.create(&PostParams::default(), &t)
+                api.create(&PostParams::default(), &obj?)
                     .await
-                    .context("create task")?;
+                    .context("create")?;
                 Ok::<_, anyhow::Error>(())
             }
         })
@@ -56,6 +54,23 @@ async fn create_tasks(
         .try_collect::<Vec<_>>()
         .await?;
     Ok(())
+}
+
+async fn create_tasks(
+    ns: &TestNamespace,
+    prefix: &str,
+    n: usize,
+    queue: &str,
+    conc: usize,
+) -> anyhow::Result<()> {
+    create_all(&ns.api::<BatchTask>(), n, conc, |i| {
+        json!({
+            "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
+            "metadata": {"name": format!("{prefix}-{i:05}")},
+            "spec": {"queue": queue, "payload": {"steps": 0, "stepMillis": 0}},
+        })
+    })
+    .await
 }
 
 async fn count_phase(ns: &TestNamespace, phase: TaskPhase) -> anyhow::Result<usize> {
@@ -92,21 +107,10 @@ async fn main() -> anyhow::Result<()> {
     let ns = cluster.namespace("bench-raw").await?;
     let cms: Api<ConfigMap> = ns.api();
     let start = Instant::now();
-    futures::stream::iter(0..raw_n)
-        .map(|i| {
-            let cms = cms.clone();
-            async move {
-                let cm: ConfigMap = serde_json::from_value(json!({
-                    "apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": format!("cm-{i:05}")}, "data": {"k": "v"},
-                }))?;
-                cms.create(&PostParams::default(), &cm).await?;
-                Ok::<_, anyhow::Error>(())
-            }
-        })
-        .buffer_unordered(conc)
-        .try_collect::<Vec<_>>()
-        .await?;
+    create_all(&cms, raw_n, conc, |i| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("cm-{i:05}")}, "data": {"k": "v"}})
+    })
+    .await?;
     let raw_rate = raw_n as f64 / start.elapsed().as_secs_f64();
     emit(
         &mut report,
