@@ -14,6 +14,8 @@ command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
 command -v runuser >/dev/null || missing+=(util-linux)
+# The e2e harness signals workers (STOP/CONT/TERM) with the kill binary.
+[ -x /bin/kill ] || [ -x /usr/bin/kill ] || missing+=(procps)
 if ((${#missing[@]})); then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   log "installing Debian packages: ${missing[*]}"
