@@ -4,6 +4,7 @@
 //! of each other. It picks no `k8s-openapi` version feature: binaries do.
 
 mod batch_task;
+mod current;
 pub mod keys;
 pub mod names;
 mod schema;
@@ -13,6 +14,7 @@ pub use batch_task::{
     AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, TaskMode,
     TaskPhase, defaults,
 };
+pub use current::{NotCurrent, check_current};
 pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

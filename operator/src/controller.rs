@@ -136,6 +136,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         leases: lease_store,
         leases_listed,
         tracker: ctx_tracker,
+        expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
         leadership: shared.leadership.clone(),

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::{
-    BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskMode, TaskPhase, names,
+    AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskMode, TaskPhase,
+    check_current, names,
 };
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tokio::time::Instant;
@@ -24,6 +26,9 @@ use crate::status::{self, set_condition};
 
 /// Leases kept per task besides the current one; older ones are pruned.
 pub const KEEP_LEASES: usize = 3;
+
+/// How long to wait for the watch to show a lease this process just created.
+pub const CREATE_SETTLE: Duration = Duration::from_secs(1);
 
 /// Everything the decision depends on.
 #[derive(Debug)]
@@ -39,6 +44,27 @@ pub struct Input<'a> {
     pub wall: Timestamp,
     /// A uniform sample in [0, 1) for backoff jitter.
     pub jitter: f64,
+    /// What the reconciler knows of the current lease beyond the cache.
+    pub lookup: Lookup,
+}
+
+/// What is known of a current lease the cache does not show.
+///
+/// A lease missing from the cache is usually one the watch has not
+/// delivered yet (it lags the status write that named it); rarely it is
+/// really gone (a crash between the two writes of an issue, a deleted
+/// lease, a forged one in its place). Only "gone" may lead to a new lease,
+/// and then always under a new token: the old token may already have been
+/// claimed by a worker that is still running (design §3.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lookup {
+    /// Nothing beyond the cache.
+    #[default]
+    CacheOnly,
+    /// This process created the lease moments ago; the watch will bring it.
+    Creating,
+    /// A direct read found no lease that is the task's current one.
+    Gone,
 }
 
 /// Why a held lease is taken away.
@@ -73,21 +99,38 @@ pub enum Decision {
     Issue {
         status: Box<BatchTaskStatus>,
         lease: Box<TaskLease>,
-        reassigned: bool,
+        cause: IssueCause,
     },
-    /// The status names a lease that does not exist: the process died
-    /// between the two writes of an issue. Create it.
-    CreateLease(Box<TaskLease>),
+    /// The cache does not show the current lease: read it directly, then
+    /// decide again with the answer in [`Input::lookup`] (or the lease).
+    LookUpLease(String),
     /// Take the held lease away (conditional on the lease's resourceVersion;
     /// a conflict means a renewal just landed).
     Expire {
         lease: Box<TaskLease>,
         reason: ExpiryReason,
     },
-    /// Delete these old, final leases (name, resourceVersion).
-    Prune(Vec<(String, Option<String>)>),
+    /// Delete these old, final leases (name, resourceVersion), then look
+    /// again after `then` (the timer the pass would otherwise have set: an
+    /// expiry or a backoff must not be lost to housekeeping).
+    Prune {
+        victims: Vec<(String, Option<String>)>,
+        then: Option<Duration>,
+    },
     /// Nothing to write. Look again after this long, or on the next change.
     Wait(Option<Duration>),
+}
+
+/// Why a lease is issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IssueCause {
+    /// A first attempt, or a retry after a failure or an interruption.
+    New,
+    /// The previous holder's lease expired.
+    Reassigned,
+    /// The current lease vanished (or was never created); its token is
+    /// retired, never reused.
+    Replaced,
 }
 
 /// The pure core of the operator.
@@ -105,16 +148,20 @@ pub fn decide(input: &Input<'_>) -> Decision {
         return redrive(task, current, input.wall);
     }
     let phase = current.phase.unwrap_or(TaskPhase::Pending);
-    let lease = current
-        .current_lease
-        .as_deref()
-        .and_then(|name| input.leases.iter().find(|l| l.name_any() == name));
+    // Only a lease that passes every check is the current one; a forged or
+    // stale object of the same name is as good as no lease.
+    let lease = input.leases.iter().find(|l| check_current(task, l).is_ok());
 
     let decision = match phase {
         TaskPhase::Pending => pending(input, current),
-        TaskPhase::Ready | TaskPhase::Running => match lease {
-            None => Decision::CreateLease(Box::new(offered_lease(task, current.fencing_token))),
-            Some(lease) => leased(input, current, phase, lease),
+        TaskPhase::Ready | TaskPhase::Running => match (lease, input.lookup) {
+            (Some(lease), _) => leased(input, current, phase, lease),
+            (None, Lookup::CacheOnly) => match &current.current_lease {
+                Some(name) => Decision::LookUpLease(name.clone()),
+                None => replace_lost(input, current, phase),
+            },
+            (None, Lookup::Creating) => Decision::Wait(Some(CREATE_SETTLE)),
+            (None, Lookup::Gone) => replace_lost(input, current, phase),
         },
         TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
             Decision::Wait(None)
@@ -122,7 +169,10 @@ pub fn decide(input: &Input<'_>) -> Decision {
     };
     match decision {
         Decision::Wait(after) => match prunable(input.leases, current.current_lease.as_deref()) {
-            victims if !victims.is_empty() => Decision::Prune(victims),
+            victims if !victims.is_empty() => Decision::Prune {
+                victims,
+                then: after,
+            },
             _ => Decision::Wait(after),
         },
         other => other,
@@ -185,9 +235,44 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
             ));
         }
     }
-    let task = input.task;
-    let token = current.fencing_token + 1;
+    let reassigned = current
+        .history
+        .last()
+        .is_some_and(|h| h.outcome == "Expired");
+    let cause = if reassigned {
+        IssueCause::Reassigned
+    } else {
+        IssueCause::New
+    };
+    issue(input, current.clone(), cause)
+}
+
+/// The current lease is gone. Its token may have been claimed, so it is
+/// retired: the next lease gets `token + 1`. An attempt that was running
+/// (the status knew its holder) is recorded in the history; no retry is
+/// spent, since the loss was not the worker's doing.
+fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) -> Decision {
     let mut status = current.clone();
+    if phase == TaskPhase::Running {
+        crate::status::push_history(
+            &mut status,
+            AttemptRecord {
+                token: current.fencing_token,
+                holder: current.holder.clone(),
+                outcome: "Lost".into(),
+                start: None,
+                end: Some(Time(input.wall)),
+                reason: Some("LeaseMissing".into()),
+            },
+        );
+    }
+    issue(input, status, IssueCause::Replaced)
+}
+
+/// Token + 1, `Ready`, and the lease to offer under it.
+fn issue(input: &Input<'_>, mut status: BatchTaskStatus, cause: IssueCause) -> Decision {
+    let task = input.task;
+    let token = status.fencing_token + 1;
     status.fencing_token = token;
     status.phase = Some(TaskPhase::Ready);
     status.current_lease = Some(names::lease_name(&task.name_any(), token));
@@ -207,14 +292,10 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
             &format!("lease with fencing token {token} offered"),
         ),
     );
-    let reassigned = current
-        .history
-        .last()
-        .is_some_and(|h| h.outcome == "Expired");
     Decision::Issue {
         status: Box::new(status),
         lease: Box::new(offered_lease(task, token)),
-        reassigned,
+        cause,
     }
 }
 

@@ -80,6 +80,7 @@ struct Case {
     /// Seconds since the renewal was observed / since the claim.
     observed: Option<(u64, u64)>,
     jitter: f64,
+    lookup: Lookup,
 }
 
 impl Case {
@@ -89,7 +90,12 @@ impl Case {
             leases: Vec::new(),
             observed: None,
             jitter: 0.0,
+            lookup: Lookup::CacheOnly,
         }
+    }
+    fn lookup(mut self, lookup: Lookup) -> Self {
+        self.lookup = lookup;
+        self
     }
     fn leases(mut self, l: Vec<Arc<TaskLease>>) -> Self {
         self.leases = l;
@@ -112,6 +118,7 @@ impl Case {
             now,
             wall: wall(0),
             jitter: self.jitter,
+            lookup: self.lookup,
         })
     }
 }
@@ -146,7 +153,7 @@ fn pending_issues_the_next_token() {
     let Decision::Issue {
         status,
         lease,
-        reassigned,
+        cause,
     } = d
     else {
         panic!("{d:?}")
@@ -166,7 +173,7 @@ fn pending_issues_the_next_token() {
         (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
         ("BatchTask", "uid-job", Some(true))
     );
-    assert!(!reassigned);
+    assert_eq!(cause, IssueCause::New);
 }
 
 #[test]
@@ -189,19 +196,85 @@ fn pending_waits_for_backoff() {
 }
 
 #[test]
-fn crash_between_issue_and_lease_creation_is_repaired() {
-    // Status says Ready with token 3, but lease job-3 does not exist.
-    let d = Case::new(task().phase(TaskPhase::Ready, 3))
-        .leases(vec![lease(2, LeasePhase::Expired, Some("w"))])
-        .run();
-    let Decision::CreateLease(l) = d else {
-        panic!("{d:?}")
+fn a_missing_current_lease_is_looked_up_then_replaced_under_a_new_token() {
+    // Status says Ready (or Running) with token 3, but the cache has no job-3:
+    // the watch may lag, the process may have died between the two writes of
+    // an issue, or someone deleted a lease a worker had already claimed.
+    for phase in [TaskPhase::Ready, TaskPhase::Running] {
+        let t = task()
+            .phase(phase, 3)
+            .with(|s| s.holder = (phase == TaskPhase::Running).then(|| "w1".into()));
+        let old = vec![lease(2, LeasePhase::Expired, Some("w"))];
+        // Cache only: read it directly before believing it is gone.
+        let d = Case::new(t.clone()).leases(old.clone()).run();
+        assert_eq!(d, Decision::LookUpLease("job-3".into()), "{phase:?}");
+        // This process created it a moment ago: wait for the watch.
+        let d = Case::new(t.clone())
+            .leases(old.clone())
+            .lookup(Lookup::Creating)
+            .run();
+        assert_eq!(d, Decision::Wait(Some(CREATE_SETTLE)), "{phase:?}");
+        // Gone: never recreate job-3 (token 3 may have been claimed); issue 4.
+        let d = Case::new(t).leases(old).lookup(Lookup::Gone).run();
+        let Decision::Issue {
+            status,
+            lease,
+            cause,
+        } = d
+        else {
+            panic!("{d:?}")
+        };
+        assert_eq!(cause, IssueCause::Replaced);
+        assert_eq!(lease.spec.fencing_token, 4, "a token is used once");
+        assert_eq!(lease.metadata.name.as_deref(), Some("job-4"));
+        assert_eq!(
+            (status.fencing_token, status.phase, status.holder.as_deref()),
+            (4, Some(TaskPhase::Ready), None)
+        );
+        assert_eq!(status.attempts, 0, "losing a lease spends no retry");
+        let lost: Vec<_> = status
+            .history
+            .iter()
+            .map(|h| (h.token, h.outcome.as_str(), h.reason.as_deref()))
+            .collect();
+        if phase == TaskPhase::Running {
+            assert_eq!(lost, [(3, "Lost", Some("LeaseMissing"))]);
+        } else {
+            assert!(lost.is_empty(), "{lost:?}");
+        }
+    }
+}
+
+#[test]
+fn a_forged_or_stale_lease_under_the_current_name_is_not_the_current_lease() {
+    let t = task().phase(TaskPhase::Ready, 3);
+    let forge = |f: &dyn Fn(&mut TaskLease)| {
+        let mut l = (*lease(3, LeasePhase::Held, Some("mallory"))).clone();
+        f(&mut l);
+        Arc::new(l)
     };
-    assert_eq!(
-        l.spec.fencing_token, 3,
-        "the repair reuses the issued token, never a new one"
-    );
-    assert_eq!(l.metadata.name.as_deref(), Some("job-3"));
+    let forgeries = [
+        forge(&|l| l.spec.fencing_token = i64::MAX),
+        forge(&|l| l.spec.task_uid = "uid-older-incarnation".into()),
+        forge(&|l| l.metadata.owner_references = None),
+    ];
+    for f in forgeries {
+        // Never followed (no "Claimed" by mallory): looked up, and when the
+        // read shows the same forgery, replaced under a new token.
+        let d = Case::new(t.clone())
+            .leases(vec![f.clone()])
+            .observed(0, 0)
+            .run();
+        assert_eq!(d, Decision::LookUpLease("job-3".into()));
+        let d = Case::new(t.clone())
+            .leases(vec![f])
+            .lookup(Lookup::Gone)
+            .run();
+        assert!(
+            matches!(&d, Decision::Issue { lease, cause: IssueCause::Replaced, .. } if lease.spec.fencing_token == 4),
+            "{d:?}"
+        );
+    }
 }
 
 #[test]
@@ -421,6 +494,32 @@ fn backoff_respects_max_seconds_with_jitter() {
 }
 
 #[test]
+fn next_attempt_after_is_rounded_up_never_down() {
+    // metav1.Time keeps whole seconds: a deadline truncated on the wire
+    // would let the retry start before the announced backoff.
+    let t = task()
+        .spec(|s| {
+            s.backoff = batchlease_api::BackoffSpec {
+                initial_seconds: 1,
+                max_seconds: 10,
+                multiplier: 2,
+            };
+        })
+        .phase(TaskPhase::Running, 1);
+    for (jitter, want) in [(0.0, 1), (0.2, 2), (0.999, 2)] {
+        let mut c = Case::new(t.clone()).leases(vec![completed(1, LeaseOutcome::Failed, |_| {})]);
+        c.jitter = jitter;
+        let (st, _) = into_status(c.run());
+        let at = st.next_attempt_after.unwrap().0;
+        assert_eq!(at, wall(want), "jitter {jitter}");
+        // What the API server will store is what the operator computed.
+        let json = serde_json::to_value(Time(at)).unwrap();
+        let back: Time = serde_json::from_value(json).unwrap();
+        assert_eq!(back.0, at);
+    }
+}
+
+#[test]
 fn permanent_failure_dead_letters_at_once() {
     let t = task()
         .spec(|s| s.max_retries = 10)
@@ -463,14 +562,11 @@ fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
     let d = Case::new(next)
         .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
         .run();
-    let Decision::Issue {
-        status, reassigned, ..
-    } = d
-    else {
+    let Decision::Issue { status, cause, .. } = d else {
         panic!("{d:?}")
     };
     assert_eq!(status.fencing_token, 2);
-    assert!(reassigned);
+    assert_eq!(cause, IssueCause::Reassigned);
 }
 
 #[test]
@@ -546,10 +642,13 @@ fn final_tasks_wait_and_prune_old_leases() {
         .collect();
     let d = Case::new(t.clone()).leases(leases).run();
     let names: Vec<String> = match d {
-        Decision::Prune(v) => v
-            .into_iter()
-            .map(|(n, rv)| format!("{n}@{}", rv.unwrap()))
-            .collect(),
+        Decision::Prune { victims, then } => {
+            assert_eq!(then, None);
+            victims
+        }
+        .into_iter()
+        .map(|(n, rv)| format!("{n}@{}", rv.unwrap()))
+        .collect(),
         other => panic!("{other:?}"),
     };
     // job-6 is current; keep job-3..5; prune the oldest two, with their versions.
@@ -559,6 +658,25 @@ fn final_tasks_wait_and_prune_old_leases() {
         .map(|k| lease(k, LeasePhase::Expired, Some("w")))
         .collect();
     assert_eq!(Case::new(t).leases(few).run(), Decision::Wait(None));
+}
+
+#[test]
+fn pruning_carries_the_timer_the_pass_would_have_set() {
+    // A held lease with 12 s left before expiry, and old leases to prune:
+    // the prune must not drop the expiry timer.
+    let t = task()
+        .phase(TaskPhase::Running, 9)
+        .with(|s| s.holder = Some("w".into()));
+    let mut leases: Vec<_> = (1..=8)
+        .map(|k| lease(k, LeasePhase::Expired, Some("w")))
+        .collect();
+    leases.push(lease(9, LeasePhase::Held, Some("w")));
+    let d = Case::new(t).leases(leases).observed(18, 18).run();
+    let Decision::Prune { victims, then } = d else {
+        panic!("{d:?}")
+    };
+    assert_eq!(victims.len(), 5);
+    assert_eq!(then, Some(Duration::from_secs(12)));
 }
 
 #[test]

@@ -6,6 +6,7 @@ mod backoff;
 mod config;
 mod controller;
 mod decide;
+mod expectations;
 mod http;
 mod leader;
 mod lease_build;

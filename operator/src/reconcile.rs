@@ -15,7 +15,8 @@ use rand::Rng;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::decide::{Decision, ExpiryReason, Input, decide};
+use crate::decide::{Decision, ExpiryReason, Input, IssueCause, Lookup, decide};
+use crate::expectations::Expectations;
 use crate::leader::Leadership;
 use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
 use crate::observe::Tracker;
@@ -59,6 +60,8 @@ pub struct Ctx {
     /// end), and a task would look as if it had no leases.
     pub leases_listed: Arc<std::sync::atomic::AtomicBool>,
     pub tracker: Arc<Tracker>,
+    /// Leases this process created that the watch has not shown yet.
+    pub expectations: Expectations,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub leadership: Leadership,
@@ -87,7 +90,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     let ns = task.namespace().unwrap_or_default();
     let name = task.name_any();
     let uid = task.uid().unwrap_or_default();
-    let leases: Vec<Arc<TaskLease>> = ctx
+    let mut leases: Vec<Arc<TaskLease>> = ctx
         .tracker
         .leases_of(&ns, &name)
         .into_iter()
@@ -95,19 +98,57 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         .filter(|l| l.spec.task_uid == uid)
         .collect();
     let now = Instant::now();
-    let observation = task
-        .status
-        .as_ref()
-        .and_then(|s| s.current_lease.as_deref())
+    let current = task.status.as_ref().and_then(|s| s.current_lease.clone());
+    let observation = current
+        .as_deref()
         .and_then(|l| ctx.tracker.observation(&ns, l));
-    let decision = decide(&Input {
-        task,
-        leases: &leases,
-        observation,
-        now,
-        wall: Timestamp::now(),
-        jitter: rand::rng().random::<f64>(),
-    });
+    let mut lookup = Lookup::CacheOnly;
+    if let Some(cur) = current.as_deref() {
+        if leases.iter().any(|l| l.name_any() == cur) {
+            ctx.expectations.done(&ns, cur);
+        } else if ctx.expectations.pending(&ns, cur, now) {
+            lookup = Lookup::Creating;
+        }
+    }
+    let decide_with = |leases: &[Arc<TaskLease>], lookup| {
+        decide(&Input {
+            task,
+            leases,
+            observation,
+            now,
+            wall: Timestamp::now(),
+            jitter: rand::rng().random::<f64>(),
+            lookup,
+        })
+    };
+    let mut decision = decide_with(&leases, lookup);
+    if let Decision::LookUpLease(lease_name) = &decision {
+        // The cache does not show the current lease: ask the API server
+        // before retiring its token (a read; the cache usually just lags).
+        let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+        let found = api
+            .get_opt(lease_name)
+            .await
+            .map_err(|source| Error::Kube {
+                what: "lease read",
+                source,
+            })?;
+        let lookup = match found {
+            Some(l) if batchlease_api::check_current(task, &l).is_ok() => {
+                leases.push(Arc::new(l));
+                Lookup::CacheOnly
+            }
+            Some(l) => {
+                let why = batchlease_api::check_current(task, &l)
+                    .err()
+                    .map_or("", |e| e.as_str());
+                warn!(task = %name, namespace = %ns, lease = %lease_name, why, "an object under the current lease's name is not the task's lease; ignoring it");
+                Lookup::Gone
+            }
+            None => Lookup::Gone,
+        };
+        decision = decide_with(&leases, lookup);
+    }
     debug!(task = %name, namespace = %ns, ?decision, "decided");
     let queue = QueueLabels {
         queue: task.spec.queue.clone(),
@@ -122,45 +163,52 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         Decision::Issue {
             status,
             lease,
-            reassigned,
+            cause,
         } => {
             let token = status.fencing_token;
             write_status(ctx, task, *status).await?;
             ctx.metrics.leases_issued.get_or_create(&queue).inc();
-            if reassigned {
+            if cause != IssueCause::New {
                 ctx.metrics.reassignments.get_or_create(&queue).inc();
             }
             create_lease(ctx, &lease).await?;
-            info!(task = %name, namespace = %ns, token, "lease issued");
-            let (reason, note) = if reassigned {
-                (
+            info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
+            let lease_name = lease.name_any();
+            let (type_, reason, note) = match cause {
+                IssueCause::New => (
+                    EventType::Normal,
+                    "LeaseIssued",
+                    format!("lease {lease_name} offered with fencing token {token}"),
+                ),
+                IssueCause::Reassigned => (
+                    EventType::Normal,
                     "Reassigned",
                     format!(
-                        "previous holder's lease expired; lease {} offered with fencing token {token}",
-                        lease.name_any()
+                        "previous holder's lease expired; lease {lease_name} offered with fencing token {token}"
                     ),
-                )
-            } else {
-                (
-                    "LeaseIssued",
+                ),
+                IssueCause::Replaced => (
+                    EventType::Warning,
+                    "LeaseReplaced",
                     format!(
-                        "lease {} offered with fencing token {token}",
-                        lease.name_any()
+                        "lease with fencing token {} is missing; its token is retired and lease {lease_name} offered with fencing token {token}",
+                        token - 1
                     ),
-                )
+                ),
             };
-            publish(ctx, task, EventType::Normal, reason, note).await;
+            publish(ctx, task, type_, reason, note).await;
             Ok(Action::await_change())
         }
-        Decision::CreateLease(lease) => {
-            warn!(task = %name, namespace = %ns, lease = %lease.name_any(), "current lease missing; creating it (repair)");
-            create_lease(ctx, &lease).await?;
-            Ok(Action::await_change())
+        Decision::LookUpLease(lease_name) => {
+            // Only after a read that found a current lease the cache lacks
+            // (decided again above): the watch will deliver it.
+            debug!(task = %name, lease = %lease_name, "lease not cached yet");
+            Ok(Action::requeue(crate::decide::CREATE_SETTLE))
         }
         Decision::Expire { lease, reason } => expire(ctx, task, &lease, reason).await,
-        Decision::Prune(victims) => {
+        Decision::Prune { victims, then } => {
             prune(ctx, &ns, victims).await?;
-            Ok(Action::await_change())
+            Ok(then.map_or_else(Action::await_change, Action::requeue))
         }
     }
 }
@@ -184,14 +232,32 @@ async fn write_status(
 
 async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {
     ctx.leadership.ensure()?;
-    let api: Api<TaskLease> =
-        Api::namespaced(ctx.client.clone(), &lease.namespace().unwrap_or_default());
+    let ns = lease.namespace().unwrap_or_default();
+    let name = lease.name_any();
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    ctx.expectations.expect(&ns, &name, Instant::now());
     match api.create(&PostParams::default(), lease).await {
         Ok(_) => Ok(()),
-        // Already there (a retried pass, or a cache that had not caught up):
-        // the name carries the token, so it is the same attempt.
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(e) => Err(classify(ctx, e, "lease create")),
+        // AlreadyExists is never success: the token was issued by the
+        // status write just made, so an object of that name is not ours (a
+        // forgery, or a leftover). Re-read: the next pass checks it and, if
+        // it is not the task's current lease, retires the token.
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            ctx.expectations.done(&ns, &name);
+            ctx.metrics.write_conflicts.inc();
+            warn!(lease = %name, namespace = %ns, "a lease under a newly issued token already exists; re-reading");
+            Err(Error::Conflict {
+                what: "lease create",
+            })
+        }
+        Err(e) => {
+            // A refused create (4xx) will not show up; an unknown outcome
+            // (timeout, 5xx) may: keep expecting it for a while.
+            if matches!(&e, kube::Error::Api(s) if s.code < 500) {
+                ctx.expectations.done(&ns, &name);
+            }
+            Err(classify(ctx, e, "lease create"))
+        }
     }
 }
 

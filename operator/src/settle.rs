@@ -172,9 +172,21 @@ pub fn settle(
     (status, transition)
 }
 
+/// `wall + delay`, rounded *up* to a whole second: `metav1.Time` is
+/// serialized with one-second resolution, and a truncated deadline would
+/// let the retry start before the backoff it announced.
 fn after(wall: Timestamp, delay: std::time::Duration) -> Time {
     let delay = SignedDuration::try_from(delay).unwrap_or(SignedDuration::MAX);
-    Time(wall.checked_add(delay).unwrap_or(wall))
+    let at = wall.checked_add(delay).unwrap_or(wall);
+    let whole = Timestamp::from_second(at.as_second()).unwrap_or(at);
+    let up = if whole < at {
+        whole
+            .checked_add(SignedDuration::from_secs(1))
+            .unwrap_or(at)
+    } else {
+        whole
+    };
+    Time(up)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
