@@ -18,16 +18,23 @@ pub async fn connect() -> anyhow::Result<Client> {
         .get_or_try_init(|| async {
             // One session-level lock: test binaries run one after another,
             // but be safe if two ever overlap.
-            client.batch_execute("SELECT pg_advisory_lock(4242)").await?;
-            client.batch_execute(batchlease_worker_sdk::postgres::MIGRATION).await?;
+            client
+                .batch_execute("SELECT pg_advisory_lock(4242)")
+                .await?;
+            client
+                .batch_execute(batchlease_worker_sdk::postgres::MIGRATION)
+                .await?;
             client
                 .batch_execute(
                     "CREATE TABLE IF NOT EXISTS task_state_audit (
-                         task_id text NOT NULL, token bigint NOT NULL, worker text, at timestamptz NOT NULL DEFAULT now());
+                         task_id text NOT NULL, token bigint NOT NULL, status text, worker text,
+                         at timestamptz NOT NULL DEFAULT clock_timestamp());
+                     ALTER TABLE task_state_audit ADD COLUMN IF NOT EXISTS status text;
                      CREATE OR REPLACE FUNCTION task_state_audit_fn() RETURNS trigger AS $$
                      BEGIN
-                       INSERT INTO task_state_audit (task_id, token, worker)
-                       VALUES (NEW.task_id, NEW.last_fencing_token, NEW.payload->>'worker');
+                       INSERT INTO task_state_audit (task_id, token, status, worker)
+                       VALUES (NEW.task_id, NEW.last_fencing_token, NEW.status,
+                               CASE WHEN NEW.status = 'COMPLETED' THEN NEW.payload->>'worker' END);
                        RETURN NEW;
                      END $$ LANGUAGE plpgsql;
                      DROP TRIGGER IF EXISTS task_state_audit_tr ON task_state;
@@ -42,34 +49,43 @@ pub async fn connect() -> anyhow::Result<Client> {
     Ok(client)
 }
 
-/// The row of `namespace/task`: (token, payload).
-pub async fn row(
-    client: &Client,
-    namespace: &str,
-    task: &str,
-) -> anyhow::Result<Option<(i64, Value)>> {
-    let id = format!("{namespace}/{task}");
+/// The committed result of the task with UID `task_uid`: (committing
+/// token, payload); `None` while nothing is committed.
+pub async fn row(client: &Client, task_uid: &str) -> anyhow::Result<Option<(i64, Value)>> {
     let row = client
         .query_opt(
-            "SELECT last_fencing_token, payload FROM task_state WHERE task_id = $1",
-            &[&id],
+            "SELECT committed_token, payload FROM task_state
+              WHERE task_id = $1 AND committed_token IS NOT NULL",
+            &[&task_uid],
         )
         .await?;
     Ok(row.map(|r| (r.get(0), r.get(1))))
 }
 
-/// Every write to `namespace/task`, oldest first: (token, worker).
-pub async fn audit(
+/// Every commit to the task with UID `task_uid`, oldest first: (token, worker).
+pub async fn audit(client: &Client, task_uid: &str) -> anyhow::Result<Vec<(i64, String)>> {
+    Ok(audit_all(client, task_uid)
+        .await?
+        .into_iter()
+        .filter(|(_, status, _)| status == "COMPLETED")
+        .map(|(t, _, w)| (t, w))
+        .collect())
+}
+
+/// Every write (registrations too), oldest first: (token, status, worker).
+pub async fn audit_all(
     client: &Client,
-    namespace: &str,
-    task: &str,
-) -> anyhow::Result<Vec<(i64, String)>> {
-    let id = format!("{namespace}/{task}");
+    task_uid: &str,
+) -> anyhow::Result<Vec<(i64, String, String)>> {
     let rows = client
         .query(
-            "SELECT token, coalesce(worker, '') FROM task_state_audit WHERE task_id = $1 ORDER BY at",
-            &[&id],
+            "SELECT token, coalesce(status, ''), coalesce(worker, '') FROM task_state_audit
+              WHERE task_id = $1 ORDER BY at",
+            &[&task_uid],
         )
         .await?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect())
 }

@@ -118,6 +118,16 @@ pub async fn status(
         .ok_or_else(|| anyhow::anyhow!("task {name} has no status"))
 }
 
+/// The UID of task `name`: its key in fenced storage.
+pub async fn uid(ns: &TestNamespace, name: &str) -> anyhow::Result<String> {
+    ns.api::<BatchTask>()
+        .get(name)
+        .await?
+        .metadata
+        .uid
+        .ok_or_else(|| anyhow::anyhow!("task {name} has no uid"))
+}
+
 /// The task's phase.
 pub fn phase_of(t: &BatchTask) -> Option<TaskPhase> {
     t.status.as_ref().and_then(|s| s.phase)

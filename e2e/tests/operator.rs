@@ -117,7 +117,7 @@ async fn happy_path_one_lease_token_one() {
 }
 
 #[tokio::test]
-async fn crash_between_status_write_and_lease_creation_is_repaired() {
+async fn crash_between_status_write_and_lease_creation_retires_the_token() {
     let cluster = Cluster::with_crds().await.unwrap();
     let ns = cluster.namespace("repair").await.unwrap();
     // Leave the task exactly as an operator that died after the first write
@@ -137,26 +137,80 @@ async fn crash_between_status_write_and_lease_creation_is_repaired() {
         .await
         .unwrap();
 
+    // The new operator cannot know whether a create of job-1 is still on
+    // its way or was claimed and deleted: token 1 is retired, never reused.
     let op = Operator::start(&ns.name, "op-a").unwrap();
-    let lease = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+    let lease = wait_lease(&ns, "job-2", LeasePhase::Offered, T, || op.logs())
         .await
         .unwrap();
-    assert_eq!(
-        lease.spec.fencing_token, 1,
-        "the repair reuses the issued token"
-    );
+    assert_eq!(lease.spec.fencing_token, 2);
     let task = api.get("job").await.unwrap();
+    let st = task.status.unwrap();
     assert_eq!(
-        task.status.unwrap().fencing_token,
-        1,
-        "no token was skipped or reissued"
+        (st.fencing_token, st.current_lease.as_deref(), st.attempts),
+        (2, Some("job-2"), 0),
+        "a new token, and no retry spent on the operator's crash"
     );
     let all = ns
         .api::<TaskLease>()
         .list(&Default::default())
         .await
         .unwrap();
-    assert_eq!(all.items.len(), 1);
+    let names: Vec<String> = all.items.iter().map(|l| l.name_any()).collect();
+    assert_eq!(names, ["job-2"], "job-1 was never created");
+    let reasons = event_reasons(&ns, "job").await.unwrap();
+    assert!(reasons.iter().any(|r| r == "LeaseReplaced"), "{reasons:?}");
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_deleted_claimed_lease_is_replaced_under_a_new_token_never_recreated() {
+    let (ns, op) = setup("deleted-lease").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "q", "leaseDurationSeconds": 30}),
+    )
+    .await
+    .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let held = claim(&leases, &offered, "w1").await.unwrap();
+    wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs())
+        .await
+        .unwrap();
+    // Someone deletes the claimed lease (kubectl delete tl job-1). w1 is
+    // still working under token 1: recreating job-1 would let a second
+    // worker claim token 1 too.
+    leases.delete("job-1", &Default::default()).await.unwrap();
+    let next = wait_lease(&ns, "job-2", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(next.spec.fencing_token, 2);
+    assert!(
+        leases.get_opt("job-1").await.unwrap().is_none(),
+        "token 1 was never used for a second lease"
+    );
+    let st = tasks::status(&ns, "job").await.unwrap();
+    assert_eq!((st.fencing_token, st.attempts), (2, 0));
+    let lost = st.history.last().unwrap();
+    assert_eq!(
+        (lost.token, lost.outcome.as_str(), lost.holder.as_deref()),
+        (1, "Lost", Some("w1"))
+    );
+    // w1's next renewal finds its lease gone (the SDK fires its kill switch).
+    let err = renew(&leases, &held).await.unwrap_err();
+    assert_eq!(worker::code(&err), 404, "{err}");
+    // The replacement runs normally.
+    let held2 = claim(&leases, &next, "w2").await.unwrap();
+    complete(&leases, &held2, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
+        .await
+        .unwrap();
     ns.cleanup().await.unwrap();
 }
 
@@ -277,7 +331,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     let (ns, op) = setup("deadletter").await;
     let leases: Api<TaskLease> = ns.api();
     let spec = json!({"queue": "q", "maxRetries": 3,
-                      "backoff": {"initialSeconds": 1, "maxSeconds": 2, "multiplier": 2}});
+                      "backoff": {"initialSeconds": 1, "maxSeconds": 2, "multiplier": 3}});
     tasks::create(&ns, "job", spec).await.unwrap();
 
     let mut delays = Vec::new();
@@ -332,13 +386,14 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
             assert!(st.history.iter().all(|h| h.outcome == "Failed"));
         }
     }
-    // initial·2^n capped at maxSeconds, plus jitter in [0, delay/2]: 1–1.5 s,
-    // 2–3 s, then capped at 2–3 s (4–6 s uncapped). Status times have
-    // one-second resolution, so each bound widens by a second.
-    assert!((1.0..=2.0).contains(&delays[0]), "{delays:?}");
-    assert!((2.0..=3.0).contains(&delays[1]), "{delays:?}");
+    // initial·3^n capped at maxSeconds, plus jitter in [0, delay/2]: 1–1.5 s,
+    // 2–3 s, then capped at 2–3 s (9–13.5 s uncapped). Status times have
+    // one-second resolution: the failure time is truncated and the retry
+    // deadline rounded up (never early), so each bound widens by 1.5 s.
+    assert!((1.0..=3.0).contains(&delays[0]), "{delays:?}");
+    assert!((2.0..=4.0).contains(&delays[1]), "{delays:?}");
     assert!(
-        (2.0..=3.0).contains(&delays[2]),
+        (2.0..=4.0).contains(&delays[2]),
         "maxSeconds not respected: {delays:?}"
     );
     let reasons = event_reasons(&ns, "job").await.unwrap();

@@ -77,7 +77,7 @@ async fn fifty_tasks_three_workers_all_succeed_with_their_tokens_in_postgres() {
         .unwrap()
     {
         let st = t.status.clone().unwrap();
-        let (token, payload) = pg::row(&db, &ns.name, &t.name_any())
+        let (token, payload) = pg::row(&db, &t.uid().unwrap())
             .await
             .unwrap()
             .expect("row committed");
@@ -139,7 +139,8 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     })
     .await
     .unwrap();
-    let (token, row) = pg::row(&db, &ns.name, "job").await.unwrap().unwrap();
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    let (token, row) = pg::row(&db, &uid).await.unwrap().unwrap();
     assert_eq!((token, &row["worker"]), (2, &json!("rescuer")));
 
     // The zombie wakes up. Its kill switch fires (the lease was last renewed
@@ -156,7 +157,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     )
     .await
     .unwrap();
-    let (token, row) = pg::row(&db, &ns.name, "job").await.unwrap().unwrap();
+    let (token, row) = pg::row(&db, &uid).await.unwrap().unwrap();
     assert_eq!(
         (token, &row["worker"]),
         (2, &json!("rescuer")),
@@ -169,11 +170,11 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     .await
     .unwrap();
     assert_eq!(fired, Some(1.0), "kill switch counted in the SDK metrics");
-    let writes = pg::audit(&db, &ns.name, "job").await.unwrap();
+    let writes = pg::audit(&db, &uid).await.unwrap();
     assert_eq!(
         writes,
         [(2, "rescuer".to_owned())],
-        "the zombie never wrote"
+        "the zombie never committed"
     );
     let l1 = leases.get("job-1").await.unwrap();
     assert_eq!(
@@ -191,7 +192,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     tokio::spawn(conn);
     let metrics = WorkerMetrics::default();
     let mut store = FencedStore::new(client, metrics.clone());
-    let id = format!("{}/job", ns.name);
+    let id = uid.clone();
     // A live fence for `token`, as a worker without the SDK's clock check
     // would effectively have.
     let live = |token| {
@@ -223,14 +224,21 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("is final"), "{err}");
-    // Its own earlier commit, replayed (same token), is an idempotent success.
-    let again = store
-        .commit(&live(2), &id, &json!({"worker": "rescuer"}))
-        .await
-        .unwrap();
+    // The rescuer's own commit, replayed (same token, same payload: a lost
+    // acknowledgement), is an idempotent success; a different payload under
+    // the same token is an error, never a silent success.
+    let again = store.commit(&live(2), &id, &row).await.unwrap();
     assert_eq!(
         again,
         batchlease_worker_sdk::postgres::Committed::AlreadyCommitted
+    );
+    let err = store
+        .commit(&live(2), &id, &json!({"worker": "rescuer", "other": true}))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, SdkError::PayloadMismatch { token: 2 }),
+        "{err}"
     );
     ns.cleanup().await.unwrap();
 }
@@ -320,7 +328,9 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     )
     .await
     .unwrap();
-    let writes = pg::audit(&db, &ns.name, "job").await.unwrap();
+    let writes = pg::audit(&db, &tasks::uid(&ns, "job").await.unwrap())
+        .await
+        .unwrap();
     assert_eq!(
         writes,
         [(2, "rescuer".to_owned())],
@@ -439,7 +449,10 @@ async fn permanent_error_dead_letters_immediately() {
     assert_eq!((st.attempts, st.fencing_token), (1, 1));
     assert_eq!(st.last_failure.unwrap().reason, "DemoPermanent");
     assert!(
-        pg::row(&db, &ns.name, "job").await.unwrap().is_none(),
+        pg::row(&db, &tasks::uid(&ns, "job").await.unwrap())
+            .await
+            .unwrap()
+            .is_none(),
         "nothing committed"
     );
     ns.cleanup().await.unwrap();
@@ -468,6 +481,7 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     wait_phase(&ns, "job", TaskPhase::Running, T, || logs(&op, &[&w]))
         .await
         .unwrap();
+    let uid = tasks::uid(&ns, "job").await.unwrap();
     ns.api::<BatchTask>()
         .delete("job", &DeleteParams::background())
         .await
@@ -505,7 +519,7 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     )
     .await
     .unwrap();
-    assert!(pg::row(&db, &ns.name, "job").await.unwrap().is_none());
+    assert!(pg::row(&db, &uid).await.unwrap().is_none());
     ns.cleanup().await.unwrap();
 }
 
@@ -561,7 +575,7 @@ async fn claims_failing_with_api_errors_are_retried_without_new_events() {
         || w.logs(),
         || {
             let text = w.log_text();
-            async move { Ok(text.contains("claim failed").then_some(())) }
+            async move { Ok(text.contains("claims failed").then_some(())) }
         },
     )
     .await
@@ -591,5 +605,51 @@ async fn claims_failing_with_api_errors_are_retried_without_new_events() {
     wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
         .await
         .unwrap();
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_forged_lease_is_neither_claimed_nor_followed() {
+    let (ns, op, db) = setup("forged").await;
+    // Before the task exists, someone with `create` on taskleases plants a
+    // lease under the name the task's first lease will have, with the
+    // largest token there is (it would fence out every real attempt).
+    let forged: TaskLease = serde_json::from_value(json!({
+        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskLease",
+        "metadata": {"name": "job-1", "labels": {
+            "batchlease.dev/task": "job", "batchlease.dev/queue": "demo"}},
+        "spec": {"taskName": "job", "taskUID": "forged", "queue": "demo",
+                 "fencingToken": i64::MAX, "leaseDurationSeconds": 30},
+        "status": {"phase": "Offered"}
+    }))
+    .unwrap();
+    let leases: Api<TaskLease> = ns.api();
+    leases.create(&Default::default(), &forged).await.unwrap();
+    let w = workers::start(&ns.name, "w", &WorkerOpts::default()).unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    // The operator's create of job-1 meets the forgery: token 1 is retired
+    // and job-2 issued; the worker runs job-2 and commits under token 2.
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.fencing_token, 2, "{st:?}");
+    let (token, _) = pg::row(&db, &done.metadata.uid.unwrap())
+        .await
+        .unwrap()
+        .expect("committed");
+    assert_eq!(token, 2);
+    let still = leases.get("job-1").await.unwrap();
+    assert_eq!(
+        (lease_phase(&still), still.spec.holder_identity.as_deref()),
+        (Some(LeasePhase::Offered), None),
+        "nobody claimed the forgery"
+    );
     ns.cleanup().await.unwrap();
 }

@@ -11,12 +11,13 @@ use std::time::Duration;
 use batchlease_api::{BatchTask, LeaseOutcome, TaskLease};
 use kube::ResourceExt;
 use kube::api::Api;
+use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::context::{Output, TaskContext};
-use crate::error::TaskError;
+use crate::context::{Output, Registry, TaskContext};
+use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillReason};
 use crate::lease_ops::{self, Completion, Renewal};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
@@ -39,6 +40,8 @@ pub(crate) struct Attempt {
     pub metrics: WorkerMetrics,
     /// Fires when the worker drains and the grace period is over.
     pub interrupt: CancellationToken,
+    /// Where the attempt registers its token before the handler runs.
+    pub registry: Option<Arc<dyn Registry>>,
 }
 
 impl Attempt {
@@ -49,11 +52,11 @@ impl Attempt {
     {
         let lease_name = self.lease.name_any();
         let token = self.fence.token();
-        let shared = Arc::new(Mutex::new(self.lease.clone()));
         let pending_checkpoint = Arc::new(Mutex::new(None));
         let ctx = TaskContext {
             task_name: self.task.name_any(),
             namespace: self.task.namespace().unwrap_or_default(),
+            task_uid: self.task.uid().unwrap_or_default(),
             payload: self
                 .task
                 .spec
@@ -65,64 +68,75 @@ impl Attempt {
             resource_tokens: self.lease.spec.resource_tokens.clone(),
             fence: self.fence.clone(),
             pending_checkpoint: pending_checkpoint.clone(),
+            earlier_commit: None,
         };
         let done = CancellationToken::new();
         // However this attempt ends — even dropped mid-way — the heartbeat
         // stops with it: a lease must never outlive its work.
         let _stop_heartbeat = done.clone().drop_guard();
-        let heartbeat = tokio::spawn(heartbeat(
-            self.api.clone(),
-            self.identity.clone(),
-            shared.clone(),
-            pending_checkpoint.clone(),
-            self.fence.clone(),
-            self.metrics.clone(),
-            done.clone(),
-        ));
-        info!(lease = %lease_name, token, "attempt started");
-        // A panicking handler is a failed attempt, not a lease held forever.
-        let work = std::panic::AssertUnwindSafe(handler(ctx)).catch_unwind();
-        let result = tokio::select! {
-            r = work => Some(r.unwrap_or_else(|_| {
-                error!(lease = %lease_name, token, "handler panicked");
-                Err(TaskError::retryable("the handler panicked").with_reason("HandlerPanicked"))
-            })),
-            _ = self.fence.killed().cancelled() => None,
-            // Drained: the handler is dropped and the lease released as
-            // Interrupted, so the task is offered again at once.
-            _ = self.interrupt.cancelled() => Some(Err(interrupted())),
+        let (finish, finished) = oneshot::channel();
+        // The heartbeat is the lease's only writer from here on: it renews
+        // until the completion is acknowledged, so a slow or retried
+        // completion never lets the lease lapse (and never conflicts with a
+        // renewal of our own).
+        let heartbeat = tokio::spawn(
+            Heartbeat {
+                api: self.api.clone(),
+                identity: self.identity.clone(),
+                lease: self.lease.clone(),
+                checkpoint: pending_checkpoint.clone(),
+                fence: self.fence.clone(),
+                metrics: self.metrics.clone(),
+            }
+            .run(done.clone(), finished),
+        );
+        // The last check before user code runs: a claim that took most of
+        // the kill clock (a slow API server) must not start work it cannot
+        // finish under the fence.
+        let result = if self.fence.check().is_err() {
+            None
+        } else {
+            info!(lease = %lease_name, token, "attempt started");
+            // A panicking handler is a failed attempt, not a lease held forever.
+            let registry = self.registry.clone();
+            let work = std::panic::AssertUnwindSafe(async move {
+                let mut ctx = ctx;
+                if let Some(registry) = registry {
+                    // Design §4: the token goes into storage before any user
+                    // code runs, so every write of an older attempt that
+                    // lands later is refused, whatever its timing.
+                    ctx.earlier_commit = registry.register(&ctx.task_uid, &ctx.fence).await?;
+                }
+                handler(ctx).await
+            })
+            .catch_unwind();
+            tokio::select! {
+                r = work => Some(r.unwrap_or_else(|_| {
+                    error!(lease = %lease_name, token, "handler panicked");
+                    Err(TaskError::retryable("the handler panicked").with_reason("HandlerPanicked"))
+                })),
+                _ = self.fence.killed().cancelled() => None,
+                // Drained: the handler is dropped and the lease released as
+                // Interrupted, so the task is offered again at once.
+                _ = self.interrupt.cancelled() => Some(Err(interrupted())),
+            }
         };
-        done.cancel();
-        let _ = heartbeat.await;
-
-        let Some(result) = result else {
-            let reason = self
-                .fence
-                .kill_reason()
-                .unwrap_or(KillReason::RenewalsFailed);
-            warn!(lease = %lease_name, token, reason = reason.as_str(), "kill switch fired: handler dropped, nothing more is written");
-            return Ended::Killed(reason);
-        };
-        // The last word: refuse to complete an attempt we can no longer prove is ours.
-        if let Err(e) = self.fence.check() {
-            let reason = self
-                .fence
-                .kill_reason()
-                .unwrap_or(KillReason::RenewalsFailed);
-            warn!(lease = %lease_name, token, error = %e, "not completing: attempt revoked");
-            return Ended::Killed(reason);
-        }
-        let completion = completion_of(
-            result,
-            pending_checkpoint
+        if let Some(result) = result {
+            let checkpoint = pending_checkpoint
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .take(),
-        );
-        let ours = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match lease_ops::complete(&self.api, &ours, &self.identity, &completion).await {
-            Ok(()) => {
-                let outcome = completion.outcome;
+                .take();
+            // If the heartbeat already ended (kill switch), the send fails
+            // and its verdict below stands.
+            let _ = finish.send(completion_of(result, checkpoint));
+        } else {
+            drop(finish);
+        }
+        let (verdict, last_copy) = heartbeat
+            .await
+            .unwrap_or_else(|_| (Verdict::Killed, self.lease.clone()));
+        match verdict {
+            Verdict::Completed(outcome) => {
                 self.metrics
                     .completions
                     .get_or_create(&OutcomeLabels {
@@ -132,14 +146,75 @@ impl Attempt {
                 info!(lease = %lease_name, token, outcome = outcome_label(outcome), "attempt completed");
                 Ended::Completed(outcome)
             }
-            Err(e) => {
+            Verdict::Rejected => {
                 self.metrics.completion_rejected.inc();
-                error!(lease = %lease_name, token, error = %e, kind = e.kind(), "completion rejected");
                 Ended::CompletionRejected
+            }
+            Verdict::Killed => {
+                let reason = self
+                    .fence
+                    .kill_reason()
+                    .unwrap_or(KillReason::RenewalsFailed);
+                count_kill(&self.metrics, reason);
+                warn!(lease = %lease_name, token, reason = reason.as_str(), "kill switch fired: handler dropped, nothing more is written");
+                // The lease may still be ours (e.g. a slow claim ate the
+                // clock while the API server is reachable): hand it back at
+                // once, best effort, so nobody waits a TTL for nothing. The
+                // CAS on our last copy cannot touch a lease that moved on.
+                give_back(&self.api, &last_copy, reason).await;
+                Ended::Killed(reason)
             }
         }
     }
 }
+
+/// Counts a fired kill switch once, whoever noticed it (the heartbeat's
+/// timer, a lost renewal, or `Fence::check` on waking from a pause).
+fn count_kill(metrics: &WorkerMetrics, reason: KillReason) {
+    metrics
+        .kill_switch
+        .get_or_create(&ReasonLabels {
+            reason: reason.as_str(),
+        })
+        .inc();
+}
+
+/// After the kill switch: complete the lease (from our last copy, so only a
+/// lease nobody else wrote since matches) as `Interrupted`, or as
+/// `Failed` when the attempt ran out of its deadline. Bounded, best effort.
+async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) {
+    if reason == KillReason::LeaseLost {
+        return;
+    }
+    let c = match reason {
+        KillReason::DeadlineExceeded => Completion {
+            outcome: LeaseOutcome::Failed,
+            reason: Some("ActiveDeadlineExceeded".into()),
+            message: Some("the attempt ran past activeDeadlineSeconds".into()),
+            permanent: false,
+            result: None,
+            checkpoint: None,
+        },
+        _ => Completion {
+            outcome: LeaseOutcome::Interrupted,
+            reason: Some("KillSwitch".into()),
+            message: Some("the worker could not renew in time and stopped its work".into()),
+            permanent: false,
+            result: None,
+            checkpoint: None,
+        },
+    };
+    match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, lease, &c)).await {
+        Ok(Ok(())) => info!(lease = %lease.name_any(), "lease given back after the kill switch"),
+        Ok(Err(e)) => {
+            debug!(lease = %lease.name_any(), error = %e, "lease not given back (it moved on)")
+        }
+        Err(_) => debug!(lease = %lease.name_any(), "giving the lease back timed out"),
+    }
+}
+
+/// How long a give-back may take.
+const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
 
 fn interrupted() -> TaskError {
     TaskError::Retryable {
@@ -199,70 +274,141 @@ fn outcome_label(o: LeaseOutcome) -> &'static str {
     }
 }
 
-/// Renews every TTL/3 (retrying a failed renewal quickly) until `done`, and
-/// fires the kill switch when no renewal succeeded in time or the lease is
-/// found lost.
-async fn heartbeat(
+/// How the heartbeat ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The completion was acknowledged.
+    Completed(LeaseOutcome),
+    /// The API server refused the completion: the lease is not ours.
+    Rejected,
+    /// The kill switch fired (or the attempt was dropped).
+    Killed,
+}
+
+/// The lease's only writer during an attempt.
+struct Heartbeat {
     api: Api<TaskLease>,
     identity: String,
-    lease: Arc<Mutex<TaskLease>>,
+    /// Our latest copy of the lease.
+    lease: TaskLease,
     checkpoint: Arc<Mutex<Option<serde_json::Value>>>,
     fence: Fence,
     metrics: WorkerMetrics,
-    done: CancellationToken,
-) {
-    let every = fence.clock().renew_every();
-    let retry = (every / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
-    let mut next = Instant::now() + every;
-    loop {
-        let (kill_at, reason) = fence.clock().kill_at();
-        tokio::select! {
-            // Past the deadline, the kill switch wins over a late renewal.
-            biased;
-            _ = done.cancelled() => return,
-            _ = sleep_until(kill_at) => {
-                if fence.kill(reason) {
-                    metrics.kill_switch.get_or_create(&ReasonLabels { reason: reason.as_str() }).inc();
+}
+
+impl Heartbeat {
+    /// Renews every TTL/3 from the claim's send time (retrying a failed
+    /// renewal quickly) and, once the handler is done, completes — retrying
+    /// transient errors while the fence holds. Fires the kill switch when no
+    /// renewal succeeded in time or the lease was found lost.
+    async fn run(
+        mut self,
+        done: CancellationToken,
+        finished: oneshot::Receiver<Completion>,
+    ) -> (Verdict, TaskLease) {
+        let verdict = self.beat(done, finished).await;
+        (verdict, self.lease)
+    }
+
+    async fn beat(
+        &mut self,
+        done: CancellationToken,
+        mut finished: oneshot::Receiver<Completion>,
+    ) -> Verdict {
+        let clock = self.fence.clock();
+        let every = clock.renew_every();
+        let retry = (every / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let mut next = clock.next_renewal();
+        let mut completion: Option<Completion> = None;
+        loop {
+            let (kill_at, reason) = self.fence.clock().kill_at();
+            tokio::select! {
+                // Past the deadline, the kill switch wins over a late write.
+                biased;
+                _ = done.cancelled() => return Verdict::Killed,
+                _ = sleep_until(kill_at) => {
+                    self.fence.kill(reason);
+                    return Verdict::Killed;
                 }
-                return;
+                c = &mut finished, if completion.is_none() => match c {
+                    Ok(c) => {
+                        completion = Some(c);
+                        next = Instant::now();
+                    }
+                    // The handler was dropped without an outcome: the kill
+                    // switch fired.
+                    Err(_) => return Verdict::Killed,
+                },
+                _ = sleep_until(next) => {}
             }
-            _ = sleep_until(next) => {}
-        }
-        let sent = Instant::now();
-        let ours = lease.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let cp = checkpoint.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        // A renewal that cannot finish before the kill switch is useless:
-        // bound it, so a black-holed connection cannot hold us.
-        let budget = kill_at.saturating_duration_since(sent);
-        match timeout(budget, lease_ops::renew(&api, &ours, &identity, cp)).await {
-            Ok(Ok(Renewal::Renewed(stored))) => {
-                fence.renewed(sent);
-                metrics
-                    .renewal_latency
-                    .observe(sent.elapsed().as_secs_f64());
-                *lease.lock().unwrap_or_else(|e| e.into_inner()) = *stored;
-                next = sent + every;
-                debug!(lease = %ours.name_any(), "renewed");
+            if Instant::now() < next {
+                continue;
             }
-            Ok(Ok(Renewal::Lost(why))) => {
-                warn!(lease = %ours.name_any(), why, "renewal found the lease lost");
-                if fence.kill(KillReason::LeaseLost) {
-                    metrics
-                        .kill_switch
-                        .get_or_create(&ReasonLabels {
-                            reason: KillReason::LeaseLost.as_str(),
-                        })
-                        .inc();
+            let sent = Instant::now();
+            // A write that cannot finish before the kill switch is useless:
+            // bound it, so a black-holed connection cannot hold us.
+            let budget = kill_at.saturating_duration_since(sent);
+            if let Some(c) = &completion {
+                // The last word: never complete an attempt we cannot prove ours.
+                if let Err(e) = self.fence.check() {
+                    warn!(lease = %self.lease.name_any(), error = %e, "not completing: attempt revoked");
+                    return Verdict::Killed;
                 }
-                return;
+                match timeout(
+                    budget,
+                    lease_ops::complete(&self.api, &self.lease, &self.identity, c),
+                )
+                .await
+                {
+                    Ok(Ok(())) => return Verdict::Completed(c.outcome),
+                    Ok(Err(e @ Error::Rejected { .. })) => {
+                        error!(lease = %self.lease.name_any(), error = %e, kind = e.kind(), "completion rejected");
+                        return Verdict::Rejected;
+                    }
+                    Ok(Err(e)) => {
+                        warn!(lease = %self.lease.name_any(), error = %e, "completion failed; retrying while the fence holds");
+                        next = Instant::now() + retry;
+                    }
+                    Err(_) => {
+                        warn!(lease = %self.lease.name_any(), "completion timed out");
+                        next = Instant::now();
+                    }
+                }
+                continue;
             }
-            Ok(Err(e)) => {
-                warn!(lease = %ours.name_any(), error = %e, "renewal failed; retrying");
-                next = Instant::now() + retry;
-            }
-            Err(_) => {
-                warn!(lease = %ours.name_any(), "renewal timed out");
-                next = Instant::now();
+            let cp = self
+                .checkpoint
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            match timeout(
+                budget,
+                lease_ops::renew(&self.api, &self.lease, &self.identity, cp),
+            )
+            .await
+            {
+                Ok(Ok(Renewal::Renewed(stored))) => {
+                    self.fence.renewed(sent);
+                    self.metrics
+                        .renewal_latency
+                        .observe(sent.elapsed().as_secs_f64());
+                    self.lease = *stored;
+                    next = sent + every;
+                    debug!(lease = %self.lease.name_any(), "renewed");
+                }
+                Ok(Ok(Renewal::Lost(why))) => {
+                    warn!(lease = %self.lease.name_any(), why, "renewal found the lease lost");
+                    self.fence.kill(KillReason::LeaseLost);
+                    return Verdict::Killed;
+                }
+                Ok(Err(e)) => {
+                    warn!(lease = %self.lease.name_any(), error = %e, "renewal failed; retrying");
+                    next = Instant::now() + retry;
+                }
+                Err(_) => {
+                    warn!(lease = %self.lease.name_any(), "renewal timed out");
+                    next = Instant::now();
+                }
             }
         }
     }
@@ -307,6 +453,7 @@ mod tests {
             fence,
             metrics: WorkerMetrics::default(),
             interrupt: CancellationToken::new(),
+            registry: None,
         };
         let (d, c) = (dropped.clone(), cancelled.clone());
         let ended = attempt
@@ -356,6 +503,7 @@ mod tests {
             fence: fence.clone(),
             metrics: WorkerMetrics::default(),
             interrupt: CancellationToken::new(),
+            registry: None,
         };
         let run =
             attempt.run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>());

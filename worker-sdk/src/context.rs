@@ -8,19 +8,48 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use crate::error::Error;
 use crate::fence::Fence;
+
+/// A commit that an earlier attempt of the same task made before this one
+/// registered (design §4). The work is done; a handler normally returns
+/// this result instead of doing it again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EarlierCommit {
+    /// The fencing token of the attempt whose commit stuck.
+    pub token: i64,
+    /// What it committed.
+    pub payload: Option<Value>,
+}
+
+/// Storage in which each attempt registers its fencing token before its
+/// handler runs (see `postgres::FencedStore`). Registration raises the
+/// stored token to ours, so every later write of an older attempt is
+/// refused; it fails with [`Error::Fenced`] when a newer attempt already
+/// registered (we are the zombie).
+pub trait Registry: Send + Sync {
+    /// Registers `fence`'s token for the task with UID `task_uid`; returns
+    /// the commit of an earlier attempt, if one stuck.
+    fn register<'a>(
+        &'a self,
+        task_uid: &'a str,
+        fence: &'a Fence,
+    ) -> futures::future::BoxFuture<'a, Result<Option<EarlierCommit>, Error>>;
+}
 
 /// The context of one attempt.
 #[derive(Debug, Clone)]
 pub struct TaskContext {
     pub(crate) task_name: String,
     pub(crate) namespace: String,
+    pub(crate) task_uid: String,
     pub(crate) payload: Value,
     pub(crate) attempt: i32,
     pub(crate) previous_checkpoint: Option<Value>,
     pub(crate) resource_tokens: BTreeMap<String, i64>,
     pub(crate) fence: Fence,
     pub(crate) pending_checkpoint: Arc<Mutex<Option<Value>>>,
+    pub(crate) earlier_commit: Option<EarlierCommit>,
 }
 
 impl TaskContext {
@@ -32,6 +61,19 @@ impl TaskContext {
     /// The BatchTask's namespace.
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// The BatchTask's UID: the key of the task's row in fenced storage, so a
+    /// deleted and re-created task of the same name starts clean and a
+    /// zombie of the old one cannot touch it.
+    pub fn task_uid(&self) -> &str {
+        &self.task_uid
+    }
+
+    /// The commit of an earlier attempt of this task, found when this
+    /// attempt registered its token (only with a registry configured).
+    pub fn earlier_commit(&self) -> Option<&EarlierCommit> {
+        self.earlier_commit.as_ref()
     }
 
     /// The payload as JSON.

@@ -56,6 +56,14 @@ pub enum Error {
     /// The storage holds a newer fencing token: this attempt is a zombie.
     #[error("fenced: storage already holds token {current}, ours is {token}")]
     Fenced { token: i64, current: i64 },
+    /// An earlier attempt's commit already stuck: the work is done (see
+    /// `TaskContext::earlier_commit`); ours was not written.
+    #[error("attempt {token} not committed: attempt {earlier} already committed this task")]
+    CommittedEarlier { token: i64, earlier: i64 },
+    /// This attempt already committed a different payload: a second commit
+    /// by one token is a bug in the handler, not a retry.
+    #[error("attempt {token} already committed a different payload")]
+    PayloadMismatch { token: i64 },
     /// The API server refused our write of the lease (it is not ours).
     #[error("the API server rejected the {what} of lease {lease}: {source}")]
     Rejected {
@@ -79,6 +87,9 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A call did not answer within its budget.
+    #[error("{what} timed out")]
+    Timeout { what: &'static str },
     /// A write kept conflicting with our own earlier writes.
     #[error("{what} kept conflicting; gave up")]
     Contended { what: &'static str },
@@ -93,11 +104,14 @@ impl Error {
         match self {
             Self::Revoked { .. } => "revoked",
             Self::Fenced { .. } => "fenced",
+            Self::CommittedEarlier { .. } => "committed_earlier",
+            Self::PayloadMismatch { .. } => "payload_mismatch",
             Self::Rejected { .. } => "rejected",
             Self::Kube { .. } => "kube",
             #[cfg(feature = "postgres")]
             Self::Postgres { .. } => "postgres",
             Self::Contended { .. } => "contended",
+            Self::Timeout { .. } => "timeout",
             Self::Config(_) => "config",
         }
     }

@@ -61,9 +61,20 @@ impl KillClock {
         }
     }
 
+    /// The lease duration.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// Renew every TTL/3.
     pub fn renew_every(&self) -> Duration {
         self.ttl / 3
+    }
+
+    /// When the first renewal is due: TTL/3 after the claim was *sent*
+    /// (not after the attempt started: the claim's round trip counts).
+    pub fn next_renewal(&self) -> Instant {
+        self.last_ok_sent + self.renew_every()
     }
 
     /// A renewal sent at `sent` succeeded.
@@ -133,6 +144,22 @@ impl Fence {
             });
         }
         Ok(())
+    }
+
+    /// The lease duration of the attempt.
+    pub fn ttl(&self) -> Duration {
+        self.clock().ttl()
+    }
+
+    /// How long the attempt may still act (zero once revoked).
+    pub fn time_left(&self) -> Duration {
+        if self.kill_reason().is_some() {
+            return Duration::ZERO;
+        }
+        self.clock()
+            .kill_at()
+            .0
+            .saturating_duration_since(Instant::now())
     }
 
     /// Fires when the kill switch does.

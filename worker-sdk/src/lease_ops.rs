@@ -120,6 +120,44 @@ pub struct Completion {
     pub checkpoint: Option<Value>,
 }
 
+/// One completion attempt from `ours`, no re-read: a conflict means someone
+/// else wrote the lease, and then it is not ours to end.
+pub async fn complete_once(
+    api: &Api<TaskLease>,
+    ours: &TaskLease,
+    c: &Completion,
+) -> Result<(), Error> {
+    let l = completed(ours, c);
+    match api.replace(&l.name_any(), &PostParams::default(), &l).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code < 500 => Err(Error::Rejected {
+            what: "completion",
+            lease: l.name_any(),
+            source: kube::Error::Api(s),
+        }),
+        Err(source) => Err(Error::Kube {
+            what: "completion",
+            source,
+        }),
+    }
+}
+
+/// `ours` with the completion written into its status.
+fn completed(ours: &TaskLease, c: &Completion) -> TaskLease {
+    let mut l = ours.clone();
+    let st = l.status.get_or_insert_with(Default::default);
+    st.phase = Some(LeasePhase::Completed);
+    st.outcome = Some(c.outcome);
+    st.reason = c.reason.clone();
+    st.message = c.message.clone();
+    st.permanent = c.permanent;
+    st.result = c.result.clone();
+    if c.checkpoint.is_some() {
+        st.checkpoint = c.checkpoint.clone();
+    }
+    l
+}
+
 /// Sets the lease `Completed`. A conflict is retried only while the lease
 /// is still held by us; otherwise the completion is rejected (typed).
 pub async fn complete(
@@ -130,17 +168,7 @@ pub async fn complete(
 ) -> Result<(), Error> {
     let mut current = ours.clone();
     for _ in 0..3 {
-        let mut l = current.clone();
-        let st = l.status.get_or_insert_with(Default::default);
-        st.phase = Some(LeasePhase::Completed);
-        st.outcome = Some(c.outcome);
-        st.reason = c.reason.clone();
-        st.message = c.message.clone();
-        st.permanent = c.permanent;
-        st.result = c.result.clone();
-        if c.checkpoint.is_some() {
-            st.checkpoint = c.checkpoint.clone();
-        }
+        let l = completed(&current, c);
         let rejected = |s| Error::Rejected {
             what: "completion",
             lease: l.name_any(),

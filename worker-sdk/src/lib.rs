@@ -32,7 +32,7 @@ pub mod postgres;
 mod worker;
 
 pub use attempt::Ended;
-pub use context::{Output, TaskContext};
+pub use context::{EarlierCommit, Output, Registry, TaskContext};
 pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};
 pub use metrics::WorkerMetrics;

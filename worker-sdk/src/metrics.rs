@@ -26,6 +26,7 @@ pub struct WorkerMetrics {
     pub fenced_commit_rejected: Counter,
     pub claims: Counter,
     pub claim_conflicts: Counter,
+    pub claims_refused: Counter,
     pub completions: Family<OutcomeLabels, Counter>,
     pub completion_rejected: Counter,
 }
@@ -38,6 +39,7 @@ impl Default for WorkerMetrics {
             fenced_commit_rejected: Counter::default(),
             claims: Counter::default(),
             claim_conflicts: Counter::default(),
+            claims_refused: Counter::default(),
             completions: Family::default(),
             completion_rejected: Counter::default(),
         }
@@ -64,6 +66,11 @@ impl WorkerMetrics {
             self.fenced_commit_rejected.clone(),
         );
         r.register("claims", "Leases claimed", self.claims.clone());
+        r.register(
+            "claims_refused",
+            "Offered leases not claimed because they are not their task's current lease (stale or forged)",
+            self.claims_refused.clone(),
+        );
         r.register(
             "claim_conflicts",
             "Claims lost to another worker (409)",

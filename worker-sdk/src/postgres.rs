@@ -1,49 +1,86 @@
 //! The fenced PostgreSQL store (design §4).
 //!
-//! Every commit is one conditional upsert keyed by task id:
+//! One row per task, keyed by the task's **UID**. Two fenced writes:
+//!
+//! - **Registration** (before the handler runs, see [`crate::Registry`]):
+//!   raises `last_fencing_token` to the attempt's token, if it is higher.
+//!   From then on every write of an older attempt is refused, however late
+//!   it arrives. A check of the fence before a commit is not enough on its
+//!   own: a holder paused between its check and its write would land after
+//!   its successor claimed but before the successor wrote anything.
+//! - **Commit**: sets the result, only while the row carries no newer token
+//!   and no attempt has committed yet — at most one attempt's effect sticks
+//!   per task. The caller's own writes share the transaction; the fence is
+//!   checked again right before `COMMIT`; `statement_timeout`,
+//!   `lock_timeout` and `idle_in_transaction_session_timeout` keep a paused
+//!   holder of the row lock from blocking its successor for long.
 //!
 //! ```sql
-//! INSERT INTO task_state (task_id, status, payload, last_fencing_token, updated_at)
-//! VALUES ($1, 'COMPLETED', $3, $2, now())
-//! ON CONFLICT (task_id) DO UPDATE SET status = 'COMPLETED', payload = EXCLUDED.payload,
-//!        last_fencing_token = EXCLUDED.last_fencing_token, updated_at = now()
-//!  WHERE task_state.last_fencing_token < EXCLUDED.last_fencing_token
+//! -- register (T = our token)
+//! INSERT INTO task_state (task_id, status, last_fencing_token) VALUES ($1, 'RUNNING', T)
+//! ON CONFLICT (task_id) DO UPDATE SET last_fencing_token = T, …
+//!  WHERE task_state.last_fencing_token < T
+//! -- commit
+//! … SET status = 'COMPLETED', payload = $3, committed_token = T, last_fencing_token = T
+//!  WHERE task_state.last_fencing_token <= T AND task_state.committed_token IS NULL
 //! ```
 //!
-//! Zero rows affected means a newer (or equal) token got there first: with
-//! an equal token it is our own earlier commit whose acknowledgement was
-//! lost (success, idempotently), otherwise [`Error::Fenced`]. The first
-//! insert is fenced too, by the same statement. The caller's own writes can
-//! share the transaction: they commit only if the fence let us through.
+//! A refused commit is typed: [`Error::Fenced`] (a newer attempt
+//! registered: we are a zombie), [`Error::CommittedEarlier`] (an earlier
+//! attempt's commit stuck: the work is done), or — when the row already
+//! carries *our* commit — success if the payload is the same (our own
+//! commit whose acknowledgement was lost) and [`Error::PayloadMismatch`]
+//! otherwise.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, Transaction};
 
+use crate::context::{EarlierCommit, Registry};
 use crate::error::Error;
 use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
 
-/// The table the store writes; create it with [`migrate`].
+/// The table the store writes; create (or upgrade) it with [`migrate`].
 pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS task_state (
     task_id            text PRIMARY KEY,
     status             text NOT NULL,
     payload            jsonb,
     last_fencing_token bigint NOT NULL,
+    committed_token    bigint,
     updated_at         timestamptz NOT NULL DEFAULT now()
-)";
+);
+ALTER TABLE task_state ADD COLUMN IF NOT EXISTS committed_token bigint;
+UPDATE task_state SET committed_token = last_fencing_token
+ WHERE status = 'COMPLETED' AND committed_token IS NULL";
 
-const FENCED_UPSERT: &str =
-    "INSERT INTO task_state (task_id, status, payload, last_fencing_token, updated_at)
-     VALUES ($1, 'COMPLETED', $3, $2, now())
+const REGISTER: &str = "INSERT INTO task_state (task_id, status, last_fencing_token, updated_at)
+     VALUES ($1, 'RUNNING', $2, now())
+     ON CONFLICT (task_id) DO UPDATE SET last_fencing_token = EXCLUDED.last_fencing_token,
+            status = CASE WHEN task_state.committed_token IS NULL THEN 'RUNNING' ELSE task_state.status END,
+            updated_at = now()
+      WHERE task_state.last_fencing_token < EXCLUDED.last_fencing_token
+     RETURNING committed_token, payload";
+
+const COMMIT: &str = "INSERT INTO task_state (task_id, status, payload, last_fencing_token, committed_token, updated_at)
+     VALUES ($1, 'COMPLETED', $3, $2, $2, now())
      ON CONFLICT (task_id) DO UPDATE SET status = 'COMPLETED', payload = EXCLUDED.payload,
-            last_fencing_token = EXCLUDED.last_fencing_token, updated_at = now()
-      WHERE task_state.last_fencing_token < EXCLUDED.last_fencing_token";
+            last_fencing_token = EXCLUDED.last_fencing_token,
+            committed_token = EXCLUDED.committed_token, updated_at = now()
+      WHERE task_state.last_fencing_token <= EXCLUDED.last_fencing_token
+        AND task_state.committed_token IS NULL";
 
-/// Creates the `task_state` table if it does not exist.
+const READ: &str =
+    "SELECT last_fencing_token, committed_token, payload FROM task_state WHERE task_id = $1";
+
+/// Creates the `task_state` table if it does not exist (and adds the
+/// `committed_token` column to a table of an older version).
 pub async fn migrate(client: &Client) -> Result<(), Error> {
     client
         .batch_execute(MIGRATION)
@@ -57,9 +94,9 @@ pub async fn migrate(client: &Client) -> Result<(), Error> {
 /// What a commit did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Committed {
-    /// The row now carries our token.
+    /// The row now carries our result.
     Written,
-    /// The row already carried our token: an earlier commit of ours whose
+    /// The row already carried our result: an earlier commit of ours whose
     /// acknowledgement was lost. Nothing was written again.
     AlreadyCommitted,
 }
@@ -67,11 +104,28 @@ pub enum Committed {
 /// The future of the caller's writes that share the fenced transaction.
 pub type Writes<'t> = Pin<Box<dyn Future<Output = Result<(), tokio_postgres::Error>> + Send + 't>>;
 
-/// A PostgreSQL connection that commits only under a valid fence.
+/// A PostgreSQL connection that writes only under a valid fence.
 #[derive(Debug)]
 pub struct FencedStore {
     client: Client,
     metrics: WorkerMetrics,
+}
+
+/// Session limits of one fenced transaction, from the fence's clock: no
+/// statement outlives the attempt, a waiting successor gives up after a
+/// third of the TTL, and a holder paused inside its transaction loses its
+/// session (and so the row lock) after a sixth of it — before its lease
+/// could expire.
+fn limits(fence: &Fence) -> String {
+    let ms = |d: Duration| d.as_millis().max(1);
+    let ttl = fence.ttl();
+    format!(
+        "SET LOCAL statement_timeout = {}; SET LOCAL lock_timeout = {}; \
+         SET LOCAL idle_in_transaction_session_timeout = {}",
+        ms(fence.time_left()),
+        ms(ttl / 3),
+        ms(ttl / 6),
+    )
 }
 
 impl FencedStore {
@@ -85,23 +139,82 @@ impl FencedStore {
         &self.client
     }
 
-    /// Commits `payload` for `task_id` under `fence`.
+    fn refused(&self, e: Error) -> Error {
+        if matches!(e, Error::Revoked { .. } | Error::Fenced { .. }) {
+            self.metrics.fenced_commit_rejected.inc();
+        }
+        e
+    }
+
+    /// Registers `fence`'s token for task `task_uid` (design §4). Returns
+    /// the commit of an earlier attempt if one stuck; [`Error::Fenced`] if
+    /// a newer attempt registered first. Registering twice is harmless.
+    pub async fn register(
+        &mut self,
+        fence: &Fence,
+        task_uid: &str,
+    ) -> Result<Option<EarlierCommit>, Error> {
+        fence.check().map_err(|e| self.refused(e))?;
+        let token = fence.token();
+        let pg = |what| move |source| Error::Postgres { what, source };
+        let tx = self.client.transaction().await.map_err(pg("begin"))?;
+        tx.batch_execute(&limits(fence))
+            .await
+            .map_err(pg("session limits"))?;
+        let row = tx
+            .query_opt(REGISTER, &[&task_uid, &token])
+            .await
+            .map_err(pg("register"))?;
+        let earlier = match row {
+            Some(r) => {
+                let committed: Option<i64> = r.get(0);
+                let payload: Option<Json<Value>> = r.get(1);
+                committed.map(|token| EarlierCommit {
+                    token,
+                    payload: payload.map(|p| p.0),
+                })
+            }
+            None => {
+                let r = tx
+                    .query_one(READ, &[&task_uid])
+                    .await
+                    .map_err(pg("fence read"))?;
+                let current: i64 = r.get(0);
+                if current != token {
+                    let _ = tx.rollback().await;
+                    return Err(self.refused(Error::Fenced { token, current }));
+                }
+                // Already registered by us (an acknowledgement was lost).
+                let committed: Option<i64> = r.get(1);
+                let payload: Option<Json<Value>> = r.get(2);
+                committed.map(|token| EarlierCommit {
+                    token,
+                    payload: payload.map(|p| p.0),
+                })
+            }
+        };
+        tx.commit().await.map_err(pg("commit"))?;
+        Ok(earlier)
+    }
+
+    /// Commits `payload` for task `task_uid` under `fence`.
     pub async fn commit(
         &mut self,
         fence: &Fence,
-        task_id: &str,
+        task_uid: &str,
         payload: &Value,
     ) -> Result<Committed, Error> {
-        self.commit_with(fence, task_id, payload, |_| Box::pin(async { Ok(()) }))
+        self.commit_with(fence, task_uid, payload, |_| Box::pin(async { Ok(()) }))
             .await
     }
 
     /// Commits `payload` and runs `writes` in the same transaction, after the
-    /// fence let us through (the fenced row stays locked until commit).
+    /// fence let us through (the fenced row stays locked until commit); the
+    /// fence is checked once more right before `COMMIT`.
     pub async fn commit_with<W>(
         &mut self,
         fence: &Fence,
-        task_id: &str,
+        task_uid: &str,
         payload: &Value,
         writes: W,
     ) -> Result<Committed, Error>
@@ -109,46 +222,64 @@ impl FencedStore {
         W: for<'t> FnOnce(&'t Transaction<'t>) -> Writes<'t>,
     {
         // Refuse locally first: a revoked attempt must not even try.
-        if let Err(e) = fence.check() {
-            self.metrics.fenced_commit_rejected.inc();
-            return Err(e);
-        }
+        fence.check().map_err(|e| self.refused(e))?;
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
         let tx = self.client.transaction().await.map_err(pg("begin"))?;
+        tx.batch_execute(&limits(fence))
+            .await
+            .map_err(pg("session limits"))?;
         let rows = tx
-            .execute(FENCED_UPSERT, &[&task_id, &token, &Json(payload)])
+            .execute(COMMIT, &[&task_uid, &token, &Json(payload)])
             .await
             .map_err(pg("fenced upsert"))?;
         if rows == 0 {
-            let current: i64 = tx
-                .query_one(
-                    "SELECT last_fencing_token FROM task_state WHERE task_id = $1",
-                    &[&task_id],
-                )
+            let r = tx
+                .query_one(READ, &[&task_uid])
                 .await
-                .map_err(pg("fence read"))?
-                .get(0);
-            tx.rollback().await.map_err(pg("rollback"))?;
-            if current == token {
-                return Ok(Committed::AlreadyCommitted);
-            }
-            self.metrics.fenced_commit_rejected.inc();
-            return Err(Error::Fenced { token, current });
+                .map_err(pg("fence read"))?;
+            let _ = tx.rollback().await;
+            let current: i64 = r.get(0);
+            let committed: Option<i64> = r.get(1);
+            let stored: Option<Json<Value>> = r.get(2);
+            return match committed {
+                _ if current > token => Err(self.refused(Error::Fenced { token, current })),
+                Some(c) if c == token => {
+                    if stored.map(|j| j.0).as_ref() == Some(payload) {
+                        Ok(Committed::AlreadyCommitted)
+                    } else {
+                        Err(Error::PayloadMismatch { token })
+                    }
+                }
+                Some(c) => Err(Error::CommittedEarlier { token, earlier: c }),
+                // Unreachable by the statement's predicate; refuse anyway.
+                None => Err(self.refused(Error::Fenced { token, current })),
+            };
         }
-        let result = writes(&tx).await;
-        match result {
-            Ok(()) => {
-                tx.commit().await.map_err(pg("commit"))?;
-                Ok(Committed::Written)
-            }
-            Err(source) => {
-                let _ = tx.rollback().await;
-                Err(Error::Postgres {
-                    what: "user writes",
-                    source,
-                })
-            }
+        if let Err(source) = writes(&tx).await {
+            let _ = tx.rollback().await;
+            return Err(Error::Postgres {
+                what: "user writes",
+                source,
+            });
         }
+        // The last word before COMMIT.
+        if let Err(e) = fence.check() {
+            let _ = tx.rollback().await;
+            return Err(self.refused(e));
+        }
+        tx.commit().await.map_err(pg("commit"))?;
+        Ok(Committed::Written)
+    }
+}
+
+/// A shared store registers each attempt (see [`crate::WorkerBuilder::registry`]).
+impl Registry for tokio::sync::Mutex<FencedStore> {
+    fn register<'a>(
+        &'a self,
+        task_uid: &'a str,
+        fence: &'a Fence,
+    ) -> BoxFuture<'a, Result<Option<EarlierCommit>, Error>> {
+        async move { self.lock().await.register(fence, task_uid).await }.boxed()
     }
 }

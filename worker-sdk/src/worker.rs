@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::keys::LABEL_QUEUE;
-use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, check_current};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -15,15 +15,15 @@ use kube::{Client, ResourceExt};
 use rand::Rng;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
+use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::attempt::{Attempt, Ended};
-use crate::context::{Output, TaskContext};
+use crate::context::{Output, Registry, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillClock};
-use crate::lease_ops::{self, Completion};
+use crate::lease_ops;
 use crate::metrics::WorkerMetrics;
 
 /// Configures a [`Worker`].
@@ -35,6 +35,7 @@ pub struct WorkerBuilder {
     identity: Option<String>,
     drain_grace: Duration,
     metrics: WorkerMetrics,
+    registry: Option<Arc<dyn Registry>>,
 }
 
 impl WorkerBuilder {
@@ -48,7 +49,18 @@ impl WorkerBuilder {
             identity: None,
             drain_grace: Duration::from_secs(30),
             metrics: WorkerMetrics::default(),
+            registry: None,
         }
+    }
+
+    /// Registers each attempt's fencing token in `registry` (e.g. a
+    /// `postgres::FencedStore`) before its handler runs (design §4), and
+    /// hands the handler what an earlier attempt committed
+    /// ([`TaskContext::earlier_commit`]).
+    #[must_use]
+    pub fn registry(mut self, registry: Arc<dyn Registry>) -> Self {
+        self.registry = Some(registry);
+        self
     }
 
     /// Adds a queue to serve.
@@ -103,6 +115,7 @@ impl WorkerBuilder {
             identity,
             drain_grace: self.drain_grace,
             metrics: self.metrics,
+            registry: self.registry,
         })
     }
 }
@@ -142,6 +155,7 @@ pub struct Worker {
     identity: String,
     drain_grace: Duration,
     metrics: WorkerMetrics,
+    registry: Option<Arc<dyn Registry>>,
 }
 
 impl Worker {
@@ -169,6 +183,8 @@ impl Worker {
         let (store, writer) = reflector::store();
         let changed = Arc::new(Notify::new());
         let stop_watch = CancellationToken::new();
+        // The watch task ends with `run`, even when `run`'s future is dropped.
+        let _stop_watch = stop_watch.clone().drop_guard();
         {
             let (changed, stop) = (changed.clone(), stop_watch.clone());
             // Wake the claim loop on every event, InitDone included: during a
@@ -198,8 +214,10 @@ impl Worker {
         let mut running: JoinSet<Ended> = JoinSet::new();
         futures::pin_mut!(shutdown);
         // After a claim failed for a reason other than a lost race (an API
-        // error), look again soon: no watch event may come to wake us.
+        // error), look again soon: no watch event may come to wake us. In
+        // an outage, back off instead of hammering every offer each second.
         let mut retry_at: Option<Instant> = None;
+        let mut failed_rounds: u32 = 0;
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
@@ -209,25 +227,35 @@ impl Worker {
             }
             retry_at = None;
             while let Ok(permit) = slots.clone().try_acquire_owned() {
-                let (held, sent) = match self.claim_one(&leases, &store).await {
-                    Claim::Claimed(held, sent) => (*held, sent),
-                    Claim::Nothing => break,
-                    Claim::Failed => {
-                        retry_at = Some(Instant::now() + CLAIM_RETRY);
+                let (held, task, sent) = match self.claim_one(&leases, &tasks, &store).await {
+                    Claim::Claimed(held, task, sent) => {
+                        failed_rounds = 0;
+                        (*held, *task, sent)
+                    }
+                    Claim::Nothing => {
+                        failed_rounds = 0;
+                        break;
+                    }
+                    Claim::Failed { offers, error } => {
+                        let delay = claim_retry_delay(failed_rounds);
+                        // One line per round, not one per offer.
+                        warn!(offers, failed_rounds, retry_in = ?delay, error = %error, "claims failed");
+                        failed_rounds = failed_rounds.saturating_add(1);
+                        retry_at = Some(Instant::now() + delay);
                         break;
                     }
                 };
                 let attempt = AttemptStart {
                     leases: leases.clone(),
-                    tasks: tasks.clone(),
                     identity: self.identity.clone(),
                     metrics: self.metrics.clone(),
                     interrupt: interrupt.clone(),
+                    registry: self.registry.clone(),
                 };
                 let handler = handler.clone();
                 running.spawn(async move {
                     let _permit = permit;
-                    attempt.run(held, sent, move |ctx| handler(ctx)).await
+                    attempt.run(held, task, sent, move |ctx| handler(ctx)).await
                 });
             }
         }
@@ -250,8 +278,16 @@ impl Worker {
     }
 
     /// Claims one offered lease of our queues, oldest first, after a small
-    /// random delay against thundering herds.
-    async fn claim_one(&self, api: &Api<TaskLease>, store: &Store<TaskLease>) -> Claim {
+    /// random delay against thundering herds. Only a lease that is its
+    /// task's current one (design §3.1: name, token, task UID and owner
+    /// checked against the task as read just before the claim) is claimed:
+    /// a forged or stale lease is never run.
+    async fn claim_one(
+        &self,
+        api: &Api<TaskLease>,
+        tasks: &Api<BatchTask>,
+        store: &Store<TaskLease>,
+    ) -> Claim {
         let mut offered: Vec<Arc<TaskLease>> = store
             .state()
             .into_iter()
@@ -264,79 +300,103 @@ impl Worker {
         offered.sort_by_key(|l| l.metadata.creation_timestamp.clone().map(|t| t.0));
         let herd_delay = Duration::from_millis(rand::rng().random_range(0..25));
         tokio::time::sleep(herd_delay).await;
-        let mut failed = false;
+        let mut failure: Option<(usize, Error)> = None;
         for candidate in offered {
+            let task = match timeout(READ_BUDGET, tasks.get_opt(&candidate.spec.task_name)).await {
+                Ok(Ok(Some(task))) => task,
+                // The task is gone: garbage collection takes the lease.
+                Ok(Ok(None)) => continue,
+                Ok(Err(source)) => {
+                    let n = failure.as_ref().map_or(0, |f| f.0) + 1;
+                    failure = Some((
+                        n,
+                        Error::Kube {
+                            what: "task read",
+                            source,
+                        },
+                    ));
+                    continue;
+                }
+                Err(_) => {
+                    let n = failure.as_ref().map_or(0, |f| f.0) + 1;
+                    failure = Some((n, Error::Timeout { what: "task read" }));
+                    continue;
+                }
+            };
+            if let Err(why) = check_current(&task, &candidate) {
+                // A stale offer (the task moved on; the watch will show it
+                // ended) or a forgery: never claimed.
+                self.metrics.claims_refused.inc();
+                debug!(lease = %candidate.name_any(), why = why.as_str(), "not the task's current lease; not claiming");
+                continue;
+            }
             let sent = Instant::now();
             match lease_ops::claim(api, &candidate, &self.identity).await {
                 Ok(Some(held)) => {
                     self.metrics.claims.inc();
                     info!(lease = %held.name_any(), token = held.spec.fencing_token, "claimed");
-                    return Claim::Claimed(Box::new(held), sent);
+                    return Claim::Claimed(Box::new(held), Box::new(task), sent);
                 }
                 Ok(None) => {
                     self.metrics.claim_conflicts.inc();
                 }
                 Err(e) => {
-                    failed = true;
-                    warn!(lease = %candidate.name_any(), error = %e, "claim failed");
+                    let n = failure.as_ref().map_or(0, |f| f.0) + 1;
+                    failure = Some((n, e));
                 }
             }
         }
-        if failed {
-            Claim::Failed
-        } else {
-            Claim::Nothing
+        match failure {
+            Some((offers, error)) => Claim::Failed { offers, error },
+            None => Claim::Nothing,
         }
     }
 }
 
-/// How long to wait before looking again after a claim failed with an API error.
-const CLAIM_RETRY: Duration = Duration::from_secs(1);
+/// The pause after a round of failed claims: 1 s, doubling to 16 s, with
+/// up to 25 % jitter so a fleet does not retry in step.
+fn claim_retry_delay(failed_rounds: u32) -> Duration {
+    let base = Duration::from_secs(1 << failed_rounds.min(4));
+    base + base.mul_f64(rand::rng().random_range(0.0..0.25))
+}
+
+/// Bound on a read made while claiming.
+const READ_BUDGET: Duration = Duration::from_secs(5);
 
 /// What one claim round got.
 enum Claim {
-    /// This lease, claimed by a request sent at that instant.
-    Claimed(Box<TaskLease>, Instant),
+    /// This lease, claimed by a request sent at that instant, and its task
+    /// as read just before.
+    Claimed(Box<TaskLease>, Box<BatchTask>, Instant),
     /// Nothing offered, or every race lost: wait for the next watch event.
     Nothing,
-    /// An API error: look again after [`CLAIM_RETRY`].
-    Failed,
+    /// API errors on `offers` offers (the last one given): look again after
+    /// a backoff.
+    Failed { offers: usize, error: Error },
 }
 
-/// What a spawned attempt needs besides the lease.
+/// What a spawned attempt needs besides the lease and its task.
 struct AttemptStart {
     leases: Api<TaskLease>,
-    tasks: Api<BatchTask>,
     identity: String,
     metrics: WorkerMetrics,
     interrupt: CancellationToken,
+    registry: Option<Arc<dyn Registry>>,
 }
 
 impl AttemptStart {
-    async fn run<H, F>(self, held: TaskLease, claim_sent: Instant, handler: H) -> Ended
+    async fn run<H, F>(
+        self,
+        held: TaskLease,
+        task: BatchTask,
+        claim_sent: Instant,
+        handler: H,
+    ) -> Ended
     where
         H: FnOnce(TaskContext) -> F,
         F: Future<Output = Result<Output, TaskError>>,
     {
         let ttl = Duration::from_secs(u64::try_from(held.spec.lease_duration_seconds).unwrap_or(5));
-        let task = match self.tasks.get(&held.spec.task_name).await {
-            Ok(t) if t.uid().as_deref() == Some(held.spec.task_uid.as_str()) => t,
-            other => {
-                // Without the task there is no payload: hand the lease back
-                // at once rather than let it time out.
-                warn!(lease = %held.name_any(), result = ?other.err(), "task unreadable; releasing the lease");
-                let c = Completion {
-                    outcome: LeaseOutcome::Interrupted,
-                    reason: Some("TaskUnreadable".into()),
-                    message: None,
-                    permanent: false,
-                    result: None,
-                    checkpoint: None,
-                };
-                let _ = lease_ops::complete(&self.leases, &held, &self.identity, &c).await;
-                return Ended::Completed(LeaseOutcome::Interrupted);
-            }
-        };
         let deadline = task
             .spec
             .active_deadline_seconds
@@ -354,6 +414,7 @@ impl AttemptStart {
             fence,
             metrics: self.metrics,
             interrupt: self.interrupt,
+            registry: self.registry,
         }
         .run(handler)
         .await

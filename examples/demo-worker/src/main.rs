@@ -112,7 +112,8 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(serve_metrics(addr, Arc::new(registry)));
     }
     let store = Arc::new(Mutex::new(FencedStore::new(pg, builder.metrics().clone())));
-    let worker = builder.build()?;
+    // Each attempt registers its token before the handler runs (design §4).
+    let worker = builder.registry(store.clone()).build()?;
     let identity = worker.identity().to_owned();
     info!(%identity, "demo worker starting");
     worker
@@ -133,6 +134,19 @@ async fn work(
     identity: String,
 ) -> Result<Output, TaskError> {
     let p: Payload = ctx.payload()?;
+    if let Some(earlier) = ctx.earlier_commit() {
+        // An earlier attempt committed before its lease ended (its
+        // completion was lost): the work is done, report it, do not redo it.
+        info!(
+            task = ctx.task_name(),
+            token = ctx.fencing_token(),
+            earlier = earlier.token,
+            "already committed by an earlier attempt"
+        );
+        return Ok(Output::json(
+            json!({"committedBy": earlier.token, "result": earlier.payload}),
+        ));
+    }
     let from = ctx
         .previous_checkpoint()
         .and_then(|c| c["step"].as_u64())
@@ -158,9 +172,12 @@ async fn work(
     if rand::rng().random::<f64>() < p.failure_rate {
         return Err(TaskError::retryable("simulated flaky failure").with_reason("DemoFlaky"));
     }
-    let task_id = format!("{}/{}", ctx.namespace(), ctx.task_name());
     let row = json!({"worker": identity, "token": ctx.fencing_token(), "steps": p.steps, "resumedFrom": from});
-    let committed = store.lock().await.commit(ctx.fence(), &task_id, &row).await;
+    let committed = store
+        .lock()
+        .await
+        .commit(ctx.fence(), ctx.task_uid(), &row)
+        .await;
     match committed {
         Ok(c) => info!(
             task = ctx.task_name(),
