@@ -74,6 +74,11 @@ impl Operator {
         self.process.pid()
     }
 
+    /// Sends a signal by name (`TERM`, `STOP`, `CONT`).
+    pub fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        self.process.signal(sig)
+    }
+
     /// SIGKILL: the process dies between whatever two writes it was doing.
     pub fn kill(&mut self) {
         self.process.kill();

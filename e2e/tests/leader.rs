@@ -270,3 +270,143 @@ async fn deposed_leader_exits() {
         .unwrap();
     ns.cleanup().await.unwrap();
 }
+
+/// Waits for `op` to exit on its own; returns its exit code and when.
+async fn wait_exit(op: &mut Operator, within: Duration) -> (Option<i32>, tokio::time::Instant) {
+    let log = op.log_path().to_owned();
+    let status = wait_for(
+        &format!("operator {} to exit", op.name),
+        within,
+        || std::fs::read_to_string(log).unwrap_or_default(),
+        || {
+            let s = op.exited();
+            async move { Ok(s) }
+        },
+    )
+    .await
+    .unwrap();
+    (status.code(), tokio::time::Instant::now())
+}
+
+/// The operator's own kill switch: a leader whose renewals fail — here the
+/// namespace holding its election Lease is deleted — stops writing when its
+/// term (leaseDuration − grace after the last successful renewal was sent)
+/// runs out, and exits, instead of leading on beside a successor.
+#[tokio::test]
+async fn a_leader_whose_lease_namespace_is_deleted_steps_down_within_its_term() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("lease-gone").await.unwrap();
+    let home = cluster.namespace("lease-home").await.unwrap();
+    let home_name = home.name.clone();
+    // Lease 6 s, grace 2 s: a term of 4 s after each renewal's send.
+    let mut op = Operator::start_with(
+        &ns.name,
+        "op-a",
+        vec![format!("--leader-lease-namespace={home_name}")],
+    )
+    .unwrap();
+    op.wait_leading(T).await.unwrap();
+    let leases: Api<Lease> = home.api();
+    home.cleanup().await.unwrap();
+    wait_for(
+        "the election Lease to be deleted with its namespace",
+        T,
+        || op.logs(),
+        || {
+            let leases = leases.clone();
+            async move {
+                Ok(leases
+                    .get_opt("batchlease-operator")
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let gone = tokio::time::Instant::now();
+    let (code, exited) = wait_exit(&mut op, T).await;
+    assert_eq!(code, Some(1), "{}", op.logs());
+    let logs = op.logs();
+    assert!(logs.contains("leadership lost"), "{logs}");
+    // The last renewal that succeeded was sent before the Lease vanished:
+    // the term ends at most 4 s later; allow the exit path 3 s more.
+    let took = exited - gone;
+    assert!(
+        took <= Duration::from_secs(7),
+        "stepped down {took:?} after its Lease vanished"
+    );
+    ns.cleanup().await.unwrap();
+}
+
+/// SIGTERM while the API server is unreachable: shutdown is bounded (drain,
+/// then vacate with a timeout), not stuck on requests that never answer.
+#[tokio::test]
+async fn sigterm_with_the_api_server_unreachable_exits_promptly() {
+    use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("term-cut").await.unwrap();
+    let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kc = proxied_kubeconfig(&proxy, &dir).unwrap();
+    // A long term (25 s) so the kill switch cannot be what ends it.
+    let mut op = Operator::start_with(
+        &ns.name,
+        "op-a",
+        vec![
+            format!("--kubeconfig={}", kc.display()),
+            "--leader-lease-seconds=30".into(),
+            "--leader-grace-seconds=5".into(),
+        ],
+    )
+    .unwrap();
+    op.wait_leading(T).await.unwrap();
+    tasks::create(&ns, "job", json!({"queue": "q", "leaseDurationSeconds": 5}))
+        .await
+        .unwrap();
+    let leases: Api<TaskLease> = ns.api();
+    let offered =
+        batchlease_e2e::tasks::wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+            .await
+            .unwrap();
+    claim(&leases, &offered, "w").await.unwrap();
+    wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs())
+        .await
+        .unwrap();
+    // Cut the operator off; the silent holder's expiry is then a write that
+    // goes out into the void and never answers.
+    proxy.cut();
+    let log = op.log_path().to_owned();
+    let expiries = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("Expire {")
+            .count()
+    };
+    let before = expiries();
+    wait_for(
+        "an expiry write in flight",
+        T,
+        || op.logs(),
+        || {
+            let n = expiries();
+            async move { Ok((n > before).then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    let sent = tokio::time::Instant::now();
+    op.signal("TERM").unwrap();
+    let (code, exited) = wait_exit(&mut op, T).await;
+    assert_eq!(code, Some(0), "{}", op.logs());
+    let took = exited - sent;
+    assert!(
+        took <= Duration::from_secs(10),
+        "exit took {took:?} after SIGTERM"
+    );
+    assert!(op.logs().contains("shutting down"), "{}", op.logs());
+    ns.cleanup().await.unwrap();
+}

@@ -1,30 +1,101 @@
-//! Leader election on a `coordination.k8s.io/v1` Lease (kube-lease-manager).
+//! Leader election on a `coordination.k8s.io/v1` Lease, with a kill switch.
 //!
-//! Only the leader writes. Every write checks [`Leadership::ensure`] first
-//! (the linkerd pattern), and losing the lease cancels the controllers and
-//! ends the process, so a deposed leader has no writer left running. Its
-//! writes are resourceVersion-conditional anyway, so a late one fails.
+//! Only the leader writes, and it may write only while it can prove to
+//! itself that it still leads: a renewal of the election Lease succeeded
+//! less than `leaseDuration − grace` ago, counted from when that renewal
+//! was *sent* (the server may have applied it at any moment after), by the
+//! monotonic clock. Every write checks [`Leadership::ensure`] first, and
+//! that check reads the clock itself, so a leader that is partitioned, whose
+//! renewals fail (its Lease's namespace deleted, RBAC revoked), or whose
+//! election task is starved stops writing on time — not when it notices.
+//!
+//! A standby takes the Lease only after it observed the same version of it
+//! for a full `leaseDuration` by its own clock, so the old leader stopped at
+//! least `grace` before. Every acquisition and takeover is a
+//! resourceVersion CAS and bumps `leaseTransitions` (kubert's pattern).
+//! Losing the lease ends the process (the Deployment restarts it as a
+//! standby); on shutdown the Lease is vacated, bounded in time, so a
+//! standby takes over at once.
 
-use kube_lease_manager::LeaseManagerBuilder;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
 use tokio::sync::watch;
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
 use crate::reconcile::Error;
+
+/// Election settings.
+#[derive(Clone, Debug)]
+pub struct ElectionConfig {
+    pub namespace: String,
+    pub lease_name: String,
+    pub identity: String,
+    pub duration_seconds: u64,
+    pub grace_seconds: u64,
+}
+
+impl ElectionConfig {
+    fn duration(&self) -> Duration {
+        Duration::from_secs(self.duration_seconds.max(1))
+    }
+
+    /// How long after a renewal was sent this replica may still write.
+    fn term(&self) -> Duration {
+        let d = self.duration();
+        d.saturating_sub(Duration::from_secs(self.grace_seconds))
+            .max(d / 3)
+    }
+
+    /// How often the leader renews: three tries per term.
+    fn renew_every(&self) -> Duration {
+        self.term() / 3
+    }
+
+    /// How often a standby looks at the Lease.
+    fn retry_every(&self) -> Duration {
+        (self.duration() / 5).clamp(Duration::from_millis(200), Duration::from_secs(2))
+    }
+}
+
+/// The leader's right to write: until this instant, by the monotonic clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Term {
+    valid_until: Option<Instant>,
+    /// Set once leadership was held and then lost: never regained.
+    lost: bool,
+}
 
 /// Whether this replica may write right now.
 #[derive(Clone, Debug)]
 pub struct Leadership {
-    rx: Option<watch::Receiver<bool>>,
+    term: Option<Arc<Mutex<Term>>>,
+    changed: Option<watch::Receiver<bool>>,
 }
 
 impl Leadership {
     /// Leader election disabled: a single replica is always the leader.
     pub fn always() -> Self {
-        Self { rx: None }
+        Self {
+            term: None,
+            changed: None,
+        }
     }
 
-    /// True while this replica holds the leader lease.
+    /// True while this replica holds the leader lease and its term runs.
     pub fn is_leader(&self) -> bool {
-        self.rx.as_ref().is_none_or(|rx| *rx.borrow())
+        let Some(term) = &self.term else {
+            return true;
+        };
+        let t = *term.lock().unwrap_or_else(|e| e.into_inner());
+        !t.lost && t.valid_until.is_some_and(|v| Instant::now() < v)
     }
 
     /// Fails with [`Error::NotLeader`] unless this replica is the leader.
@@ -38,74 +109,470 @@ impl Leadership {
 
     /// Resolves once this replica has become the leader.
     pub async fn acquired(&mut self) -> anyhow::Result<()> {
-        if let Some(rx) = &mut self.rx {
-            rx.wait_for(|leader| *leader).await?;
+        if let Some(rx) = &mut self.changed {
+            rx.wait_for(|leading| *leading).await?;
         }
         Ok(())
     }
 
     /// Resolves when leadership is lost (never, when election is disabled).
-    pub async fn lost(mut self) {
-        match &mut self.rx {
-            Some(rx) => {
-                let _ = rx.wait_for(|leader| !*leader).await;
+    /// The term's own deadline ends it too, even if the election task is
+    /// stuck.
+    pub async fn lost(self) {
+        let (Some(term), Some(mut rx)) = (self.term, self.changed) else {
+            return std::future::pending().await;
+        };
+        loop {
+            let t = *term.lock().unwrap_or_else(|e| e.into_inner());
+            if t.lost {
+                return;
             }
-            None => std::future::pending().await,
+            let until = t
+                .valid_until
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            tokio::select! {
+                _ = sleep_until(until) => {
+                    let t = *term.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.lost || t.valid_until.is_some_and(|v| Instant::now() >= v) {
+                        return;
+                    }
+                }
+                r = rx.changed() => if r.is_err() { return },
+            }
         }
     }
 }
 
-/// Election settings.
-#[derive(Clone, Debug)]
-pub struct ElectionConfig {
-    pub namespace: String,
-    pub lease_name: String,
-    pub identity: String,
-    pub duration_seconds: u64,
-    pub grace_seconds: u64,
-}
-
-/// Starts campaigning; the returned [`Leadership`] follows the lease.
-/// Dropping every clone of it releases the lease (the manager's task sees
-/// its channel closed and vacates, so a successor need not wait a TTL).
-pub async fn campaign(
-    client: kube::Client,
-    cfg: &ElectionConfig,
-) -> anyhow::Result<(Leadership, Campaign)> {
-    let manager = LeaseManagerBuilder::new(client, &cfg.lease_name)
-        .with_namespace(&cfg.namespace)
-        .with_identity(&cfg.identity)
-        .with_duration(cfg.duration_seconds)
-        .with_grace(cfg.grace_seconds)
-        .with_field_manager("batchlease-operator")
-        .build()
-        .await?;
-    let (rx, task) = manager.watch().await;
-    Ok((Leadership { rx: Some(rx) }, Campaign(Some(task))))
-}
-
-/// The background task that holds (and on shutdown releases) the lease.
+/// The background task that holds the lease.
 #[derive(Debug)]
-pub struct Campaign(
-    Option<tokio::task::JoinHandle<kube_lease_manager::Result<kube_lease_manager::LeaseManager>>>,
-);
+pub struct Campaign {
+    task: Option<tokio::task::JoinHandle<()>>,
+    stop: CancellationToken,
+}
 
 impl Campaign {
     /// No election.
     pub fn none() -> Self {
-        Self(None)
+        Self {
+            task: None,
+            stop: CancellationToken::new(),
+        }
     }
 
-    /// Once every [`Leadership`] clone is dropped, waits (bounded) for the
-    /// lease to be vacated so a standby takes over without waiting a TTL.
-    pub async fn vacate(self) {
-        if let Some(task) = self.0 {
-            match tokio::time::timeout(std::time::Duration::from_secs(5), task).await {
-                Ok(Ok(Ok(_))) => tracing::info!("leader lease released"),
-                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "releasing the leader lease failed"),
-                Ok(Err(e)) => tracing::warn!(error = %e, "leader election task failed"),
-                Err(_) => tracing::warn!("leader lease not released within 5s"),
+    /// Stops campaigning and vacates the lease if held, within `budget`
+    /// whatever the API server does, so shutdown is bounded.
+    pub async fn vacate(self, budget: Duration) {
+        self.stop.cancel();
+        if let Some(task) = self.task
+            && timeout(budget, task).await.is_err()
+        {
+            warn!(?budget, "leader lease not released in time; exiting anyway");
+        }
+    }
+}
+
+/// Starts campaigning; the returned [`Leadership`] follows the lease.
+pub fn campaign(client: Client, cfg: &ElectionConfig) -> (Leadership, Campaign) {
+    let term = Arc::new(Mutex::new(Term::default()));
+    let (tx, rx) = watch::channel(false);
+    let stop = CancellationToken::new();
+    let elector = Elector {
+        api: Api::namespaced(client, &cfg.namespace),
+        cfg: cfg.clone(),
+        term: term.clone(),
+        tx,
+        ours: None,
+        seen: None,
+    };
+    let task = tokio::spawn(elector.run(stop.clone()));
+    (
+        Leadership {
+            term: Some(term),
+            changed: Some(rx),
+        },
+        Campaign {
+            task: Some(task),
+            stop,
+        },
+    )
+}
+
+/// A version of someone else's Lease, and when we first saw it.
+#[derive(Clone, Debug, PartialEq)]
+struct Seen {
+    holder: String,
+    version: String,
+    since: Instant,
+}
+
+/// What to do with the Lease as read.
+#[derive(Debug, Clone, PartialEq)]
+enum Step {
+    /// No Lease: create it, holding it.
+    Create,
+    /// Ours: renew it.
+    Renew,
+    /// Vacated, or silent for a full duration: take it over.
+    TakeOver,
+    /// Someone else holds it: look again later.
+    Wait,
+    /// We led, and now someone else holds it.
+    Deposed,
+}
+
+/// Pure: the step for `lease` as read at `now`, given what we saw before.
+/// Returns the new observation of a foreign holder too.
+fn step(
+    lease: Option<&Lease>,
+    me: &str,
+    leading: bool,
+    prev: Option<&Seen>,
+    now: Instant,
+) -> (Step, Option<Seen>) {
+    let Some(lease) = lease else {
+        return (Step::Create, None);
+    };
+    let spec = lease.spec.clone().unwrap_or_default();
+    let holder = spec.holder_identity.unwrap_or_default();
+    if holder == me {
+        return (Step::Renew, None);
+    }
+    if leading {
+        return (Step::Deposed, None);
+    }
+    if holder.is_empty() {
+        return (Step::TakeOver, None);
+    }
+    let version = lease.resource_version().unwrap_or_default();
+    let seen = match prev {
+        Some(p) if p.holder == holder && p.version == version => p.clone(),
+        _ => Seen {
+            holder,
+            version,
+            since: now,
+        },
+    };
+    let duration = Duration::from_secs(
+        u64::try_from(spec.lease_duration_seconds.unwrap_or(15).max(1)).unwrap_or(15),
+    );
+    if now.saturating_duration_since(seen.since) >= duration {
+        (Step::TakeOver, Some(seen))
+    } else {
+        (Step::Wait, Some(seen))
+    }
+}
+
+struct Elector {
+    api: Api<Lease>,
+    cfg: ElectionConfig,
+    term: Arc<Mutex<Term>>,
+    tx: watch::Sender<bool>,
+    /// Our last copy of the Lease while we hold it.
+    ours: Option<Lease>,
+    seen: Option<Seen>,
+}
+
+impl Elector {
+    fn leading(&self) -> bool {
+        self.ours.is_some()
+    }
+
+    fn valid_until(&self) -> Option<Instant> {
+        self.term
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .valid_until
+    }
+
+    async fn run(mut self, stop: CancellationToken) {
+        let mut next = Instant::now();
+        loop {
+            let deadline = self.valid_until().filter(|_| self.leading());
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => {
+                    self.vacate().await;
+                    return;
+                }
+                _ = sleep_until(deadline.unwrap_or(next)), if deadline.is_some_and(|d| d <= next) => {
+                    warn!("leader term ran out without a successful renewal");
+                    self.lose();
+                    return;
+                }
+                _ = sleep_until(next) => {}
+            }
+            next = match self.tick().await {
+                Ok(true) => Instant::now() + self.cfg.renew_every(),
+                Ok(false) if self.leading() => Instant::now() + self.cfg.renew_every() / 2,
+                Ok(false) => Instant::now() + self.cfg.retry_every(),
+                Err(()) => {
+                    self.lose();
+                    return;
+                }
+            };
+        }
+    }
+
+    /// One look at the Lease. Ok(true): we hold it with a fresh term;
+    /// Ok(false): not (yet), or a renewal failed; Err: deposed.
+    async fn tick(&mut self) -> Result<bool, ()> {
+        // A request that cannot finish within the term is useless.
+        let budget = self
+            .valid_until()
+            .filter(|_| self.leading())
+            .map_or(self.cfg.retry_every() * 2, |v| {
+                v.saturating_duration_since(Instant::now())
+            });
+        if let Some(ours) = self.ours.clone() {
+            // Renew from our copy: one CAS; a conflict means someone else
+            // wrote the Lease, and then we look at it.
+            match self.write(&ours, false, budget).await {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(()) => return Ok(false),
             }
         }
+        let read = match timeout(budget, self.api.get_opt(&self.cfg.lease_name)).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                warn!(error = %e, "reading the leader lease failed");
+                return Ok(false);
+            }
+            Err(_) => return Ok(false),
+        };
+        let (step, seen) = step(
+            read.as_ref(),
+            &self.cfg.identity,
+            self.leading(),
+            self.seen.as_ref(),
+            Instant::now(),
+        );
+        self.seen = seen;
+        match (step, read) {
+            (Step::Deposed, _) => Err(()),
+            (Step::Wait, _) => Ok(false),
+            (Step::Create, _) => Ok(self.create(budget).await),
+            (Step::Renew, Some(l)) => Ok(self.write(&l, false, budget).await == Ok(true)),
+            (Step::TakeOver, Some(l)) => Ok(self.write(&l, true, budget).await == Ok(true)),
+            (Step::Renew | Step::TakeOver, None) => Ok(false),
+        }
+    }
+
+    fn spec(&self, prev: Option<&LeaseSpec>, take_over: bool) -> LeaseSpec {
+        let now = MicroTime(Timestamp::now());
+        let mut spec = prev.cloned().unwrap_or_default();
+        if take_over || prev.is_none() {
+            spec.acquire_time = Some(now.clone());
+            spec.lease_transitions =
+                Some(spec.lease_transitions.unwrap_or(0) + i32::from(prev.is_some()));
+        }
+        spec.holder_identity = Some(self.cfg.identity.clone());
+        spec.lease_duration_seconds = i32::try_from(self.cfg.duration_seconds).ok();
+        spec.renew_time = Some(now);
+        spec
+    }
+
+    async fn create(&mut self, budget: Duration) -> bool {
+        let mut lease = Lease::default();
+        lease.metadata.name = Some(self.cfg.lease_name.clone());
+        lease.metadata.namespace = Some(self.cfg.namespace.clone());
+        lease.spec = Some(self.spec(None, true));
+        let sent = Instant::now();
+        match timeout(budget, self.api.create(&PostParams::default(), &lease)).await {
+            Ok(Ok(stored)) => {
+                self.won(stored, sent);
+                true
+            }
+            Ok(Err(e)) => {
+                debug!(error = %e, "creating the leader lease failed");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Renews (or takes over) `from` by CAS. Ok(true): a fresh term;
+    /// Ok(false): conflict (look again); Err: any other failure.
+    async fn write(&mut self, from: &Lease, take_over: bool, budget: Duration) -> Result<bool, ()> {
+        let mut lease = from.clone();
+        lease.spec = Some(self.spec(from.spec.as_ref(), take_over));
+        let sent = Instant::now();
+        match timeout(
+            budget,
+            self.api
+                .replace(&self.cfg.lease_name, &PostParams::default(), &lease),
+        )
+        .await
+        {
+            Ok(Ok(stored)) => {
+                if take_over {
+                    info!(identity = %self.cfg.identity, "took over the leader lease");
+                }
+                self.won(stored, sent);
+                Ok(true)
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(false),
+            Ok(Err(e)) => {
+                warn!(error = %e, "writing the leader lease failed");
+                Err(())
+            }
+            Err(_) => {
+                warn!("writing the leader lease timed out");
+                Err(())
+            }
+        }
+    }
+
+    /// A write sent at `sent` succeeded: the term runs from then.
+    fn won(&mut self, stored: Lease, sent: Instant) {
+        let first = self.ours.is_none();
+        self.ours = Some(stored);
+        self.seen = None;
+        let until = sent + self.cfg.term();
+        {
+            let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
+            if !t.lost {
+                t.valid_until = Some(t.valid_until.map_or(until, |v| v.max(until)));
+            }
+        }
+        if first {
+            info!(identity = %self.cfg.identity, "acquired the leader lease");
+            let _ = self.tx.send(true);
+        }
+    }
+
+    fn lose(&mut self) {
+        let was = self.ours.take().is_some();
+        {
+            let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
+            t.lost = true;
+            t.valid_until = None;
+        }
+        if was {
+            warn!(identity = %self.cfg.identity, "leadership lost");
+        }
+        let _ = self.tx.send(false);
+    }
+
+    /// Hands the Lease back (holder cleared) so a standby takes over at once.
+    async fn vacate(&mut self) {
+        let Some(ours) = self.ours.clone() else {
+            return;
+        };
+        // Stop writing first: a vacated lease may be taken at once.
+        self.lose();
+        let mut lease = ours;
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.holder_identity = None;
+            spec.lease_duration_seconds = Some(1);
+            spec.renew_time = Some(MicroTime(Timestamp::now()));
+        }
+        let pp = PostParams::default();
+        let write = self.api.replace(&self.cfg.lease_name, &pp, &lease);
+        match timeout(VACATE_BUDGET, write).await {
+            Ok(Ok(_)) => info!("leader lease released"),
+            Ok(Err(e)) => warn!(error = %e, "releasing the leader lease failed"),
+            Err(_) => warn!("releasing the leader lease timed out"),
+        }
+    }
+}
+
+/// How long vacating the Lease may take on shutdown.
+const VACATE_BUDGET: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(holder: Option<&str>, rv: &str, secs: i32) -> Lease {
+        let mut l = Lease::default();
+        l.metadata.resource_version = Some(rv.into());
+        l.spec = Some(LeaseSpec {
+            holder_identity: holder.map(Into::into),
+            lease_duration_seconds: Some(secs),
+            ..Default::default()
+        });
+        l
+    }
+
+    #[test]
+    fn step_table() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(step(None, "me", false, None, t0).0, Step::Create);
+        let mine = lease(Some("me"), "1", 15);
+        assert_eq!(step(Some(&mine), "me", true, None, t0).0, Step::Renew);
+        let vacated = lease(None, "2", 1);
+        assert_eq!(
+            step(Some(&vacated), "me", false, None, t0).0,
+            Step::TakeOver
+        );
+        // We led and someone else holds it now: deposed, never "wait".
+        let theirs = lease(Some("other"), "3", 15);
+        assert_eq!(step(Some(&theirs), "me", true, None, t0).0, Step::Deposed);
+        // A standby waits a full duration of *unchanged* version by its own
+        // clock (the holder's renewTime is never trusted).
+        let (st, seen) = step(Some(&theirs), "me", false, None, t0);
+        assert_eq!(st, Step::Wait);
+        let seen = seen.unwrap();
+        assert_eq!(seen.since, t0);
+        let (st, again) = step(Some(&theirs), "me", false, Some(&seen), t0 + s(14));
+        assert_eq!(
+            (st, again.as_ref().map(|x| x.since)),
+            (Step::Wait, Some(t0))
+        );
+        assert_eq!(
+            step(Some(&theirs), "me", false, Some(&seen), t0 + s(15)).0,
+            Step::TakeOver
+        );
+        // A renewal (new version) restarts the clock.
+        let renewed = lease(Some("other"), "4", 15);
+        let (st, seen2) = step(Some(&renewed), "me", false, Some(&seen), t0 + s(15));
+        assert_eq!((st, seen2.map(|x| x.since)), (Step::Wait, Some(t0 + s(15))));
+    }
+
+    #[test]
+    fn timings() {
+        let cfg = ElectionConfig {
+            namespace: "ns".into(),
+            lease_name: "l".into(),
+            identity: "me".into(),
+            duration_seconds: 15,
+            grace_seconds: 5,
+        };
+        assert_eq!(cfg.term(), Duration::from_secs(10));
+        assert!(cfg.renew_every() < cfg.term() / 2);
+        // A grace larger than the duration still leaves a usable term.
+        let odd = ElectionConfig {
+            grace_seconds: 100,
+            ..cfg
+        };
+        assert_eq!(odd.term(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_stop_when_the_term_runs_out_without_any_task_running() {
+        let term = Arc::new(Mutex::new(Term::default()));
+        let (tx, rx) = watch::channel(false);
+        let l = Leadership {
+            term: Some(term.clone()),
+            changed: Some(rx),
+        };
+        assert!(l.ensure().is_err(), "not leading before the first win");
+        term.lock().unwrap().valid_until = Some(Instant::now() + Duration::from_secs(10));
+        let _ = tx.send(true);
+        assert!(l.ensure().is_ok());
+        let lost = tokio::spawn(l.clone().lost());
+        tokio::time::advance(Duration::from_millis(9_999)).await;
+        assert!(l.ensure().is_ok());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // Nobody marked it lost: the clock alone refuses the write …
+        assert!(matches!(l.ensure(), Err(Error::NotLeader)));
+        // … and `lost()` resolves by the same deadline.
+        tokio::time::timeout(Duration::from_millis(10), lost)
+            .await
+            .unwrap()
+            .unwrap();
+        drop(tx);
     }
 }

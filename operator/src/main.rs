@@ -55,8 +55,6 @@ async fn main() -> anyhow::Result<()> {
             grace_seconds: cfg.leader_grace_seconds,
         };
         leader::campaign(client.clone(), &election)
-            .await
-            .context("starting leader election")?
     } else {
         (Leadership::always(), leader::Campaign::none())
     };
@@ -68,7 +66,7 @@ async fn main() -> anyhow::Result<()> {
         _ = shutdown_signal() => {
             info!("shutting down before leading");
             drop(leadership);
-            campaign.vacate().await;
+            campaign.vacate(SHUTDOWN_BUDGET).await;
             std::process::exit(0);
         }
     }
@@ -125,16 +123,27 @@ async fn main() -> anyhow::Result<()> {
     };
     stop.cancel();
     metrics.is_leader.set(0);
-    for r in running {
-        let _ = r.done.await;
+    // Shutdown is bounded whatever the API server does: in-flight
+    // reconciles get a moment, then the lease is vacated (so a standby
+    // takes over at once instead of after a TTL), then the process ends.
+    let drained = tokio::time::timeout(SHUTDOWN_BUDGET, async {
+        for r in running {
+            let _ = r.done.await;
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("controllers did not stop in time; exiting anyway");
     }
-    // Every Leadership clone gone: the election task vacates the lease, so a
-    // standby takes over at once instead of after a TTL.
     drop(shared);
     drop(leadership);
-    campaign.vacate().await;
+    campaign.vacate(SHUTDOWN_BUDGET).await;
     std::process::exit(exit);
 }
+
+/// How long each shutdown step (draining reconciles, vacating the leader
+/// Lease) may take.
+const SHUTDOWN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 
 async fn client(cfg: &Config) -> anyhow::Result<kube::Client> {
     let config = match &cfg.kubeconfig {
