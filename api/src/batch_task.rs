@@ -48,9 +48,14 @@ use crate::schema;
 pub struct BatchTaskSpec {
     /// Worker pool that runs this task: workers claim leases of their queues.
     /// A DNS label (lowercase letters, digits and '-', at most 63 characters).
+    /// Immutable: offered leases carry the queue, and a task must not move
+    /// to another worker pool under a lease offered to the first.
     #[schemars(length(min = 1, max = 63))]
-    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')")
-        .message("queue must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"))]
+    #[x_kube(
+        validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')")
+            .message("queue must be a DNS label: lowercase letters, digits and '-', starting and ending with a letter or digit"),
+        validation = Rule::new("self == oldSelf").message("queue is immutable"),
+    )]
     pub queue: String,
 
     /// Free-form description of the work, handed to the worker as-is.

@@ -40,9 +40,9 @@ use crate::schema;
     selectable = ".spec.taskName",
     selectable = ".status.phase",
     validation = Rule::new(
-        "!has(oldSelf.status) || !has(oldSelf.status.phase) || !(oldSelf.status.phase in ['Completed', 'Expired', 'Released']) || (has(self.status) && has(self.status.phase) && self.status.phase == oldSelf.status.phase && self.spec == oldSelf.spec)"
+        "!has(oldSelf.status) || !has(oldSelf.status.phase) || !(oldSelf.status.phase in ['Completed', 'Expired', 'Released']) || (has(self.status) && self.status == oldSelf.status && self.spec == oldSelf.spec)"
     )
-    .message("a Completed, Expired or Released lease is final: neither its phase nor its spec may change")
+    .message("a Completed, Expired or Released lease is final: neither its status (phase, outcome, result, checkpoint) nor its spec may change")
     .field_path(".status.phase")
     .reason(Reason::FieldValueForbidden),
     validation = Rule::new(

@@ -172,6 +172,28 @@ fn cases() -> Vec<Case> {
             Some("cannot be offered again"),
         ),
         (
+            "final lease's outcome rewritten",
+            "taskleases",
+            {
+                let mut l = lease(Some("w1"), "Completed", 1);
+                l["status"]["outcome"] = json!("Succeeded");
+                l
+            },
+            Some({
+                let mut l = lease(Some("w1"), "Completed", 1);
+                l["status"]["outcome"] = json!("Failed");
+                l
+            }),
+            Some("is final"),
+        ),
+        (
+            "queue moved",
+            "batchtasks",
+            task("a", q("other"), None),
+            Some(task("a", q("q"), None)),
+            Some("queue is immutable"),
+        ),
+        (
             "held without holder",
             "taskleases",
             lease(None, "Held", 1),

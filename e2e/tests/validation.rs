@@ -319,6 +319,59 @@ fn update_cases() -> Vec<Update> {
             good: |o| o["status"]["phase"] = json!("Running"),
         },
         Update {
+            what: "task queue changed under its leases",
+            kind: ar_task(),
+            base: task("u-queue", json!({"queue": "q"})),
+            status: false,
+            bad: |o| o["spec"]["queue"] = json!("other"),
+            expect: "queue is immutable",
+            good: |o| o["spec"]["payload"] = json!({"n": 2}),
+        },
+        Update {
+            what: "lease queue changed",
+            kind: ar_lease(),
+            base: lease("u-lease-queue", None, "Offered"),
+            status: false,
+            bad: |o| o["spec"]["queue"] = json!("other"),
+            expect: "queue is immutable",
+            good: |o| o["metadata"]["labels"] = json!({"x": "y"}),
+        },
+        Update {
+            what: "lease taskUID changed",
+            kind: ar_lease(),
+            base: lease("u-lease-uid", None, "Offered"),
+            status: false,
+            bad: |o| o["spec"]["taskUID"] = json!("uid-2"),
+            expect: "taskUID is immutable",
+            good: |o| o["metadata"]["labels"] = json!({"x": "z"}),
+        },
+        Update {
+            what: "Completed lease's result rewritten",
+            kind: ar_lease(),
+            base: {
+                let mut l = lease("u-lease-result", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Succeeded");
+                l["status"]["result"] = json!({"rows": 1});
+                l
+            },
+            status: false,
+            bad: |o| o["status"]["result"] = json!({"rows": 1000}),
+            expect: "a Completed, Expired or Released lease is final",
+            good: |o| o["metadata"]["labels"] = json!({"seen": "yes"}),
+        },
+        Update {
+            what: "Expired lease given an outcome",
+            kind: ar_lease(),
+            base: lease("u-lease-outcome", Some("w1"), "Expired"),
+            status: false,
+            bad: |o| {
+                o["status"]["outcome"] = json!("Succeeded");
+                o["status"]["checkpoint"] = json!({"step": 9});
+            },
+            expect: "a Completed, Expired or Released lease is final",
+            good: |o| o["metadata"]["labels"] = json!({"seen": "too"}),
+        },
+        Update {
             what: "lease fencing token changed",
             kind: ar_lease(),
             base: lease("u-lease-token", Some("w1"), "Held"),

@@ -577,11 +577,81 @@ fn interrupted_retries_at_once_without_spending_a_retry() {
             .leases(vec![completed(3, LeaseOutcome::Interrupted, |_| {})])
             .run(),
     );
-    assert_eq!(tr, Transition::Interrupted);
+    assert_eq!(tr, Transition::Interrupted { delay_seconds: 0.0 });
     assert_eq!(
         (st.phase, st.attempts, st.next_attempt_after.clone()),
         (Some(TaskPhase::Pending), 1, None)
     );
+}
+
+#[test]
+fn repeated_interruptions_back_off_then_count_as_failures() {
+    // (Interrupted outcomes already in the history, expected: attempts
+    // after, backoff set?)
+    let cases = [
+        (0, 0, false),
+        (1, 0, false),
+        (2, 0, true),
+        (4, 0, true),
+        (5, 1, true),
+    ];
+    for (before, attempts, delayed) in cases {
+        let t = task().phase(TaskPhase::Running, 9).with(|s| {
+            for k in 0..before {
+                crate::status::push_history(
+                    s,
+                    batchlease_api::AttemptRecord {
+                        token: k + 1,
+                        holder: None,
+                        outcome: "Interrupted".into(),
+                        start: None,
+                        end: None,
+                        reason: None,
+                    },
+                );
+            }
+        });
+        let (st, tr) = into_status(
+            Case::new(t)
+                .leases(vec![completed(9, LeaseOutcome::Interrupted, |_| {})])
+                .run(),
+        );
+        assert_eq!(st.attempts, attempts, "{before} before: {tr:?}");
+        assert_eq!(st.next_attempt_after.is_some(), delayed, "{before}: {tr:?}");
+        if attempts == 1 {
+            assert!(matches!(tr, Transition::Retry { .. }), "{tr:?}");
+            let last = st.history.last().unwrap();
+            assert_eq!(
+                (last.outcome.as_str(), last.reason.as_deref()),
+                ("Failed", Some("InterruptedRepeatedly"))
+            );
+        }
+    }
+    // With no retries left, the sixth interruption in a row dead-letters.
+    let t = task()
+        .spec(|s| s.max_retries = 0)
+        .phase(TaskPhase::Running, 9)
+        .with(|s| {
+            for k in 0..5 {
+                crate::status::push_history(
+                    s,
+                    batchlease_api::AttemptRecord {
+                        token: k + 1,
+                        holder: None,
+                        outcome: "Interrupted".into(),
+                        start: None,
+                        end: None,
+                        reason: None,
+                    },
+                );
+            }
+        });
+    let (st, _) = into_status(
+        Case::new(t)
+            .leases(vec![completed(9, LeaseOutcome::Interrupted, |_| {})])
+            .run(),
+    );
+    assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
 }
 
 #[test]

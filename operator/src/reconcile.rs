@@ -376,10 +376,19 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
                 ),
             )
         }
-        Transition::Interrupted => (
+        Transition::Interrupted { delay_seconds } if *delay_seconds > 0.0 => (
+            EventType::Warning,
+            "Interrupted",
+            format!(
+                "attempt with token {token} interrupted again; next attempt in {delay_seconds:.1}s"
+            ),
+        ),
+        Transition::Interrupted { .. } => (
             EventType::Normal,
             "Interrupted",
-            format!("worker drained during token {token}; offered again at once"),
+            format!(
+                "attempt with token {token} interrupted (worker drained or gave the lease back); offered again at once"
+            ),
         ),
         Transition::Aborted { quarantined } => {
             let note = if *quarantined {

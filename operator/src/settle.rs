@@ -26,8 +26,10 @@ pub enum Transition {
         expired: bool,
         delay_seconds: f64,
     },
-    /// The worker was drained; retried at once, no retry spent.
-    Interrupted,
+    /// The worker was drained (or gave the lease back); retried without
+    /// spending a retry: at once, or after `delay_seconds` when it keeps
+    /// happening.
+    Interrupted { delay_seconds: f64 },
     /// A speculative commit lost its compare-and-swap.
     Aborted { quarantined: bool },
     /// The retry budget is spent, or the failure was permanent.
@@ -37,6 +39,13 @@ pub enum Transition {
     /// `spec.redrive` was raised on a task that is not dead-lettered.
     RedriveIgnored,
 }
+
+/// Consecutive `Interrupted` attempts retried at once; from this many on,
+/// each waits the task's backoff.
+pub const INTERRUPTS_FREE: usize = 3;
+/// The attempt that makes this many consecutive `Interrupted` outcomes
+/// counts as a failure (and may dead-letter the task).
+pub const INTERRUPTS_AS_FAILURE: usize = 6;
 
 /// The status after the attempt of `lease` (final) ended.
 pub fn settle(
@@ -59,6 +68,24 @@ pub fn settle(
                 permanent: lst.permanent,
             },
         },
+    };
+    // An attempt that keeps ending Interrupted (a worker that cannot read
+    // its task, a fleet restarting in a loop) must not spin for free.
+    let streak = 1 + current
+        .history
+        .iter()
+        .rev()
+        .take_while(|h| h.outcome == Outcome::Interrupted.name())
+        .count();
+    let (outcome, lst) = if outcome == Outcome::Interrupted && streak >= INTERRUPTS_AS_FAILURE {
+        let mut lst = lst;
+        lst.reason = Some("InterruptedRepeatedly".into());
+        lst.message = Some(format!(
+            "{streak} attempts in a row ended Interrupted; counted as a failure"
+        ));
+        (Outcome::Failed { permanent: false }, lst)
+    } else {
+        (outcome, lst)
     };
     let mut status = current.clone();
     status.holder = None;
@@ -115,8 +142,17 @@ pub fn settle(
         }
         Outcome::Interrupted => {
             status.phase = Some(TaskPhase::Pending);
-            status.next_attempt_after = None;
-            Transition::Interrupted
+            if streak >= INTERRUPTS_FREE {
+                let n = u32::try_from(streak - INTERRUPTS_FREE).unwrap_or(0);
+                let delay = retry_delay(&task.spec.backoff, n, jitter);
+                status.next_attempt_after = Some(after(wall, delay));
+                Transition::Interrupted {
+                    delay_seconds: delay.as_secs_f64(),
+                }
+            } else {
+                status.next_attempt_after = None;
+                Transition::Interrupted { delay_seconds: 0.0 }
+            }
         }
         Outcome::Aborted => {
             status.aborts += 1;
