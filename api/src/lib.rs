@@ -9,6 +9,7 @@ pub mod keys;
 pub mod names;
 mod schema;
 mod task_lease;
+mod watch_backoff;
 
 pub use batch_task::{
     AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, TaskMode,
@@ -16,6 +17,7 @@ pub use batch_task::{
 };
 pub use current::{NotCurrent, check_current};
 pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+pub use watch_backoff::WatchBackoff;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;

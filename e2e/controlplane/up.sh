@@ -38,18 +38,26 @@ leaf admin "/O=system:masters/CN=admin" \
 gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/sa.key"
 gen pkey -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
 
+# launch NAME CMD...: starts a component logging to logs/NAME.log and
+# records its command line, so restart.sh can start it again identically.
+launch() {
+  local name=$1; shift
+  printf '%q ' "$@" > "$state/run/$name.cmd"
+  "$@" >>"$state/logs/$name.log" 2>&1 &
+  echo $! > "$state/run/$name.pid"
+}
+
 # --- etcd ---
-"$bin/etcd" --name=e2e --data-dir="$state/etcd" \
+launch etcd "$bin/etcd" --name=e2e --data-dir="$state/etcd" \
   --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
   --listen-peer-urls="http://127.0.0.1:$peer_port" --initial-advertise-peer-urls="http://127.0.0.1:$peer_port" \
   --initial-cluster="e2e=http://127.0.0.1:$peer_port" \
-  --unsafe-no-fsync=true --quota-backend-bytes=4294967296 --log-level=warn \
-  >"$state/logs/etcd.log" 2>&1 &
-echo $! > "$state/run/etcd.pid"
-wait_until etcd 60 "$state/logs/etcd.log" curl -sf "http://127.0.0.1:$etcd_port/health"
+  --unsafe-no-fsync=true --quota-backend-bytes=4294967296 --log-level=warn
+etcd_ready() { curl -sf "http://127.0.0.1:$etcd_port/health"; }
+wait_until etcd 60 "$state/logs/etcd.log" etcd_ready
 
 # --- kube-apiserver ---
-"$bin/kube-apiserver" \
+launch kube-apiserver "$bin/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address=127.0.0.1 \
   --advertise-address=127.0.0.1 --secure-port="$api_port" --cert-dir="$pki" \
   --tls-cert-file="$pki/serving.crt" --tls-private-key-file="$pki/serving.key" \
@@ -57,14 +65,20 @@ wait_until etcd 60 "$state/logs/etcd.log" curl -sf "http://127.0.0.1:$etcd_port/
   --service-account-issuer="https://127.0.0.1:$api_port/" \
   --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
   --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
-  --disable-admission-plugins=ServiceAccount --endpoint-reconciler-type=none \
-  >"$state/logs/kube-apiserver.log" 2>&1 &
-echo $! > "$state/run/kube-apiserver.pid"
+  --disable-admission-plugins=ServiceAccount --endpoint-reconciler-type=none
 readyz() {
   curl -sf --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \
     "https://127.0.0.1:$api_port/readyz"
 }
 wait_until kube-apiserver 180 "$state/logs/kube-apiserver.log" readyz
+# How restart.sh knows each component is back.
+cat > "$state/run/ready.sh" <<READY
+etcd_ready() { curl -sf "http://127.0.0.1:$etcd_port/health"; }
+kube-apiserver_ready() {
+  curl -sf --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \\
+    "https://127.0.0.1:$api_port/readyz"
+}
+READY
 
 # --- kubeconfig with absolute paths, used by kubectl, helm and the tests ---
 cat > "$state/kubeconfig" <<KC

@@ -10,6 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod cluster;
+pub mod controlplane;
 pub mod kubectl;
 pub mod operator;
 pub mod pg;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use batchlease_api::{BatchTask, TaskLease};
+use batchlease_api::{BatchTask, TaskLease, WatchBackoff};
 use futures::{StreamExt, TryStreamExt};
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
@@ -55,6 +55,10 @@ impl SyncCounter {
             }
         }
     }
+}
+
+fn jitter() -> f64 {
+    rand::random()
 }
 
 /// Handles of one running controller.
@@ -114,7 +118,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     // Observations are stamped as the watch delivers each event, before the
     // reconcile it triggers runs.
     let lease_stream = watcher(leases_api, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::new(jitter))
         .inspect_ok(move |event| {
             lease_synced(matches!(event, watcher::Event::InitDone));
             if matches!(event, watcher::Event::InitDone) {
@@ -142,7 +146,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         leadership: shared.leadership.clone(),
     });
     let task_stream = watcher(tasks_api, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::new(jitter))
         .inspect_ok(move |event| task_synced(matches!(event, watcher::Event::InitDone)))
         .reflect(task_writer)
         .applied_objects();

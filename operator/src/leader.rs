@@ -13,8 +13,13 @@
 //! for a full `leaseDuration` by its own clock, so the old leader stopped at
 //! least `grace` before. Every acquisition and takeover is a
 //! resourceVersion CAS and bumps `leaseTransitions` (kubert's pattern).
-//! Losing the lease ends the process (the Deployment restarts it as a
-//! standby); on shutdown the Lease is vacated, bounded in time, so a
+//!
+//! Losing the lease (deposed, or the term ran out during an outage) stops
+//! every writer of that term at once; the replica then campaigns again as a
+//! standby, and a new term starts its controllers afresh (empty caches and
+//! observations: every held lease gets a full TTL). Each term has its own
+//! generation, so a straggling writer of an old term can never write under
+//! a new one. On shutdown the Lease is vacated, bounded in time, so a
 //! standby takes over at once.
 
 use std::sync::{Arc, Mutex};
@@ -59,25 +64,36 @@ impl ElectionConfig {
         self.term() / 3
     }
 
-    /// How often a standby looks at the Lease.
+    /// How often a standby looks at the Lease (one GET; quick, so a
+    /// leader whose term ran out during an outage leads again within a
+    /// second of the API server's return).
     fn retry_every(&self) -> Duration {
-        (self.duration() / 5).clamp(Duration::from_millis(200), Duration::from_secs(2))
+        (self.duration() / 5).clamp(Duration::from_millis(200), Duration::from_secs(1))
     }
 }
 
 /// The leader's right to write: until this instant, by the monotonic clock.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Term {
+    /// Counts acquisitions; a writer holds the generation it started under.
+    generation: u64,
+    /// None while not leading.
     valid_until: Option<Instant>,
-    /// Set once leadership was held and then lost: never regained.
-    lost: bool,
 }
 
-/// Whether this replica may write right now.
+impl Term {
+    fn valid(&self, generation: u64, now: Instant) -> bool {
+        self.generation == generation && self.valid_until.is_some_and(|v| now < v)
+    }
+}
+
+/// One term's right to write. Writers (the controllers of that term) hold
+/// a clone; it never becomes valid again once its term ended.
 #[derive(Clone, Debug)]
 pub struct Leadership {
     term: Option<Arc<Mutex<Term>>>,
-    changed: Option<watch::Receiver<bool>>,
+    generation: u64,
+    changed: Option<watch::Receiver<u64>>,
 }
 
 impl Leadership {
@@ -85,17 +101,18 @@ impl Leadership {
     pub fn always() -> Self {
         Self {
             term: None,
+            generation: 0,
             changed: None,
         }
     }
 
-    /// True while this replica holds the leader lease and its term runs.
+    /// True while this term runs.
     pub fn is_leader(&self) -> bool {
         let Some(term) = &self.term else {
             return true;
         };
         let t = *term.lock().unwrap_or_else(|e| e.into_inner());
-        !t.lost && t.valid_until.is_some_and(|v| Instant::now() < v)
+        t.valid(self.generation, Instant::now())
     }
 
     /// Fails with [`Error::NotLeader`] unless this replica is the leader.
@@ -107,15 +124,7 @@ impl Leadership {
         }
     }
 
-    /// Resolves once this replica has become the leader.
-    pub async fn acquired(&mut self) -> anyhow::Result<()> {
-        if let Some(rx) = &mut self.changed {
-            rx.wait_for(|leading| *leading).await?;
-        }
-        Ok(())
-    }
-
-    /// Resolves when leadership is lost (never, when election is disabled).
+    /// Resolves when this term ends (never, when election is disabled).
     /// The term's own deadline ends it too, even if the election task is
     /// stuck.
     pub async fn lost(self) {
@@ -124,38 +133,55 @@ impl Leadership {
         };
         loop {
             let t = *term.lock().unwrap_or_else(|e| e.into_inner());
-            if t.lost {
+            if !t.valid(self.generation, Instant::now()) {
                 return;
             }
             let until = t
                 .valid_until
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
-                _ = sleep_until(until) => {
-                    let t = *term.lock().unwrap_or_else(|e| e.into_inner());
-                    if t.lost || t.valid_until.is_some_and(|v| Instant::now() >= v) {
-                        return;
-                    }
-                }
+                _ = sleep_until(until) => {}
                 r = rx.changed() => if r.is_err() { return },
             }
         }
     }
 }
 
-/// The background task that holds the lease.
+/// The background task that campaigns for and holds the lease.
 #[derive(Debug)]
 pub struct Campaign {
     task: Option<tokio::task::JoinHandle<()>>,
     stop: CancellationToken,
+    term: Option<Arc<Mutex<Term>>>,
+    changed: Option<watch::Receiver<u64>>,
 }
 
 impl Campaign {
-    /// No election.
+    /// No election: always leading.
     pub fn none() -> Self {
         Self {
             task: None,
             stop: CancellationToken::new(),
+            term: None,
+            changed: None,
+        }
+    }
+
+    /// Resolves with the next term this replica leads.
+    pub async fn acquired(&mut self) -> anyhow::Result<Leadership> {
+        let (Some(term), Some(rx)) = (&self.term, &mut self.changed) else {
+            return Ok(Leadership::always());
+        };
+        loop {
+            let t = *term.lock().unwrap_or_else(|e| e.into_inner());
+            if t.valid(t.generation, Instant::now()) {
+                return Ok(Leadership {
+                    term: Some(term.clone()),
+                    generation: t.generation,
+                    changed: Some(rx.clone()),
+                });
+            }
+            rx.changed().await?;
         }
     }
 
@@ -171,10 +197,10 @@ impl Campaign {
     }
 }
 
-/// Starts campaigning; the returned [`Leadership`] follows the lease.
-pub fn campaign(client: Client, cfg: &ElectionConfig) -> (Leadership, Campaign) {
+/// Starts campaigning; [`Campaign::acquired`] yields each term led.
+pub fn campaign(client: Client, cfg: &ElectionConfig) -> Campaign {
     let term = Arc::new(Mutex::new(Term::default()));
-    let (tx, rx) = watch::channel(false);
+    let (tx, rx) = watch::channel(0);
     let stop = CancellationToken::new();
     let elector = Elector {
         api: Api::namespaced(client, &cfg.namespace),
@@ -185,16 +211,12 @@ pub fn campaign(client: Client, cfg: &ElectionConfig) -> (Leadership, Campaign) 
         seen: None,
     };
     let task = tokio::spawn(elector.run(stop.clone()));
-    (
-        Leadership {
-            term: Some(term),
-            changed: Some(rx),
-        },
-        Campaign {
-            task: Some(task),
-            stop,
-        },
-    )
+    Campaign {
+        task: Some(task),
+        stop,
+        term: Some(term),
+        changed: Some(rx),
+    }
 }
 
 /// A version of someone else's Lease, and when we first saw it.
@@ -266,7 +288,8 @@ struct Elector {
     api: Api<Lease>,
     cfg: ElectionConfig,
     term: Arc<Mutex<Term>>,
-    tx: watch::Sender<bool>,
+    /// Announces each change of the term (its generation).
+    tx: watch::Sender<u64>,
     /// Our last copy of the Lease while we hold it.
     ours: Option<Lease>,
     seen: Option<Seen>,
@@ -295,9 +318,10 @@ impl Elector {
                     return;
                 }
                 _ = sleep_until(deadline.unwrap_or(next)), if deadline.is_some_and(|d| d <= next) => {
-                    warn!("leader term ran out without a successful renewal");
+                    warn!("leader term ran out without a successful renewal; standing by");
                     self.lose();
-                    return;
+                    next = Instant::now() + self.cfg.retry_every();
+                    continue;
                 }
                 _ = sleep_until(next) => {}
             }
@@ -306,8 +330,9 @@ impl Elector {
                 Ok(false) if self.leading() => Instant::now() + self.cfg.renew_every() / 2,
                 Ok(false) => Instant::now() + self.cfg.retry_every(),
                 Err(()) => {
+                    warn!("another replica holds the leader lease; standing by");
                     self.lose();
-                    return;
+                    Instant::now() + self.cfg.retry_every()
                 }
             };
         }
@@ -423,35 +448,42 @@ impl Elector {
         }
     }
 
-    /// A write sent at `sent` succeeded: the term runs from then.
+    /// A write sent at `sent` succeeded: the term runs from then. The first
+    /// success after not leading starts a new generation.
     fn won(&mut self, stored: Lease, sent: Instant) {
         let first = self.ours.is_none();
         self.ours = Some(stored);
         self.seen = None;
         let until = sent + self.cfg.term();
-        {
+        let generation = {
             let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
-            if !t.lost {
+            if first {
+                t.generation += 1;
+                t.valid_until = Some(until);
+            } else {
                 t.valid_until = Some(t.valid_until.map_or(until, |v| v.max(until)));
             }
-        }
+            t.generation
+        };
         if first {
-            info!(identity = %self.cfg.identity, "acquired the leader lease");
-            let _ = self.tx.send(true);
+            info!(identity = %self.cfg.identity, generation, "acquired the leader lease");
+            let _ = self.tx.send(generation);
         }
     }
 
+    /// Ends the current term at once (its writers stop), then stands by.
     fn lose(&mut self) {
         let was = self.ours.take().is_some();
-        {
+        self.seen = None;
+        let generation = {
             let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
-            t.lost = true;
             t.valid_until = None;
-        }
+            t.generation
+        };
         if was {
-            warn!(identity = %self.cfg.identity, "leadership lost");
+            warn!(identity = %self.cfg.identity, generation, "leadership lost");
         }
-        let _ = self.tx.send(false);
+        self.tx.send_replace(generation);
     }
 
     /// Hands the Lease back (holder cleared) so a standby takes over at once.
@@ -553,14 +585,18 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn writes_stop_when_the_term_runs_out_without_any_task_running() {
         let term = Arc::new(Mutex::new(Term::default()));
-        let (tx, rx) = watch::channel(false);
+        let (tx, rx) = watch::channel(0);
         let l = Leadership {
             term: Some(term.clone()),
+            generation: 1,
             changed: Some(rx),
         };
         assert!(l.ensure().is_err(), "not leading before the first win");
-        term.lock().unwrap().valid_until = Some(Instant::now() + Duration::from_secs(10));
-        let _ = tx.send(true);
+        *term.lock().unwrap() = Term {
+            generation: 1,
+            valid_until: Some(Instant::now() + Duration::from_secs(10)),
+        };
+        let _ = tx.send(1);
         assert!(l.ensure().is_ok());
         let lost = tokio::spawn(l.clone().lost());
         tokio::time::advance(Duration::from_millis(9_999)).await;
@@ -573,6 +609,18 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        drop(tx);
+        // A later term (re-acquired after the outage) never revives the
+        // old term's writers.
+        *term.lock().unwrap() = Term {
+            generation: 2,
+            valid_until: Some(Instant::now() + Duration::from_secs(10)),
+        };
+        let _ = tx.send(2);
+        assert!(matches!(l.ensure(), Err(Error::NotLeader)));
+        let next = Leadership {
+            generation: 2,
+            ..l.clone()
+        };
+        assert!(next.ensure().is_ok());
     }
 }

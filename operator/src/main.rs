@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use crate::config::{Config, LogFormat};
-use crate::leader::{ElectionConfig, Leadership};
+use crate::leader::ElectionConfig;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -46,7 +46,7 @@ async fn main() -> anyhow::Result<()> {
     });
     let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
 
-    let (mut leadership, campaign) = if cfg.leader_election {
+    let mut campaign = if cfg.leader_election {
         let election = ElectionConfig {
             namespace: cfg.leader_lease_namespace.clone(),
             lease_name: cfg.leader_lease_name.clone(),
@@ -56,87 +56,99 @@ async fn main() -> anyhow::Result<()> {
         };
         leader::campaign(client.clone(), &election)
     } else {
-        (Leadership::always(), leader::Campaign::none())
+        leader::Campaign::none()
     };
-    // A standby replica is healthy and ready: it serves metrics and waits.
-    health.ready.store(true, Ordering::Release);
-    info!("waiting for leadership");
-    tokio::select! {
-        r = leadership.acquired() => r?,
-        _ = shutdown_signal() => {
-            info!("shutting down before leading");
-            drop(leadership);
-            campaign.vacate(SHUTDOWN_BUDGET).await;
-            std::process::exit(0);
-        }
-    }
-    health.ready.store(false, Ordering::Release);
-    metrics.is_leader.set(1);
-    info!(%identity, "leading: starting controllers");
-
-    let reporter = Reporter {
-        controller: "batchlease-operator".into(),
-        instance: Some(identity.clone()),
-    };
-    let synced = Arc::new(controller::SyncCounter::default());
-    let shared = controller::Shared {
-        client: client.clone(),
-        synced: synced.clone(),
-        metrics: metrics.clone(),
-        reporter,
-        leadership: leadership.clone(),
-    };
-    let stop = CancellationToken::new();
     let namespaces: Vec<Option<String>> = match cfg.watched_namespaces() {
         Some(list) => list.into_iter().map(Some).collect(),
         None => vec![None],
     };
-    let running: Vec<_> = namespaces
-        .iter()
-        .map(|ns| controller::start(&shared, ns.as_deref(), stop.clone()))
-        .collect();
-    for r in &running {
-        metrics.watch_tasks(r.tasks.clone());
-    }
-    {
-        let (health, synced) = (health.clone(), synced.clone());
-        tokio::spawn(async move {
-            synced.wait().await;
-            health.ready.store(true, Ordering::Release);
-            info!("caches synced: ready");
-        });
-    }
-
-    let exit = tokio::select! {
-        _ = leadership.clone().lost() => {
-            error!("leadership lost: stopping all writers and exiting");
-            1
-        }
-        _ = shutdown_signal() => {
-            info!("shutting down");
-            0
-        }
-        r = server => {
-            error!(result = ?r, "metrics server ended");
-            1
-        }
+    let reporter = Reporter {
+        controller: "batchlease-operator".into(),
+        instance: Some(identity.clone()),
     };
-    stop.cancel();
-    metrics.is_leader.set(0);
-    // Shutdown is bounded whatever the API server does: in-flight
-    // reconciles get a moment, then the lease is vacated (so a standby
-    // takes over at once instead of after a TTL), then the process ends.
-    let drained = tokio::time::timeout(SHUTDOWN_BUDGET, async {
-        for r in running {
-            let _ = r.done.await;
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    tokio::pin!(server);
+    let exit = loop {
+        // A standby replica is healthy and ready: it serves metrics and waits.
+        health.ready.store(true, Ordering::Release);
+        info!("waiting for leadership");
+        let leadership = tokio::select! {
+            l = campaign.acquired() => l?,
+            _ = &mut shutdown => {
+                info!("shutting down");
+                break 0;
+            }
+            r = &mut server => {
+                error!(result = ?r, "metrics server ended");
+                break 1;
+            }
+        };
+        health.ready.store(false, Ordering::Release);
+        metrics.is_leader.set(1);
+        info!(%identity, "leading: starting controllers");
+        // Everything of a term is new: caches, observations (every held
+        // lease gets a full TTL), expectations, the readiness count.
+        let synced = Arc::new(controller::SyncCounter::default());
+        let shared = controller::Shared {
+            client: client.clone(),
+            synced: synced.clone(),
+            metrics: metrics.clone(),
+            reporter: reporter.clone(),
+            leadership: leadership.clone(),
+        };
+        let stop = CancellationToken::new();
+        let running: Vec<_> = namespaces
+            .iter()
+            .map(|ns| controller::start(&shared, ns.as_deref(), stop.clone()))
+            .collect();
+        metrics.watch_tasks(running.iter().map(|r| r.tasks.clone()).collect());
+        let ready = {
+            let (health, synced) = (health.clone(), synced.clone());
+            tokio::spawn(async move {
+                synced.wait().await;
+                health.ready.store(true, Ordering::Release);
+                info!("caches synced: ready");
+            })
+        };
+        let ended = tokio::select! {
+            _ = leadership.clone().lost() => {
+                error!("leadership lost: stopped all writers of this term; standing by");
+                None
+            }
+            _ = &mut shutdown => {
+                info!("shutting down");
+                Some(0)
+            }
+            r = &mut server => {
+                error!(result = ?r, "metrics server ended");
+                Some(1)
+            }
+        };
+        ready.abort();
+        stop.cancel();
+        metrics.is_leader.set(0);
+        metrics.watch_tasks(Vec::new());
+        let drain = async {
+            for r in running {
+                let _ = r.done.await;
+            }
+        };
+        let Some(code) = ended else {
+            // The old term's writers are refused by their generation: no
+            // need to wait for them before campaigning again.
+            tokio::spawn(drain);
+            continue;
+        };
+        // Bounded whatever the API server does: in-flight reconciles get a
+        // moment before the lease is vacated.
+        if tokio::time::timeout(SHUTDOWN_BUDGET, drain).await.is_err() {
+            tracing::warn!("controllers did not stop in time; exiting anyway");
         }
-    })
-    .await;
-    if drained.is_err() {
-        tracing::warn!("controllers did not stop in time; exiting anyway");
-    }
-    drop(shared);
-    drop(leadership);
+        break code;
+    };
+    // Vacate the lease (so a standby takes over at once instead of after a
+    // TTL), bounded, then end.
     campaign.vacate(SHUTDOWN_BUDGET).await;
     std::process::exit(exit);
 }

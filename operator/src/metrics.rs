@@ -112,13 +112,10 @@ impl Metrics {
         Arc::new(m)
     }
 
-    /// Lets `batchlease_tasks{queue,phase}` count the tasks in `store`.
-    pub fn watch_tasks(&self, store: Store<BatchTask>) {
-        self.tasks
-            .stores
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(store);
+    /// Lets `batchlease_tasks{queue,phase}` count the tasks in these caches
+    /// (the current term's; a standby counts none).
+    pub fn watch_tasks(&self, stores: Vec<Store<BatchTask>>) {
+        *self.tasks.stores.lock().unwrap_or_else(|e| e.into_inner()) = stores;
     }
 }
 

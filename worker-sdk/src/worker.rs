@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::keys::LABEL_QUEUE;
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, check_current};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, WatchBackoff, check_current};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -192,7 +192,7 @@ impl Worker {
             // the list's end, so an object event alone can arrive before the
             // store shows it.
             let stream = watcher(leases.clone(), watcher::Config::default().labels(&selector))
-                .default_backoff()
+                .backoff(WatchBackoff::new(rand::random))
                 .reflect(writer);
             tokio::spawn(async move {
                 futures::pin_mut!(stream);
