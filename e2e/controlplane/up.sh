@@ -57,7 +57,25 @@ etcd_ready() { curl -sf "http://127.0.0.1:$etcd_port/health"; }
 wait_until etcd 60 "$state/logs/etcd.log" etcd_ready
 
 # --- kube-apiserver ---
+# The audit log is the ground truth of who wrote what: every write to
+# batchlease objects, Leases and Events, by user, with the time it was
+# applied. The history checker reads it (BATCHLEASE_AUDIT_LOG).
+mkdir -p "$state/audit"
+cat > "$state/audit/policy.yaml" <<'POLICY'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived", "ResponseStarted"]
+rules:
+  - level: Metadata
+    verbs: ["create", "update", "patch", "delete", "deletecollection"]
+    resources:
+      - group: batchlease.dev
+      - group: coordination.k8s.io
+  - level: None
+POLICY
 launch kube-apiserver "$bin/kube-apiserver" \
+  --audit-policy-file="$state/audit/policy.yaml" --audit-log-path="$state/audit/audit.log" \
+  --audit-log-format=json --audit-log-mode=blocking --audit-log-maxsize=0 \
   --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address=127.0.0.1 \
   --advertise-address=127.0.0.1 --secure-port="$api_port" --cert-dir="$pki" \
   --tls-cert-file="$pki/serving.crt" --tls-private-key-file="$pki/serving.key" \
@@ -102,13 +120,11 @@ KC
 
 # --- kube-controller-manager: garbage collection and namespace deletion ---
 kcm_port=$(free_port)
-"$bin/kube-controller-manager" --kubeconfig="$state/kubeconfig" \
+launch kube-controller-manager "$bin/kube-controller-manager" --kubeconfig="$state/kubeconfig" \
   --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1 --secure-port="$kcm_port" --cert-dir="$state/kcm-certs" \
   --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller \
-  --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
-  >"$state/logs/kube-controller-manager.log" 2>&1 &
-echo $! > "$state/run/kube-controller-manager.pid"
+  --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt"
 # Healthy, and its controllers act: the serviceaccount controller has
 # created the `default` ServiceAccount of the `default` namespace.
 kcm_ready() {
@@ -116,6 +132,9 @@ kcm_ready() {
     KUBECONFIG="$state/kubeconfig" "$bin/kubectl" get serviceaccount default -n default
 }
 wait_until kube-controller-manager 120 "$state/logs/kube-controller-manager.log" kcm_ready
+cat >> "$state/run/ready.sh" <<READY
+kube-controller-manager_ready() { curl -sfk "https://127.0.0.1:$kcm_port/healthz"; }
+READY
 
 cat > "$state/env" <<ENV
 export KUBECONFIG=$state/kubeconfig
@@ -123,6 +142,7 @@ export BATCHLEASE_CP_DIR=$state
 export PATH=$bin:\$PATH
 export BATCHLEASE_KUBECTL=$bin/kubectl
 export BATCHLEASE_HELM=$bin/helm
+export BATCHLEASE_AUDIT_LOG=$state/audit/audit.log
 ENV
 log "up: KUBECONFIG=$state/kubeconfig (logs in $state/logs)"
 echo "$state"

@@ -12,6 +12,7 @@ use kube::{Client, ResourceExt};
 use rand::Rng;
 use tokio::sync::OnceCell;
 
+use crate::history::{Checks, History};
 use crate::kubectl;
 
 /// The control plane the tests talk to.
@@ -83,19 +84,26 @@ impl Cluster {
             .create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("creating namespace {name}"))?;
+        let history = History::record(&self.client, &name).await?;
         Ok(TestNamespace {
             name,
             client: self.client.clone(),
+            history,
+            checks: Checks::default(),
         })
     }
 }
 
-/// A namespace owned by one test. Call [`TestNamespace::cleanup`] at the end
-/// of a passing test; a failing test leaves it for inspection (the control
-/// plane is thrown away after the run anyway).
+/// A namespace owned by one test, whose whole history is recorded (see
+/// [`crate::history`]). Call [`TestNamespace::cleanup`] (or
+/// [`TestNamespace::finish`]) at the end of a passing test: it checks the
+/// history's invariants first. A failing test leaves the namespace for
+/// inspection (the control plane is thrown away after the run anyway).
 pub struct TestNamespace {
     pub name: String,
     client: Client,
+    history: History,
+    checks: Checks,
 }
 
 impl std::fmt::Debug for TestNamespace {
@@ -135,8 +143,39 @@ impl TestNamespace {
         out
     }
 
-    /// Deletes the namespace (the namespace controller removes its content).
+    /// The test restarts the control plane: gaps in the watches are
+    /// expected (the checks still run on what was recorded).
+    pub fn tolerate_watch_errors(&mut self) {
+        self.checks.tolerate_watch_errors = true;
+    }
+
+    /// Checks the recorded history (safety invariants only), then deletes
+    /// the namespace (the namespace controller removes its content).
     pub async fn cleanup(self) -> anyhow::Result<()> {
+        let checks = self.checks;
+        self.check_and_delete(checks).await
+    }
+
+    /// Like [`TestNamespace::cleanup`], and every task must have ended
+    /// Succeeded, DeadLettered or Rejected: none is stuck.
+    pub async fn finish(self) -> anyhow::Result<()> {
+        let checks = Checks {
+            all_final: true,
+            ..self.checks
+        };
+        self.check_and_delete(checks).await
+    }
+
+    async fn check_and_delete(self, checks: Checks) -> anyhow::Result<()> {
+        let violations = self.history.violations(&checks).await?;
+        if !violations.is_empty() {
+            bail!(
+                "the history of namespace {} violates the protocol:\n  {}\n{}",
+                self.name,
+                violations.join("\n  "),
+                self.diagnostics()
+            );
+        }
         Api::<Namespace>::all(self.client.clone())
             .delete(&self.name, &DeleteParams::background())
             .await?;

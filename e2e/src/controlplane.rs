@@ -2,7 +2,8 @@
 
 use anyhow::{Context, bail};
 
-/// Restarts `component` (`kube-apiserver` or `etcd`) of the running test
+/// Restarts `component` (`kube-apiserver`, `etcd` or
+/// `kube-controller-manager`) of the running test
 /// control plane with its original command line after keeping it down for
 /// `down` (the outage injected), and waits until it is ready again
 /// (`e2e/controlplane/restart.sh`).

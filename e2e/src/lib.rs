@@ -9,8 +9,11 @@
 // A test-only crate: failing loudly is the point.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod audit;
 pub mod cluster;
 pub mod controlplane;
+pub mod history;
+pub mod identity;
 pub mod kubectl;
 pub mod operator;
 pub mod pg;

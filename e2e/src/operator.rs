@@ -56,6 +56,13 @@ impl Operator {
         // append to a list flag such as --namespaces instead).
         let flag = |a: &str| a.split('=').next().unwrap_or_default().to_owned();
         args.retain(|a| !extra.iter().any(|e| flag(e) == flag(a)));
+        // Its own client identity (user `operator-<name>`), so the audit log
+        // tells this replica's writes from everyone else's.
+        if !extra.iter().any(|e| flag(e) == "--kubeconfig") {
+            let dir = std::env::temp_dir().join(format!("batchlease-e2e-{namespace}"));
+            let kc = crate::identity::kubeconfig_as(&Self::user(name), &dir)?;
+            args.push(format!("--kubeconfig={}", kc.display()));
+        }
         args.extend(extra);
         let env = vec![(
             "RUST_LOG".into(),
@@ -67,6 +74,11 @@ impl Operator {
             name: name.into(),
             metrics_port: port,
         })
+    }
+
+    /// The user replica `name` authenticates as (see the audit log).
+    pub fn user(name: &str) -> String {
+        format!("operator-{name}")
     }
 
     /// The process id while it runs.

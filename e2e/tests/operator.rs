@@ -113,7 +113,7 @@ async fn happy_path_one_lease_token_one() {
         "{body}"
     );
     assert_eq!(op.get("/healthz").await.unwrap().0, 200);
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -211,7 +211,7 @@ async fn a_deleted_claimed_lease_is_replaced_under_a_new_token_never_recreated()
     wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs())
         .await
         .unwrap();
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -323,7 +323,7 @@ async fn silent_holder_expires_after_ttl_and_the_zombie_is_fenced() {
             .unwrap(),
         Some(1.0)
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -453,7 +453,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     .await
     .unwrap();
     assert_eq!(names, ["job-2", "job-3", "job-4", "job-5"], "job-1 pruned");
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -505,7 +505,7 @@ async fn permanent_failure_and_interruption() {
     wait_phase(&ns, "drain", TaskPhase::Succeeded, T, || op.logs())
         .await
         .unwrap();
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -566,7 +566,7 @@ async fn operator_restart_while_held_neither_expires_early_nor_reissues() {
         .status
         .unwrap();
     assert_eq!(st.fencing_token, 2);
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -613,5 +613,5 @@ async fn attempt_overrunning_active_deadline_is_expired_despite_renewals() {
         t.status.unwrap().last_failure.unwrap().reason,
         "ActiveDeadlineExceeded"
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }

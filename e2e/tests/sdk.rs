@@ -97,7 +97,7 @@ async fn fifty_tasks_three_workers_all_succeed_with_their_tokens_in_postgres() {
         *by_worker.entry(holder).or_default() += 1;
     }
     assert_eq!(by_worker.values().sum::<usize>(), 50);
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -240,7 +240,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         matches!(err, SdkError::PayloadMismatch { token: 2 }),
         "{err}"
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -336,7 +336,7 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
         [(2, "rescuer".to_owned())],
         "only the rescuer wrote"
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -383,7 +383,7 @@ async fn checkpoint_survives_a_killed_attempt() {
     assert_eq!(st.fencing_token, 2);
     let resumed = st.result.unwrap()["resumedFrom"].as_u64().unwrap();
     assert!(resumed >= 3, "attempt 2 started from step {resumed}");
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -455,7 +455,7 @@ async fn permanent_error_dead_letters_immediately() {
             .is_none(),
         "nothing committed"
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -520,7 +520,7 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     .await
     .unwrap();
     assert!(pg::row(&db, &uid).await.unwrap().is_none());
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 /// A claim that fails with an API error (here: 403, the worker may not yet
@@ -605,7 +605,7 @@ async fn claims_failing_with_api_errors_are_retried_without_new_events() {
     wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
         .await
         .unwrap();
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 #[tokio::test]
@@ -651,5 +651,5 @@ async fn a_forged_lease_is_neither_claimed_nor_followed() {
         (Some(LeasePhase::Offered), None),
         "nobody claimed the forgery"
     );
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
