@@ -17,6 +17,12 @@ pub fn kubeconfig_as(name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
     let key = dir.join(format!("{name}.key"));
     let csr = dir.join(format!("{name}.csr"));
     let crt = dir.join(format!("{name}.crt"));
+    // Extensions make it an X.509 v3 certificate (rustls refuses v1).
+    let ext = dir.join(format!("{name}.ext"));
+    std::fs::write(
+        &ext,
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
+    )?;
     let subject = format!("/O=system:masters/CN={name}");
     let steps: [Vec<&str>; 3] = [
         vec![
@@ -57,6 +63,8 @@ pub fn kubeconfig_as(name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
         p(&pki.join("ca.key")),
         "-CAserial".into(),
         p(&dir.join("ca.srl")),
+        "-extfile".into(),
+        p(&ext),
         "-out".into(),
         p(&crt),
     ]);

@@ -1,70 +1,31 @@
-//! Two operator replicas: the leader is killed mid-run, the standby takes
-//! over, every task completes, tokens strictly increase per task, and no
-//! task ever has two `Held` leases at once (checked from a watch over the
-//! whole run).
+//! Operator replicas and leadership: the leader is killed mid-run and the
+//! standby takes over (every task completes, tokens strictly increase per
+//! task across both, never two `Held` leases of a task — the history
+//! checker's invariants — and a held lease gets a full TTL from the
+//! takeover, timed by the audit log); a deposed or cut-off leader stops
+//! writing within its term (the audit log shows no write after it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
 use batchlease_e2e::operator::Operator;
-use batchlease_e2e::tasks::{self, lease_phase, phase_of, wait_phase};
+use batchlease_e2e::tasks::{self, lease_phase, wait_phase};
 use batchlease_e2e::worker::{claim, complete, renew};
-use batchlease_e2e::{Cluster, wait_for};
-use futures::{StreamExt, TryStreamExt};
-use kube::ResourceExt;
+use batchlease_e2e::{Cluster, audit, wait_for};
+use futures::TryStreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(60);
 
-/// Everything the lease watch saw, checked as it arrives.
-#[derive(Default, Debug)]
-struct Audit {
-    /// lease → (task, last phase seen).
-    phase: BTreeMap<String, (String, LeasePhase)>,
-    /// task → tokens in the order their leases first appeared.
-    tokens: BTreeMap<String, Vec<i64>>,
-    violations: Vec<String>,
-}
-
-impl Audit {
-    fn see(&mut self, l: &TaskLease) {
-        let name = l.name_any();
-        let task = l.spec.task_name.clone();
-        if !self.phase.contains_key(&name) {
-            let seq = self.tokens.entry(task.clone()).or_default();
-            if seq.last().is_some_and(|last| *last >= l.spec.fencing_token) {
-                self.violations.push(format!(
-                    "{task}: token {} after {seq:?}",
-                    l.spec.fencing_token
-                ));
-            }
-            seq.push(l.spec.fencing_token);
-        }
-        self.phase.insert(
-            name,
-            (task.clone(), lease_phase(l).unwrap_or(LeasePhase::Offered)),
-        );
-        let held: Vec<&String> = self
-            .phase
-            .iter()
-            .filter(|(_, (t, p))| *p == LeasePhase::Held && *t == task)
-            .map(|(n, _)| n)
-            .collect();
-        if held.len() > 1 {
-            self.violations
-                .push(format!("{task}: two Held leases at once: {held:?}"));
-        }
-    }
-}
-
 /// A worker of queue `q` driven by the lease watch: claims every Offered
-/// lease of its queue, renews once, completes it.
+/// lease of its queue, renews once, completes it — except the first lease
+/// of an `expire-*` task, which it claims and then abandons (a holder that
+/// died), so the operator must expire it and issue token 2.
 async fn worker(api: Api<TaskLease>) {
     let stream = watcher(api.clone(), watcher::Config::default()).applied_objects();
     futures::pin_mut!(stream);
@@ -77,6 +38,9 @@ async fn worker(api: Api<TaskLease>) {
             let Ok(held) = claim(&api, &lease, "w").await else {
                 return;
             };
+            if lease.spec.task_name.starts_with("expire-") && lease.spec.fencing_token == 1 {
+                return;
+            }
             let Ok(held) = renew(&api, &held).await else {
                 return;
             };
@@ -104,17 +68,6 @@ async fn leader_killed_mid_run_standby_finishes_without_double_holding() {
     assert_eq!(b.metric("batchlease_is_leader").await.unwrap(), Some(0.0));
 
     let leases: Api<TaskLease> = ns.api();
-    let audit = Arc::new(Mutex::new(Audit::default()));
-    let auditor = {
-        let (audit, api) = (audit.clone(), leases.clone());
-        tokio::spawn(async move {
-            let stream = watcher(api, watcher::Config::default()).applied_objects();
-            futures::pin_mut!(stream);
-            while let Some(Ok(l)) = stream.next().await {
-                audit.lock().unwrap().see(&l);
-            }
-        })
-    };
     let work = tokio::spawn(worker(leases.clone()));
 
     let names: Vec<String> = (0..8).map(|i| format!("job-{i}")).collect();
@@ -128,11 +81,28 @@ async fn leader_killed_mid_run_standby_finishes_without_double_holding() {
             .await
             .unwrap();
     }
-    // Hold one lease across the failover, renewing as a worker would.
+    // Holders that die right before the failover: the new leader must
+    // expire their leases and issue token 2 (the history checker then sees
+    // token order across the two leaders, not only token 1s).
+    let expiring: Vec<String> = (0..3).map(|i| format!("expire-{i}")).collect();
+    for n in &expiring {
+        tasks::create(&ns, n, json!({"queue": "q", "leaseDurationSeconds": 5}))
+            .await
+            .unwrap();
+    }
+    for n in &expiring {
+        wait_phase(&ns, n, TaskPhase::Running, T, || a.logs())
+            .await
+            .unwrap();
+    }
+    // Hold one lease across the failover. Its last renewal, just before the
+    // leader dies, carries a renewTime from the year 2000: an operator that
+    // trusted the holder's clock would expire it at once.
+    let ttl = 6;
     tasks::create(
         &ns,
         "held",
-        json!({"queue": "manual", "leaseDurationSeconds": 6}),
+        json!({"queue": "manual", "leaseDurationSeconds": ttl}),
     )
     .await
     .unwrap();
@@ -140,7 +110,14 @@ async fn leader_killed_mid_run_standby_finishes_without_double_holding() {
         batchlease_e2e::tasks::wait_lease(&ns, "held-1", LeasePhase::Offered, T, || a.logs())
             .await
             .unwrap();
-    let mut held = claim(&leases, &offered, "steady").await.unwrap();
+    let held = claim(&leases, &offered, "steady").await.unwrap();
+    let mut stale = held.clone();
+    stale.spec.renew_time = Some(MicroTime("2000-01-01T00:00:00Z".parse().unwrap()));
+    let held = leases
+        .replace("held-1", &Default::default(), &stale)
+        .await
+        .unwrap();
+    drop(held);
 
     a.kill();
     for n in &names[4..] {
@@ -148,58 +125,75 @@ async fn leader_killed_mid_run_standby_finishes_without_double_holding() {
             .await
             .unwrap();
     }
-    // Renew "held" every 2 s (TTL/3) until the standby leads and beyond a TTL.
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
-    let mut renewals_after_takeover = 0;
-    while renewals_after_takeover < 4 {
-        tick.tick().await;
-        held = renew(&leases, &held)
-            .await
-            .expect("a renewed lease was expired across the failover");
-        if b.metric("batchlease_is_leader").await.ok().flatten() == Some(1.0) {
-            renewals_after_takeover += 1;
-        }
-    }
-    complete(&leases, &held, LeaseOutcome::Succeeded, None, None)
-        .await
-        .unwrap();
-
-    for n in names.iter().chain(std::iter::once(&"held".to_owned())) {
+    b.wait_leading(T).await.unwrap();
+    for n in names.iter().chain(&expiring) {
         wait_phase(&ns, n, TaskPhase::Succeeded, T, || b.logs())
             .await
             .unwrap();
     }
-    let all = ns
-        .api::<batchlease_api::BatchTask>()
-        .list(&Default::default())
+    for n in &expiring {
+        let st = tasks::status(&ns, n).await.unwrap();
+        assert_eq!(st.fencing_token, 2, "{n}: {st:?}");
+    }
+    // The abandoned "held" lease: expired by op-b no sooner than a full TTL
+    // after op-b took over — timed by the API server's own audit log.
+    batchlease_e2e::tasks::wait_lease(&ns, "held-1", LeasePhase::Expired, T, || b.logs())
         .await
         .unwrap();
+    let writes = audit::writes_in(&ns.name).unwrap();
+    let b_user = Operator::user("op-b");
+    let takeover = writes
+        .iter()
+        .find(|w| w.user == b_user && w.resource == "leases")
+        .expect("op-b's takeover of the election Lease is in the audit log")
+        .at;
+    let expired = writes
+        .iter()
+        .find(|w| {
+            w.user == b_user
+                && w.resource == "taskleases"
+                && w.name == "held-1"
+                && w.verb == "update"
+        })
+        .expect("op-b's expiry of held-1 is in the audit log")
+        .at;
     assert!(
-        all.items
+        expired >= takeover + ttl as f64,
+        "held-1 expired {:.3}s after op-b took over (TTL {ttl}s)",
+        expired - takeover
+    );
+    // op-a wrote nothing once dead, and op-b nothing before it led.
+    let a_user = Operator::user("op-a");
+    let killed_at = writes
+        .iter()
+        .filter(|w| w.user == a_user)
+        .map(|w| w.at)
+        .fold(0.0, f64::max);
+    assert!(
+        killed_at < takeover,
+        "op-a wrote at {killed_at} after op-b took over at {takeover}"
+    );
+    assert!(
+        writes
             .iter()
-            .all(|t| phase_of(t) == Some(TaskPhase::Succeeded))
+            .filter(|w| w.user == b_user && w.resource != "leases")
+            .all(|w| w.at >= takeover),
+        "op-b wrote before it led"
     );
-    let held_task = all.items.iter().find(|t| t.name_any() == "held").unwrap();
-    assert_eq!(
-        held_task.status.as_ref().unwrap().fencing_token,
-        1,
-        "the held lease survived the failover"
-    );
-
+    // The next attempt of "held" runs normally under token 2.
+    let next =
+        batchlease_e2e::tasks::wait_lease(&ns, "held-2", LeasePhase::Offered, T, || b.logs())
+            .await
+            .unwrap();
+    let next = claim(&leases, &next, "steady").await.unwrap();
+    complete(&leases, &next, LeaseOutcome::Succeeded, None, None)
+        .await
+        .unwrap();
+    wait_phase(&ns, "held", TaskPhase::Succeeded, T, || b.logs())
+        .await
+        .unwrap();
     work.abort();
-    auditor.abort();
-    {
-        let audit = audit.lock().unwrap();
-        assert!(
-            audit.violations.is_empty(),
-            "{:?}\n{}",
-            audit.violations,
-            b.logs()
-        );
-        let tasks_seen: BTreeSet<&String> = audit.tokens.keys().collect();
-        assert_eq!(tasks_seen.len(), 9, "{audit:?}");
-    }
-    ns.cleanup().await.unwrap();
+    ns.finish().await.unwrap();
 }
 
 /// A replica whose leader Lease is taken over stops writing at once and
@@ -217,8 +211,8 @@ async fn deposed_leader_stops_writing_and_stands_by() {
 
     // Someone else now holds the election Lease (as after a partition in
     // which the lease ran out and another replica took it).
-    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
-    let patch = json!({"spec": {"holderIdentity": "intruder", "acquireTime": now, "renewTime": now,
+    let stamp = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let patch = json!({"spec": {"holderIdentity": "intruder", "acquireTime": stamp, "renewTime": stamp,
                                 "leaseDurationSeconds": 60}});
     ns.api::<Lease>()
         .patch(
@@ -228,6 +222,7 @@ async fn deposed_leader_stops_writing_and_stands_by() {
         )
         .await
         .unwrap();
+    let deposed = now();
     wait_not_leading(&a).await;
     assert!(a.logs().contains("leadership lost"), "{}", a.logs());
     assert!(a.exited().is_none(), "a deposed replica stands by");
@@ -244,6 +239,7 @@ async fn deposed_leader_stops_writing_and_stands_by() {
         .unwrap();
     assert!(untouched.status.is_none());
     // The intruder vacates the way its owner would: op-a leads a new term.
+    let vacated = now();
     ns.api::<Lease>()
         .patch(
             "batchlease-operator",
@@ -256,7 +252,35 @@ async fn deposed_leader_stops_writing_and_stands_by() {
     wait_phase(&ns, "job", TaskPhase::Ready, T, || a.logs())
         .await
         .unwrap();
+    // The audit log: no write by op-a from the end of its term (at most a
+    // term, 4 s, after it was deposed) until it led again.
+    assert_no_writes(&ns.name, "op-a", deposed + TERM, vacated);
     ns.cleanup().await.unwrap();
+}
+
+/// The term of the test replicas (lease 6 s − grace 2 s).
+const TERM: f64 = 4.0;
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// The audit log shows no accepted write by replica `name` in `namespace`
+/// (other than to its election Lease) between `from` and `to`.
+fn assert_no_writes(namespace: &str, name: &str, from: f64, to: f64) {
+    let user = Operator::user(name);
+    let stale: Vec<_> = audit::writes_in(namespace)
+        .unwrap()
+        .into_iter()
+        .filter(|w| w.user == user && w.resource != "leases" && w.at > from && w.at < to)
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "{name} wrote after its term ended: {stale:#?}"
+    );
 }
 
 /// Waits until `op` reports it does not lead.
@@ -330,6 +354,7 @@ async fn a_leader_whose_lease_namespace_is_deleted_steps_down_within_its_term() 
     .await
     .unwrap();
     let gone = tokio::time::Instant::now();
+    let gone_at = now();
     let stopped = wait_not_leading(&op).await;
     let logs = op.logs();
     assert!(logs.contains("leadership lost"), "{logs}");
@@ -351,6 +376,9 @@ async fn a_leader_whose_lease_namespace_is_deleted_steps_down_within_its_term() 
         .await
         .unwrap();
     assert!(late.status.is_none(), "a standby wrote {late:?}");
+    // Its last successful renewal was sent before the Lease vanished: from
+    // a term later on, the audit log shows no write of op-a at all.
+    assert_no_writes(&ns.name, "op-a", gone_at + TERM, f64::MAX);
     ns.cleanup().await.unwrap();
 }
 
