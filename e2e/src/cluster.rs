@@ -84,6 +84,11 @@ impl Cluster {
             .create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("creating namespace {name}"))?;
+        // The fenced table's audit trigger must exist before any worker
+        // writes, or the history would miss those writes.
+        if std::env::var_os("BATCHLEASE_PG_URL").is_some() {
+            crate::pg::connect().await?;
+        }
         let history = History::record(&self.client, &name).await?;
         Ok(TestNamespace {
             name,
@@ -164,6 +169,11 @@ impl TestNamespace {
             ..self.checks
         };
         self.check_and_delete(checks).await
+    }
+
+    /// The recorded history's violations under `checks` (empty: ok).
+    pub async fn violations(&self, checks: Checks) -> anyhow::Result<Vec<String>> {
+        self.history.violations(&checks).await
     }
 
     async fn check_and_delete(self, checks: Checks) -> anyhow::Result<()> {

@@ -19,6 +19,7 @@ pub mod operator;
 pub mod pg;
 pub mod process;
 pub mod proxy;
+pub mod soak;
 pub mod tasks;
 pub mod wait;
 pub mod worker;

@@ -32,9 +32,16 @@ pub async fn connect() -> anyhow::Result<Client> {
                      ALTER TABLE task_state_audit ADD COLUMN IF NOT EXISTS status text;
                      CREATE OR REPLACE FUNCTION task_state_audit_fn() RETURNS trigger AS $$
                      BEGIN
-                       INSERT INTO task_state_audit (task_id, token, status, worker)
-                       VALUES (NEW.task_id, NEW.last_fencing_token, NEW.status,
-                               CASE WHEN NEW.status = 'COMPLETED' THEN NEW.payload->>'worker' END);
+                       -- A commit sets committed_token; anything else (a
+                       -- registration) is recorded as RUNNING with its token.
+                       IF NEW.committed_token IS NOT NULL
+                          AND (TG_OP = 'INSERT' OR OLD.committed_token IS NULL) THEN
+                         INSERT INTO task_state_audit (task_id, token, status, worker)
+                         VALUES (NEW.task_id, NEW.committed_token, 'COMPLETED', NEW.payload->>'worker');
+                       ELSE
+                         INSERT INTO task_state_audit (task_id, token, status, worker)
+                         VALUES (NEW.task_id, NEW.last_fencing_token, 'RUNNING', NULL);
+                       END IF;
                        RETURN NEW;
                      END $$ LANGUAGE plpgsql;
                      DROP TRIGGER IF EXISTS task_state_audit_tr ON task_state;

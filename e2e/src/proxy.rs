@@ -1,17 +1,28 @@
-//! A TCP proxy the test controls, to cut one client's connection to the
-//! API server silently (a partition: packets vanish, nothing is refused).
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+//! A TCP proxy the test controls, to inject network faults into one
+//! client's connection: cut it silently (a partition: packets vanish,
+//! nothing is refused), or hold every byte and deliver it late (packets
+//! sitting in the network).
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the proxy does with the bytes it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward them.
+    Pass,
+    /// Drop them.
+    Cut,
+    /// Keep them, in order, until the mode is `Pass` again.
+    Hold,
+}
 
 /// A running proxy to `upstream`.
 #[derive(Debug, Clone)]
 pub struct Proxy {
     pub port: u16,
-    cut: Arc<AtomicBool>,
+    mode: watch::Sender<Mode>,
 }
 
 impl Proxy {
@@ -19,47 +30,74 @@ impl Proxy {
     pub async fn start(upstream: String) -> anyhow::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
-        let cut = Arc::new(AtomicBool::new(false));
-        let c = cut.clone();
+        let (mode, _) = watch::channel(Mode::Pass);
+        let m = mode.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let (upstream, cut) = (upstream.clone(), c.clone());
+                let (upstream, m) = (upstream.clone(), m.clone());
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(&upstream).await {
                         let (cr, cw) = client.into_split();
                         let (sr, sw) = server.into_split();
-                        tokio::join!(pump(cr, sw, cut.clone()), pump(sr, cw, cut));
+                        tokio::join!(pump(cr, sw, m.subscribe()), pump(sr, cw, m.subscribe()));
                     }
                 });
             }
         });
-        Ok(Self { port, cut })
+        Ok(Self { port, mode })
     }
 
     /// From now on every byte in either direction is dropped; connections
     /// stay open, new ones are accepted and starved too.
     pub fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
+        self.mode.send_replace(Mode::Cut);
+    }
+
+    /// From now on every byte is held back (delivered by [`Proxy::restore`]).
+    pub fn hold(&self) {
+        self.mode.send_replace(Mode::Hold);
+    }
+
+    /// Forward again; bytes held so far are delivered first, in order.
+    pub fn restore(&self) {
+        self.mode.send_replace(Mode::Pass);
     }
 }
 
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    cut: Arc<AtomicBool>,
+    mut mode: watch::Receiver<Mode>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
+    let mut held: Vec<u8> = Vec::new();
     loop {
-        match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                if cut.load(Ordering::SeqCst) {
-                    continue; // black hole
-                }
-                if to.write_all(&buf[..n]).await.is_err() {
-                    return;
-                }
+        let current = *mode.borrow_and_update();
+        if current == Mode::Pass && !held.is_empty() {
+            if to.write_all(&held).await.is_err() {
+                return;
             }
+            held.clear();
+        }
+        tokio::select! {
+            r = from.read(&mut buf) => match r {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    let now = *mode.borrow();
+                    match now {
+                    Mode::Cut => {} // black hole
+                    Mode::Hold => held.extend_from_slice(&buf[..n]),
+                    Mode::Pass => {
+                        if !held.is_empty() {
+                            held.extend_from_slice(&buf[..n]);
+                        } else if to.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                    }
+                }
+            },
+            r = mode.changed() => if r.is_err() { return },
         }
     }
 }

@@ -26,6 +26,11 @@ pub struct WorkerOpts {
     pub kubeconfig: Option<std::path::PathBuf>,
     /// Serve the SDK metrics on this loopback port.
     pub metrics_port: Option<u16>,
+    /// A PostgreSQL URL other than `BATCHLEASE_PG_URL` (e.g. through a
+    /// test proxy).
+    pub pg_url: Option<String>,
+    /// More flags for the demo worker.
+    pub extra: Vec<String>,
 }
 
 impl Default for WorkerOpts {
@@ -36,6 +41,8 @@ impl Default for WorkerOpts {
             drain_grace_seconds: 10,
             kubeconfig: None,
             metrics_port: None,
+            pg_url: None,
+            extra: Vec::new(),
         }
     }
 }
@@ -48,8 +55,9 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
         format!("--slots={}", opts.slots),
         format!("--identity={identity}"),
         format!("--drain-grace-seconds={}", opts.drain_grace_seconds),
-        format!("--pg-url={}", pg_url()?),
+        format!("--pg-url={}", opts.pg_url.clone().map_or_else(pg_url, Ok)?),
     ];
+    args.extend(opts.extra.iter().cloned());
     if let Some(port) = opts.metrics_port {
         args.push(format!("--metrics-addr=127.0.0.1:{port}"));
     }

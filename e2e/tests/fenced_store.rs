@@ -289,3 +289,46 @@ async fn user_writes_roll_back_with_the_fenced_commit() {
     assert!(effects(&db, &uid).await.is_empty());
     assert_eq!(pg::row(&db, &uid).await.unwrap(), None);
 }
+
+#[tokio::test]
+async fn the_database_clock_refuses_writes_past_the_attempts_deadline() {
+    // A write whose packets sat in the network until after the attempt's
+    // deadline reaches the server late: the statement itself carries the
+    // deadline, and the server's clock refuses it. Simulated by a skew
+    // allowance larger than the time left (the deadline is already past
+    // when the statement runs), with a fence that is still live locally.
+    let (w1, _, db, uid) = setup().await;
+    let mut late = w1.with_clock_skew(Duration::from_secs(3600));
+    let f1 = live(1, 30);
+    let err = late.register(&f1, &uid).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Revoked {
+                token: 1,
+                reason: "deadline_passed_at_storage"
+            }
+        ),
+        "{err}"
+    );
+    let err = commit_effect(&mut late, &f1, &uid).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Revoked {
+                token: 1,
+                reason: "deadline_passed_at_storage"
+            }
+        ),
+        "{err}"
+    );
+    assert!(effects(&db, &uid).await.is_empty());
+    assert_eq!(pg::row(&db, &uid).await.unwrap(), None);
+    // The same store within its deadline writes.
+    let mut on_time = late.with_clock_skew(Duration::ZERO);
+    on_time.register(&f1, &uid).await.unwrap();
+    assert_eq!(
+        commit_effect(&mut on_time, &f1, &uid).await.unwrap(),
+        Committed::Written
+    );
+}

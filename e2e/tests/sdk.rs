@@ -653,3 +653,158 @@ async fn a_forged_lease_is_neither_claimed_nor_followed() {
     );
     ns.finish().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_read() {
+    let (ns, op, db) = setup("lost").await;
+    let port = batchlease_e2e::operator::free_port().unwrap();
+    let w = workers::start(
+        &ns.name,
+        "w",
+        &WorkerOpts {
+            slots: 1,
+            metrics_port: Some(port),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let payload = json!({"steps": 100, "stepMillis": 100});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 30, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    // Someone else ends the lease under the worker (as the operator's expiry
+    // does): the worker's next renewal carries an old resourceVersion (409)
+    // or hits a final lease (422); it re-reads, finds the lease no longer
+    // held by it, and stops at once — long before its own clock would.
+    let leases: Api<TaskLease> = ns.api();
+    let mut l = leases.get("job-1").await.unwrap();
+    l.status.as_mut().unwrap().phase = Some(LeasePhase::Expired);
+    l.status.as_mut().unwrap().reason = Some("TestExpired".into());
+    leases
+        .replace("job-1", &Default::default(), &l)
+        .await
+        .unwrap();
+    let ended = Instant::now();
+    wait_for(
+        "the kill switch on a lost lease",
+        T,
+        || w.logs(),
+        || async {
+            let n = workers::metric(
+                port,
+                "batchlease_worker_kill_switch_total{reason=\"lease_lost\"}",
+            )
+            .await
+            .ok()
+            .flatten();
+            Ok((n == Some(1.0)).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    // One renewal period (TTL/3 = 10 s) at most, not 2/3 of the TTL.
+    assert!(
+        ended.elapsed() < Duration::from_secs(12),
+        "{:?}",
+        ended.elapsed()
+    );
+    assert!(
+        w.log_text().contains("renewal found the lease lost"),
+        "{}",
+        w.logs()
+    );
+    // The retry (token 2) runs to the end; token 1 never committed.
+    wait_phase(
+        &ns,
+        "job",
+        TaskPhase::Succeeded,
+        Duration::from_secs(90),
+        || logs(&op, &[&w]),
+    )
+    .await
+    .unwrap();
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    assert_eq!(pg::audit(&db, &uid).await.unwrap(), [(2, "w".to_owned())]);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
+    let (ns, op, db) = setup("complete-retry").await;
+    let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let w = workers::start(
+        &ns.name,
+        "w",
+        &WorkerOpts {
+            slots: 1,
+            kubeconfig: Some(proxied_kubeconfig(&proxy, &dir).unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // TTL 12 s: the kill switch fires 8 s after the last renewal was sent.
+    let payload = json!({"steps": 10, "stepMillis": 200});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 12, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    // The API server becomes unreachable for the worker while it works
+    // (PostgreSQL stays reachable): it commits, then its completion fails.
+    proxy.cut();
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    wait_for(
+        "the commit",
+        T,
+        || w.logs(),
+        || {
+            let (db, uid) = (&db, uid.clone());
+            async move { Ok(pg::row(db, &uid).await?.map(|_| ())) }
+        },
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "a failed completion try",
+        T,
+        || w.logs(),
+        || {
+            let text = w.log_text();
+            async move {
+                Ok(
+                    (text.contains("completion timed out") || text.contains("completion failed"))
+                        .then_some(()),
+                )
+            }
+        },
+    )
+    .await
+    .unwrap();
+    // The outage ends before the fence runs out: the completion lands.
+    proxy.restore();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(
+        (st.fencing_token, st.attempts, st.history.len()),
+        (1, 0, 1),
+        "the first attempt's completion landed: no expiry, no second attempt"
+    );
+    assert!(!w.log_text().contains("kill switch fired"), "{}", w.logs());
+    ns.finish().await.unwrap();
+}

@@ -318,6 +318,7 @@ impl Heartbeat {
         let clock = self.fence.clock();
         let every = clock.renew_every();
         let retry = (every / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let per_try = (every / 2).max(Duration::from_millis(500));
         let mut next = clock.next_renewal();
         let mut completion: Option<Completion> = None;
         loop {
@@ -345,9 +346,11 @@ impl Heartbeat {
                 continue;
             }
             let sent = Instant::now();
-            // A write that cannot finish before the kill switch is useless:
-            // bound it, so a black-holed connection cannot hold us.
-            let budget = kill_at.saturating_duration_since(sent);
+            // A write that cannot finish before the kill switch is useless,
+            // and one stuck on a black-holed connection must not use up the
+            // whole budget: each try gets at most half a renewal period,
+            // then is dropped (with its connection) and retried afresh.
+            let budget = kill_at.saturating_duration_since(sent).min(per_try);
             if let Some(c) = &completion {
                 // The last word: never complete an attempt we cannot prove ours.
                 if let Err(e) = self.fence.check() {

@@ -24,6 +24,7 @@ pub struct WorkerMetrics {
     pub renewal_latency: Histogram,
     pub kill_switch: Family<ReasonLabels, Counter>,
     pub fenced_commit_rejected: Counter,
+    pub refused_by_storage: Counter,
     pub claims: Counter,
     pub claim_conflicts: Counter,
     pub claims_refused: Counter,
@@ -37,6 +38,7 @@ impl Default for WorkerMetrics {
             renewal_latency: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             kill_switch: Family::default(),
             fenced_commit_rejected: Counter::default(),
+            refused_by_storage: Counter::default(),
             claims: Counter::default(),
             claim_conflicts: Counter::default(),
             claims_refused: Counter::default(),
@@ -64,6 +66,11 @@ impl WorkerMetrics {
             "fenced_commit_rejected",
             "Commits refused because the attempt was fenced or revoked",
             self.fenced_commit_rejected.clone(),
+        );
+        r.register(
+            "refused_by_storage",
+            "Writes the storage refused as fenced (a newer attempt registered first)",
+            self.refused_by_storage.clone(),
         );
         r.register("claims", "Leases claimed", self.claims.clone());
         r.register(

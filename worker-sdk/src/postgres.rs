@@ -14,6 +14,12 @@
 //!   checked again right before `COMMIT`; `statement_timeout`,
 //!   `lock_timeout` and `idle_in_transaction_session_timeout` keep a paused
 //!   holder of the row lock from blocking its successor for long.
+//! - Both writes carry the attempt's deadline (its kill-switch time as
+//!   wall-clock time, less an allowance for clock skew) and the server
+//!   refuses them past it (`clock_timestamp() < deadline`): a write whose
+//!   packets sat in the network until its lease could have expired is
+//!   refused by the database's clock too. The one assumption: the worker's
+//!   clock is at most the skew allowance ahead of the server's.
 //!
 //! ```sql
 //! -- register (T = our token)
@@ -60,8 +66,12 @@ ALTER TABLE task_state ADD COLUMN IF NOT EXISTS committed_token bigint;
 UPDATE task_state SET committed_token = last_fencing_token
  WHERE status = 'COMPLETED' AND committed_token IS NULL";
 
+// Both statements also refuse to run past the attempt's deadline ($4, the
+// fence's kill time as wall-clock time): a write whose packets sat in the
+// network until after the lease could have expired is refused by the
+// server's clock, not only by the worker's.
 const REGISTER: &str = "INSERT INTO task_state (task_id, status, last_fencing_token, updated_at)
-     VALUES ($1, 'RUNNING', $2, now())
+     SELECT $1, 'RUNNING', $2, now() WHERE clock_timestamp() < $3
      ON CONFLICT (task_id) DO UPDATE SET last_fencing_token = EXCLUDED.last_fencing_token,
             status = CASE WHEN task_state.committed_token IS NULL THEN 'RUNNING' ELSE task_state.status END,
             updated_at = now()
@@ -69,7 +79,7 @@ const REGISTER: &str = "INSERT INTO task_state (task_id, status, last_fencing_to
      RETURNING committed_token, payload";
 
 const COMMIT: &str = "INSERT INTO task_state (task_id, status, payload, last_fencing_token, committed_token, updated_at)
-     VALUES ($1, 'COMPLETED', $3, $2, $2, now())
+     SELECT $1, 'COMPLETED', $3, $2, $2, now() WHERE clock_timestamp() < $4
      ON CONFLICT (task_id) DO UPDATE SET status = 'COMPLETED', payload = EXCLUDED.payload,
             last_fencing_token = EXCLUDED.last_fencing_token,
             committed_token = EXCLUDED.committed_token, updated_at = now()
@@ -109,6 +119,13 @@ pub type Writes<'t> = Pin<Box<dyn Future<Output = Result<(), tokio_postgres::Err
 pub struct FencedStore {
     client: Client,
     metrics: WorkerMetrics,
+    skew: Duration,
+}
+
+/// The fence's deadline as wall-clock time, less the clock skew allowed
+/// between this host and the database server.
+fn deadline(fence: &Fence, skew: Duration) -> std::time::SystemTime {
+    std::time::SystemTime::now() + fence.time_left().saturating_sub(skew)
 }
 
 /// Session limits of one fenced transaction, from the fence's clock: no
@@ -128,10 +145,34 @@ fn limits(fence: &Fence) -> String {
     )
 }
 
+/// Default allowance for clock skew between worker and database server.
+pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(500);
+
+/// The server's clock said the attempt's deadline had passed.
+fn late(token: i64) -> Error {
+    Error::Revoked {
+        token,
+        reason: "deadline_passed_at_storage",
+    }
+}
+
 impl FencedStore {
     /// Wraps a connected client. `metrics` counts rejected commits.
     pub fn new(client: Client, metrics: WorkerMetrics) -> Self {
-        Self { client, metrics }
+        Self {
+            client,
+            metrics,
+            skew: DEFAULT_CLOCK_SKEW,
+        }
+    }
+
+    /// How far this host's clock may be ahead of the database server's
+    /// (default 500 ms): writes must reach the server that long before the
+    /// attempt's deadline.
+    #[must_use]
+    pub fn with_clock_skew(mut self, skew: Duration) -> Self {
+        self.skew = skew;
+        self
     }
 
     /// The underlying client (for reads).
@@ -142,6 +183,9 @@ impl FencedStore {
     fn refused(&self, e: Error) -> Error {
         if matches!(e, Error::Revoked { .. } | Error::Fenced { .. }) {
             self.metrics.fenced_commit_rejected.inc();
+        }
+        if matches!(e, Error::Fenced { .. }) {
+            self.metrics.refused_by_storage.inc();
         }
         e
     }
@@ -161,8 +205,9 @@ impl FencedStore {
         tx.batch_execute(&limits(fence))
             .await
             .map_err(pg("session limits"))?;
+        let until = deadline(fence, self.skew);
         let row = tx
-            .query_opt(REGISTER, &[&task_uid, &token])
+            .query_opt(REGISTER, &[&task_uid, &token, &until])
             .await
             .map_err(pg("register"))?;
         let earlier = match row {
@@ -175,11 +220,20 @@ impl FencedStore {
                 })
             }
             None => {
-                let r = tx
-                    .query_one(READ, &[&task_uid])
+                let Some(r) = tx
+                    .query_opt(READ, &[&task_uid])
                     .await
-                    .map_err(pg("fence read"))?;
+                    .map_err(pg("fence read"))?
+                else {
+                    // No row, and the insert did not run: too late.
+                    let _ = tx.rollback().await;
+                    return Err(self.refused(late(token)));
+                };
                 let current: i64 = r.get(0);
+                if current < token {
+                    let _ = tx.rollback().await;
+                    return Err(self.refused(late(token)));
+                }
                 if current != token {
                     let _ = tx.rollback().await;
                     return Err(self.refused(Error::Fenced { token, current }));
@@ -229,20 +283,25 @@ impl FencedStore {
         tx.batch_execute(&limits(fence))
             .await
             .map_err(pg("session limits"))?;
+        let until = deadline(fence, self.skew);
         let rows = tx
-            .execute(COMMIT, &[&task_uid, &token, &Json(payload)])
+            .execute(COMMIT, &[&task_uid, &token, &Json(payload), &until])
             .await
             .map_err(pg("fenced upsert"))?;
         if rows == 0 {
             let r = tx
-                .query_one(READ, &[&task_uid])
+                .query_opt(READ, &[&task_uid])
                 .await
                 .map_err(pg("fence read"))?;
             let _ = tx.rollback().await;
+            let Some(r) = r else {
+                return Err(self.refused(late(token)));
+            };
             let current: i64 = r.get(0);
             let committed: Option<i64> = r.get(1);
             let stored: Option<Json<Value>> = r.get(2);
             return match committed {
+                None if current <= token => Err(self.refused(late(token))),
                 _ if current > token => Err(self.refused(Error::Fenced { token, current })),
                 Some(c) if c == token => {
                     if stored.map(|j| j.0).as_ref() == Some(payload) {
@@ -252,7 +311,6 @@ impl FencedStore {
                     }
                 }
                 Some(c) => Err(Error::CommittedEarlier { token, earlier: c }),
-                // Unreachable by the statement's predicate; refuse anyway.
                 None => Err(self.refused(Error::Fenced { token, current })),
             };
         }

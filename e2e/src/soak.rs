@@ -1,0 +1,458 @@
+//! The fault soak: demo workers with fenced PostgreSQL commits run a stream
+//! of tasks under two operator replicas while faults drawn from a seeded
+//! RNG hit them — SIGSTOP past the TTL, SIGKILL, an API partition with
+//! PostgreSQL reachable, PostgreSQL packets held past the TTL and then
+//! delivered, the leader SIGKILLed, kube-apiserver and etcd restarted. At
+//! the end every task must have finished and the history checker must find
+//! no violation. The seed is printed first, so a failure replays.
+//!
+//! Quick mode runs in CI (`e2e/tests/soak.rs`, ≥ 100 faults); the full run
+//! is `hack/soak.sh --faults=1000` (`e2e/bench/RESULTS.md`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use batchlease_api::{BatchTask, TaskPhase};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::history::Checks;
+use crate::operator::Operator;
+use crate::process::Process;
+use crate::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+use crate::tasks::phase_of;
+use crate::workers::{self, WorkerOpts};
+use crate::{Cluster, controlplane, wait_for};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SoakConfig {
+    pub seed: u64,
+    /// Faults to inject.
+    pub faults: usize,
+    /// Tasks to run in all.
+    pub tasks: usize,
+    pub workers: usize,
+    pub slots: usize,
+    /// Lease TTL of every task.
+    pub ttl_seconds: u64,
+    /// Mean pause between two faults.
+    pub fault_every: Duration,
+}
+
+impl SoakConfig {
+    /// The CI run: ≥ 100 faults in a few minutes.
+    pub fn quick(seed: u64) -> Self {
+        Self {
+            seed,
+            faults: 100,
+            tasks: 120,
+            workers: 3,
+            slots: 2,
+            ttl_seconds: 5,
+            fault_every: Duration::from_millis(900),
+        }
+    }
+}
+
+/// Fault kinds, with their weights.
+const KINDS: [(&str, u32); 7] = [
+    ("worker_sigstop_past_ttl", 20),
+    ("worker_sigkill", 14),
+    ("worker_api_partition", 16),
+    ("worker_postgres_held_past_ttl", 16),
+    ("leader_sigkill", 8),
+    ("kube_apiserver_restart", 2),
+    ("etcd_restart", 2),
+];
+
+/// What happened.
+#[derive(Debug, Default)]
+pub struct SoakReport {
+    pub seed: u64,
+    pub faults: BTreeMap<&'static str, usize>,
+    pub succeeded: usize,
+    pub dead_lettered: usize,
+    /// Attempts the SDK stopped itself (kill switch), by reason.
+    pub kill_switch: BTreeMap<String, f64>,
+    /// Commits the SDK refused locally, or PostgreSQL refused, as stale.
+    pub refused_by_fence: f64,
+    pub refused_by_postgres: f64,
+    /// Completions the API server refused (the lease was no longer ours).
+    pub refused_by_api_server: f64,
+    pub violations: Vec<String>,
+    pub elapsed: Duration,
+}
+
+impl std::fmt::Display for SoakReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let total: usize = self.faults.values().sum();
+        writeln!(f, "soak seed {} ({:.0?})", self.seed, self.elapsed)?;
+        writeln!(f, "faults injected: {total}")?;
+        for (k, n) in &self.faults {
+            writeln!(f, "  {k}: {n}")?;
+        }
+        writeln!(
+            f,
+            "tasks: {} succeeded, {} dead-lettered",
+            self.succeeded, self.dead_lettered
+        )?;
+        writeln!(f, "kill switch fired: {:?}", self.kill_switch)?;
+        writeln!(
+            f,
+            "stale writes refused: by the fence {}, by PostgreSQL {}, by the API server {}",
+            self.refused_by_fence - self.refused_by_postgres,
+            self.refused_by_postgres,
+            self.refused_by_api_server
+        )?;
+        writeln!(f, "violations: {}", self.violations.len())?;
+        for v in &self.violations {
+            writeln!(f, "  {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One demo worker and the proxies in front of its API server and its
+/// PostgreSQL, so faults can target it alone.
+struct Worker {
+    process: Process,
+    api: Proxy,
+    pg: Proxy,
+    metrics_port: u16,
+    /// Counters of earlier lives of the process (before a SIGKILL).
+    carried: BTreeMap<String, f64>,
+    busy: bool,
+}
+
+const COUNTERS: [&str; 4] = [
+    "batchlease_worker_fenced_commit_rejected_total",
+    "batchlease_worker_refused_by_storage_total",
+    "batchlease_worker_completion_rejected_total",
+    "batchlease_worker_kill_switch_total",
+];
+
+async fn scrape(port: u16) -> BTreeMap<String, f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = BTreeMap::new();
+    let Ok(Ok(mut s)) = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::TcpStream::connect(("127.0.0.1", port)),
+    )
+    .await
+    else {
+        return out;
+    };
+    let _ = s
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await;
+    let mut body = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body)).await;
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if COUNTERS.iter().any(|c| name.starts_with(c))
+            && let Ok(v) = value.parse::<f64>()
+        {
+            *out.entry(name.to_owned()).or_default() += v;
+        }
+    }
+    out
+}
+
+fn add(into: &mut BTreeMap<String, f64>, from: &BTreeMap<String, f64>) {
+    for (k, v) in from {
+        *into.entry(k.clone()).or_default() += v;
+    }
+}
+
+/// Runs the soak; the report lists violations (empty: the run proved the
+/// invariants under these faults).
+pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
+    let started = Instant::now();
+    eprintln!("soak: seed {} (replay with --seed={})", cfg.seed, cfg.seed);
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let cluster = Cluster::with_crds().await?;
+    let mut ns = cluster.namespace("soak").await?;
+    ns.tolerate_watch_errors();
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
+    std::fs::create_dir_all(&dir)?;
+
+    let ops = Arc::new(Mutex::new(vec![
+        Operator::start(&ns.name, "op-a")?,
+        Operator::start(&ns.name, "op-b")?,
+    ]));
+    ops.lock().await[0]
+        .wait_leading(Duration::from_secs(60))
+        .await?;
+
+    let pg_url = workers::pg_url()?;
+    let pg_addr = pg_url
+        .split('@')
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .context("host:port in BATCHLEASE_PG_URL")?
+        .to_owned();
+    let mut fleet = Vec::new();
+    for i in 0..cfg.workers {
+        let api = Proxy::start(apiserver_addr()?).await?;
+        let pg = Proxy::start(pg_addr.clone()).await?;
+        let wdir = dir.join(format!("w{i}"));
+        std::fs::create_dir_all(&wdir)?;
+        let port = crate::operator::free_port()?;
+        let opts = WorkerOpts {
+            queue: "soak".into(),
+            slots: cfg.slots,
+            drain_grace_seconds: 2,
+            kubeconfig: Some(proxied_kubeconfig(&api, &wdir)?),
+            metrics_port: Some(port),
+            pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
+            extra: Vec::new(),
+        };
+        fleet.push(Worker {
+            process: workers::start(&ns.name, &format!("w{i}"), &opts)?,
+            api,
+            pg,
+            metrics_port: port,
+            carried: BTreeMap::new(),
+            busy: false,
+        });
+    }
+    let fleet = Arc::new(Mutex::new(fleet));
+
+    // The task stream: a few in flight at a time, all created by the end.
+    let tasks_api: kube::Api<BatchTask> = ns.api();
+    let feeder = {
+        let (api, n, ttl) = (tasks_api.clone(), cfg.tasks, cfg.ttl_seconds);
+        tokio::spawn(async move {
+            for i in 0..n {
+                let t: BatchTask = serde_json::from_value(json!({
+                    "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
+                    "metadata": {"name": format!("t{i:04}")},
+                    "spec": {"queue": "soak", "leaseDurationSeconds": ttl, "maxRetries": 20,
+                             "backoff": {"initialSeconds": 1, "maxSeconds": 2},
+                             "payload": {"steps": 4, "stepMillis": 250}}
+                }))
+                .expect("a valid task");
+                // Control-plane faults make creates fail for a while: retry.
+                while api.create(&Default::default(), &t).await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(400)).await;
+            }
+        })
+    };
+
+    let mut report = SoakReport {
+        seed: cfg.seed,
+        ..Default::default()
+    };
+    let total_weight: u32 = KINDS.iter().map(|(_, w)| w).sum();
+    let ttl = Duration::from_secs(cfg.ttl_seconds);
+    let control_plane = Arc::new(Mutex::new(()));
+    let mut running = tokio::task::JoinSet::new();
+    while report.faults.values().sum::<usize>() < cfg.faults {
+        let pause = cfg.fault_every.mul_f64(rng.random_range(0.3..1.7));
+        tokio::time::sleep(pause).await;
+        let mut pick = rng.random_range(0..total_weight);
+        let kind = KINDS
+            .iter()
+            .find(|(_, w)| {
+                if pick < *w {
+                    true
+                } else {
+                    pick -= w;
+                    false
+                }
+            })
+            .map_or(KINDS[0].0, |(k, _)| *k);
+        let target = rng.random_range(0..cfg.workers);
+        let extra = Duration::from_millis(rng.random_range(500..2500));
+        let injected = match kind {
+            "worker_sigstop_past_ttl"
+            | "worker_sigkill"
+            | "worker_api_partition"
+            | "worker_postgres_held_past_ttl" => {
+                let mut f = fleet.lock().await;
+                if f[target].busy {
+                    false
+                } else {
+                    f[target].busy = true;
+                    if kind == "worker_sigkill" {
+                        let seen = scrape(f[target].metrics_port).await;
+                        add(&mut f[target].carried, &seen);
+                    }
+                    drop(f);
+                    let fleet = fleet.clone();
+                    running.spawn(async move {
+                        worker_fault(&fleet, target, kind, ttl + extra).await;
+                    });
+                    true
+                }
+            }
+            "leader_sigkill" => {
+                let ops = ops.clone();
+                running.spawn(async move {
+                    let mut ops = ops.lock().await;
+                    for op in ops.iter_mut() {
+                        if op.metric("batchlease_is_leader").await.ok().flatten() == Some(1.0) {
+                            op.kill();
+                            let _ = op.restart();
+                            break;
+                        }
+                    }
+                });
+                true
+            }
+            component => {
+                let component = if component == "etcd_restart" {
+                    "etcd"
+                } else {
+                    "kube-apiserver"
+                };
+                match control_plane.clone().try_lock_owned() {
+                    Ok(guard) => {
+                        running.spawn(async move {
+                            let _guard = guard;
+                            let r = tokio::task::spawn_blocking(move || {
+                                controlplane::restart(component, Duration::ZERO)
+                            })
+                            .await;
+                            if !matches!(r, Ok(Ok(()))) {
+                                eprintln!("soak: restarting {component} failed: {r:?}");
+                            }
+                        });
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        };
+        if injected {
+            *report.faults.entry(kind).or_default() += 1;
+            let n: usize = report.faults.values().sum();
+            if n.is_multiple_of(10) {
+                eprintln!("soak: {n} faults injected ({:.0?})", started.elapsed());
+            }
+        }
+    }
+    while running.join_next().await.is_some() {}
+    eprintln!("soak: faults done; waiting for every task to finish");
+    feeder.await?;
+
+    // Everything must finish once the faults stop.
+    let finished = wait_for(
+        "every soak task to finish",
+        Duration::from_secs(300),
+        String::new,
+        || {
+            let api = tasks_api.clone();
+            async move {
+                let all = api.list(&Default::default()).await?;
+                let done = all
+                    .items
+                    .iter()
+                    .filter(|t| {
+                        matches!(
+                            phase_of(t),
+                            Some(TaskPhase::Succeeded | TaskPhase::DeadLettered)
+                        )
+                    })
+                    .count();
+                Ok((done == all.items.len()).then_some(all.items))
+            }
+        },
+    )
+    .await;
+    let items = match finished {
+        Ok(items) => items,
+        Err(e) => {
+            report.violations.push(format!("{e:#}"));
+            tasks_api.list(&Default::default()).await?.items
+        }
+    };
+    report.succeeded = items
+        .iter()
+        .filter(|t| phase_of(t) == Some(TaskPhase::Succeeded))
+        .count();
+    report.dead_lettered = items
+        .iter()
+        .filter(|t| phase_of(t) == Some(TaskPhase::DeadLettered))
+        .count();
+    if items.len() != cfg.tasks {
+        report
+            .violations
+            .push(format!("{} of {} tasks exist", items.len(), cfg.tasks));
+    }
+    let mut counters = BTreeMap::new();
+    for w in fleet.lock().await.iter() {
+        add(&mut counters, &w.carried);
+        add(&mut counters, &scrape(w.metrics_port).await);
+    }
+    let sum = |prefix: &str| {
+        counters
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum::<f64>()
+    };
+    report.refused_by_fence = sum(COUNTERS[0]);
+    report.refused_by_postgres = sum(COUNTERS[1]);
+    report.refused_by_api_server = sum(COUNTERS[2]);
+    report.kill_switch = counters
+        .iter()
+        .filter(|(k, _)| k.starts_with(COUNTERS[3]))
+        .map(|(k, v)| (k.trim_start_matches(COUNTERS[3]).to_owned(), *v))
+        .collect();
+    report.violations.extend(
+        ns.violations(Checks {
+            all_final: true,
+            tolerate_watch_errors: true,
+        })
+        .await?,
+    );
+    report.elapsed = started.elapsed();
+    // Leave the control plane as found (see `restart.rs`).
+    let _ = tokio::task::spawn_blocking(|| {
+        controlplane::restart("kube-controller-manager", Duration::ZERO)
+    })
+    .await;
+    if report.violations.is_empty() {
+        ns.cleanup().await?;
+    }
+    Ok(report)
+}
+
+/// One fault on worker `i`, lasting `dur` where it has a duration.
+async fn worker_fault(fleet: &Mutex<Vec<Worker>>, i: usize, kind: &str, dur: Duration) {
+    match kind {
+        "worker_sigstop_past_ttl" => {
+            let _ = fleet.lock().await[i].process.signal("STOP");
+            tokio::time::sleep(dur).await;
+            let _ = fleet.lock().await[i].process.signal("CONT");
+        }
+        "worker_sigkill" => {
+            let mut f = fleet.lock().await;
+            let _ = f[i].process.restart();
+        }
+        "worker_api_partition" => {
+            fleet.lock().await[i].api.cut();
+            tokio::time::sleep(dur).await;
+            fleet.lock().await[i].api.restore();
+        }
+        _ => {
+            // PostgreSQL packets sit in the network past the TTL, then
+            // arrive: whatever they carry lands late.
+            fleet.lock().await[i].pg.hold();
+            tokio::time::sleep(dur).await;
+            fleet.lock().await[i].pg.restore();
+        }
+    }
+    fleet.lock().await[i].busy = false;
+}

@@ -1,0 +1,63 @@
+//! The worker of the README and `docs/sdk.md`, compiled: the code blocks of
+//! those documents are the regions between `// [snippet]` and
+//! `// [/snippet]` below, checked by `tests/doc_snippets.rs`, so the docs
+//! cannot drift from code that builds.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use batchlease_worker_sdk::postgres::{FencedStore, migrate};
+use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder, WorkerMetrics};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::Mutex;
+
+#[derive(Deserialize)]
+struct Job {
+    rows: u64,
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let client = kube::Client::try_default().await?;
+    let (pg, conn) =
+        tokio_postgres::connect(&std::env::var("PG_URL")?, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    migrate(&pg).await?;
+    let shutdown = shutdown_signal();
+    // [snippet]
+    let store = Arc::new(Mutex::new(FencedStore::new(pg, WorkerMetrics::default())));
+    let worker = WorkerBuilder::new(client, "default")
+        .queue("demo")
+        .slots(4)
+        .registry(store.clone()) // each attempt registers its token before it runs
+        .build()?;
+    worker
+        .run(
+            move |ctx: TaskContext| {
+                let store = store.clone();
+                async move {
+                    if let Some(done) = ctx.earlier_commit() {
+                        // An earlier attempt committed, then lost its lease: done.
+                        return Ok(Output::json(json!({"committedBy": done.token})));
+                    }
+                    let job: Job = ctx.payload()?; // wrong shape: a permanent error
+                    ctx.checkpoint(json!({"step": 1})); // handed to the next attempt
+                    let rows = json!({"rows": job.rows});
+                    // Refused once the lease is lost, by the SDK and by PostgreSQL.
+                    let mut db = store.lock().await;
+                    db.commit(ctx.fence(), ctx.task_uid(), &rows).await?;
+                    Ok::<_, TaskError>(Output::json(rows))
+                }
+            },
+            shutdown,
+        )
+        .await?;
+    // [/snippet]
+    Ok(())
+}
