@@ -808,3 +808,61 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
     assert!(!w.log_text().contains("kill switch fired"), "{}", w.logs());
     ns.finish().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
+    let (ns, op, _db) = setup("giveback").await;
+    let w = workers::start(
+        &ns.name,
+        "w",
+        &WorkerOpts {
+            slots: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // TTL 15 s: the worker's kill switch fires 10 s after its last renewal
+    // was sent, the operator would expire the lease 15 s after it saw it.
+    let payload = json!({"steps": 200, "stepMillis": 100});
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 15, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    // Stalled past its kill time but not past the TTL (the fault: a pause
+    // of 12 s), then running again with the API server reachable.
+    w.signal("STOP").unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    w.signal("CONT").unwrap();
+    // It stops its work and hands the lease back as Interrupted instead of
+    // leaving it Held until the operator expires it.
+    let l = wait_lease(&ns, "job-1", LeasePhase::Completed, T, || logs(&op, &[&w]))
+        .await
+        .unwrap();
+    let st = l.status.unwrap();
+    assert_eq!(
+        (st.outcome, st.reason.as_deref()),
+        (
+            Some(batchlease_api::LeaseOutcome::Interrupted),
+            Some("KillSwitch")
+        )
+    );
+    assert!(w.log_text().contains("lease given back"), "{}", w.logs());
+    wait_phase(
+        &ns,
+        "job",
+        TaskPhase::Succeeded,
+        Duration::from_secs(90),
+        || logs(&op, &[&w]),
+    )
+    .await
+    .unwrap();
+    let st = tasks::status(&ns, "job").await.unwrap();
+    assert_eq!((st.fencing_token, st.attempts), (2, 0), "no retry spent");
+    ns.finish().await.unwrap();
+}

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::{
-    AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskMode, TaskPhase,
-    check_current, names,
+    AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskLeaseStatus, TaskMode,
+    TaskPhase, check_current, names,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -63,8 +63,11 @@ pub enum Lookup {
     CacheOnly,
     /// This process created the lease moments ago; the watch will bring it.
     Creating,
-    /// A direct read found no lease that is the task's current one.
-    Gone,
+    /// A direct read found nothing under the current lease's name.
+    Absent,
+    /// A direct read found an object under that name that is not the
+    /// task's lease (forged, or of another incarnation).
+    Occupied,
 }
 
 /// Why a held lease is taken away.
@@ -74,6 +77,9 @@ pub enum ExpiryReason {
     LeaseExpired,
     /// The attempt ran longer than `activeDeadlineSeconds`.
     ActiveDeadlineExceeded,
+    /// A live lease of the task that is not its current lease (a stray a
+    /// late create left, or an object claiming the task as its owner).
+    NotCurrentLease,
 }
 
 impl ExpiryReason {
@@ -82,6 +88,7 @@ impl ExpiryReason {
         match self {
             Self::LeaseExpired => "LeaseExpired",
             Self::ActiveDeadlineExceeded => "ActiveDeadlineExceeded",
+            Self::NotCurrentLease => "NotCurrentLease",
         }
     }
 }
@@ -104,6 +111,12 @@ pub enum Decision {
     /// The cache does not show the current lease: read it directly, then
     /// decide again with the answer in [`Input::lookup`] (or the lease).
     LookUpLease(String),
+    /// The current lease's name is free: occupy it with this final
+    /// (`Released`, `TokenRetired`) lease before issuing the next token, so
+    /// a create of the old token that is still on its way (from a crashed
+    /// or deposed operator) fails with AlreadyExists instead of becoming a
+    /// second live lease. AlreadyExists here means "re-read".
+    RetireToken(Box<TaskLease>),
     /// Take the held lease away (conditional on the lease's resourceVersion;
     /// a conflict means a renewal just landed).
     Expire {
@@ -161,22 +174,71 @@ pub fn decide(input: &Input<'_>) -> Decision {
                 None => replace_lost(input, current, phase),
             },
             (None, Lookup::Creating) => Decision::Wait(Some(CREATE_SETTLE)),
-            (None, Lookup::Gone) => replace_lost(input, current, phase),
+            (None, Lookup::Absent) => {
+                Decision::RetireToken(Box::new(tombstone(task, current.fencing_token)))
+            }
+            (None, Lookup::Occupied) => replace_lost(input, current, phase),
         },
         TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
             Decision::Wait(None)
         }
     };
     match decision {
-        Decision::Wait(after) => match prunable(input.leases, current.current_lease.as_deref()) {
-            victims if !victims.is_empty() => Decision::Prune {
-                victims,
-                then: after,
-            },
-            _ => Decision::Wait(after),
-        },
+        Decision::Wait(after) => {
+            if let Some(stray) = stray(task, input.leases) {
+                return stray;
+            }
+            match prunable(input.leases, current.current_lease.as_deref()) {
+                victims if !victims.is_empty() => Decision::Prune {
+                    victims,
+                    then: after,
+                },
+                _ => Decision::Wait(after),
+            }
+        }
         other => other,
     }
+}
+
+/// The final lease that retires `token`'s name (see [`Decision::RetireToken`]).
+fn tombstone(task: &BatchTask, token: i64) -> TaskLease {
+    let mut l = offered_lease(task, token);
+    l.status = Some(TaskLeaseStatus {
+        phase: Some(LeasePhase::Released),
+        reason: Some(TOKEN_RETIRED.into()),
+        message: Some("the lease of this token was missing; the token is retired".into()),
+        ..Default::default()
+    });
+    l
+}
+
+/// Reason of a [`tombstone`].
+pub const TOKEN_RETIRED: &str = "TokenRetired";
+
+/// A live (Offered or Held) lease controlled by the task that is not its
+/// current lease: end it, so its holder (if any) stops at its next renewal.
+fn stray(task: &BatchTask, leases: &[Arc<TaskLease>]) -> Option<Decision> {
+    let uid = task.metadata.uid.as_deref()?;
+    let l = leases.iter().find(|l| {
+        let live = matches!(
+            l.status.as_ref().and_then(|s| s.phase),
+            Some(LeasePhase::Offered | LeasePhase::Held) | None
+        );
+        let ours = l
+            .owner_references()
+            .iter()
+            .any(|o| o.uid == uid && o.controller == Some(true));
+        live && ours && check_current(task, l).is_err()
+    })?;
+    let mut ended = (**l).clone();
+    let st = ended.status.get_or_insert_with(Default::default);
+    st.phase = Some(LeasePhase::Expired);
+    st.reason = Some(ExpiryReason::NotCurrentLease.as_str().into());
+    st.message = Some("not the task's current lease".into());
+    Some(Decision::Expire {
+        lease: Box::new(ended),
+        reason: ExpiryReason::NotCurrentLease,
+    })
 }
 
 fn initialize(task: &BatchTask, wall: Timestamp) -> Decision {
@@ -310,6 +372,11 @@ fn leased(
         .as_ref()
         .and_then(|s| s.phase)
         .unwrap_or(LeasePhase::Offered);
+    let retired = lease_phase == LeasePhase::Released
+        && lease.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(TOKEN_RETIRED);
+    if retired {
+        return replace_lost(input, current, phase);
+    }
     match lease_phase {
         LeasePhase::Offered => Decision::Wait(None),
         LeasePhase::Held => held(input, current, phase, lease),
@@ -391,6 +458,7 @@ fn held(
                 task.spec.active_deadline_seconds.unwrap_or(0)
             )
         }
+        ExpiryReason::NotCurrentLease => "not the task's current lease".into(),
     });
     Decision::Expire {
         lease: Box::new(expired),

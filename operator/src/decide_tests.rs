@@ -214,8 +214,27 @@ fn a_missing_current_lease_is_looked_up_then_replaced_under_a_new_token() {
             .lookup(Lookup::Creating)
             .run();
         assert_eq!(d, Decision::Wait(Some(CREATE_SETTLE)), "{phase:?}");
-        // Gone: never recreate job-3 (token 3 may have been claimed); issue 4.
-        let d = Case::new(t).leases(old).lookup(Lookup::Gone).run();
+        // Absent: the name is occupied by a final tombstone first, so a
+        // create of job-3 still on its way can never become a live lease.
+        let d = Case::new(t.clone())
+            .leases(old.clone())
+            .lookup(Lookup::Absent)
+            .run();
+        let Decision::RetireToken(stone) = d else {
+            panic!("{d:?}")
+        };
+        assert_eq!(stone.metadata.name.as_deref(), Some("job-3"));
+        assert_eq!(stone.spec.fencing_token, 3);
+        let sst = stone.status.as_ref().unwrap();
+        assert_eq!(
+            (sst.phase, sst.reason.as_deref()),
+            (Some(LeasePhase::Released), Some(TOKEN_RETIRED))
+        );
+        // With the tombstone in place: never recreate job-3 (token 3 may
+        // have been claimed); issue 4.
+        let mut with_stone = old.clone();
+        with_stone.push(Arc::new(*stone));
+        let d = Case::new(t).leases(with_stone).run();
         let Decision::Issue {
             status,
             lease,
@@ -268,13 +287,48 @@ fn a_forged_or_stale_lease_under_the_current_name_is_not_the_current_lease() {
         assert_eq!(d, Decision::LookUpLease("job-3".into()));
         let d = Case::new(t.clone())
             .leases(vec![f])
-            .lookup(Lookup::Gone)
+            .lookup(Lookup::Occupied)
             .run();
         assert!(
             matches!(&d, Decision::Issue { lease, cause: IssueCause::Replaced, .. } if lease.spec.fencing_token == 4),
             "{d:?}"
         );
     }
+}
+
+#[test]
+fn a_live_lease_that_is_not_current_is_ended() {
+    // A stale operator's late create left job-4 Offered (or claimed) after
+    // the task moved on to token 5: it is expired so no holder keeps it.
+    let t = task().phase(TaskPhase::Ready, 5);
+    for phase in [LeasePhase::Offered, LeasePhase::Held] {
+        let d = Case::new(t.clone())
+            .leases(vec![
+                lease(4, phase, Some("w1")),
+                lease(5, LeasePhase::Offered, None),
+            ])
+            .run();
+        let Decision::Expire { lease, reason } = d else {
+            panic!("{d:?}")
+        };
+        assert_eq!(reason, ExpiryReason::NotCurrentLease);
+        assert_eq!(lease.metadata.name.as_deref(), Some("job-4"));
+        assert_eq!(
+            lease.status.as_ref().unwrap().phase,
+            Some(LeasePhase::Expired)
+        );
+    }
+    // Final leases and leases the task does not control are left alone.
+    let mut foreign = (*lease(4, LeasePhase::Held, Some("m"))).clone();
+    foreign.metadata.owner_references = None;
+    let d = Case::new(t)
+        .leases(vec![
+            Arc::new(foreign),
+            lease(3, LeasePhase::Expired, Some("w")),
+            lease(5, LeasePhase::Offered, None),
+        ])
+        .run();
+    assert_eq!(d, Decision::Wait(None));
 }
 
 #[test]
@@ -758,8 +812,14 @@ fn held_or_offered_leases_are_never_pruned() {
         .map(|k| lease(k, LeasePhase::Held, Some("w")))
         .collect();
     leases.push(lease(9, LeasePhase::Held, Some("w")));
+    // Live leases are never deleted: the stray ones are ended first (an
+    // Expire, which a holder notices), the current one is left alone.
     let d = Case::new(t).leases(leases).observed(0, 0).run();
-    assert!(matches!(d, Decision::Wait(Some(_))), "{d:?}");
+    assert!(
+        matches!(&d, Decision::Expire { lease, reason: ExpiryReason::NotCurrentLease }
+            if lease.spec.fencing_token < 9),
+        "{d:?}"
+    );
 }
 
 #[test]

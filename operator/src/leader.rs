@@ -115,6 +115,21 @@ impl Leadership {
         t.valid(self.generation, Instant::now())
     }
 
+    /// How long this term may still write (a generous bound when election
+    /// is disabled); zero once it ended.
+    pub fn time_left(&self) -> Duration {
+        let Some(term) = &self.term else {
+            return Duration::from_secs(60);
+        };
+        let t = *term.lock().unwrap_or_else(|e| e.into_inner());
+        match t.valid_until {
+            Some(v) if t.generation == self.generation => {
+                v.saturating_duration_since(Instant::now())
+            }
+            _ => Duration::ZERO,
+        }
+    }
+
     /// Fails with [`Error::NotLeader`] unless this replica is the leader.
     pub fn ensure(&self) -> Result<(), Error> {
         if self.is_leader() {

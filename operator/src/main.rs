@@ -134,18 +134,16 @@ async fn main() -> anyhow::Result<()> {
                 let _ = r.done.await;
             }
         };
-        let Some(code) = ended else {
-            // The old term's writers are refused by their generation: no
-            // need to wait for them before campaigning again.
-            tokio::spawn(drain);
-            continue;
-        };
-        // Bounded whatever the API server does: in-flight reconciles get a
-        // moment before the lease is vacated.
+        // The old term's writes are refused by their generation and bounded
+        // by its end; still, let in-flight reconciles finish (bounded)
+        // before campaigning again or vacating, so no request of this term
+        // is outstanding when the next leader may start.
         if tokio::time::timeout(SHUTDOWN_BUDGET, drain).await.is_err() {
-            tracing::warn!("controllers did not stop in time; exiting anyway");
+            tracing::warn!("controllers did not stop in time; going on");
         }
-        break code;
+        if let Some(code) = ended {
+            break code;
+        }
     };
     // Vacate the lease (so a standby takes over at once instead of after a
     // TTL), bounded, then end.

@@ -31,6 +31,9 @@ pub enum Error {
     /// A conditional write lost against a newer version (409).
     #[error("conflict writing {what}: the cached copy is stale")]
     Conflict { what: &'static str },
+    /// A write did not answer before the leader's term ended.
+    #[error("{what} did not answer within the leader's term")]
+    Timeout { what: &'static str },
     /// Any other API error.
     #[error("kubernetes API error during {what}: {source}")]
     Kube {
@@ -46,6 +49,7 @@ impl Error {
         match self {
             Self::NotLeader => "not_leader",
             Self::Conflict { .. } => "conflict",
+            Self::Timeout { .. } => "timeout",
             Self::Kube { .. } => "kube",
         }
     }
@@ -143,9 +147,9 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                     .err()
                     .map_or("", |e| e.as_str());
                 warn!(task = %name, namespace = %ns, lease = %lease_name, why, "an object under the current lease's name is not the task's lease; ignoring it");
-                Lookup::Gone
+                Lookup::Occupied
             }
-            None => Lookup::Gone,
+            None => Lookup::Absent,
         };
         decision = decide_with(&leases, lookup);
     }
@@ -199,6 +203,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             publish(ctx, task, type_, reason, note).await;
             Ok(Action::await_change())
         }
+        Decision::RetireToken(tombstone) => {
+            warn!(task = %name, namespace = %ns, lease = %tombstone.name_any(), "current lease missing; retiring its token");
+            create_lease(ctx, &tombstone).await?;
+            Ok(Action::await_change())
+        }
         Decision::LookUpLease(lease_name) => {
             // Only after a read that found a current lease the cache lacks
             // (decided again above): the watch will deliver it.
@@ -224,10 +233,13 @@ async fn write_status(
     let mut updated = task.clone();
     // The cached resourceVersion stays on the object: the write is a CAS.
     updated.status = Some(status);
-    api.replace_status(&task.name_any(), &PostParams::default(), &updated)
-        .await
-        .map(|_| ())
-        .map_err(|e| classify(ctx, e, "status write"))
+    bounded(ctx, "status write", async {
+        api.replace_status(&task.name_any(), &PostParams::default(), &updated)
+            .await
+            .map(|_| ())
+            .map_err(|e| classify(ctx, e, "status write"))
+    })
+    .await
 }
 
 async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {
@@ -236,7 +248,11 @@ async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {
     let name = lease.name_any();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
     ctx.expectations.expect(&ns, &name, Instant::now());
-    match api.create(&PostParams::default(), lease).await {
+    let created = bounded(ctx, "lease create", async {
+        Ok(api.create(&PostParams::default(), lease).await)
+    })
+    .await?;
+    match created {
         Ok(_) => Ok(()),
         // AlreadyExists is never success: the token was issued by the
         // status write just made, so an object of that name is not ours (a
@@ -270,10 +286,13 @@ async fn expire(
     ctx.leadership.ensure()?;
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
-    match api
-        .replace(&lease.name_any(), &PostParams::default(), lease)
-        .await
-    {
+    let written = bounded(ctx, "lease expire", async {
+        Ok(api
+            .replace(&lease.name_any(), &PostParams::default(), lease)
+            .await)
+    })
+    .await?;
+    match written {
         Ok(_) => {
             let labels = ReasonLabels {
                 queue: task.spec.queue.clone(),
@@ -311,9 +330,9 @@ async fn expire(
 }
 
 async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {
-    ctx.leadership.ensure()?;
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), ns);
     for (name, rv) in victims {
+        ctx.leadership.ensure()?;
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
                 resource_version: rv,
@@ -321,13 +340,31 @@ async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> R
             }),
             ..DeleteParams::default()
         };
-        match api.delete(&name, &dp).await {
+        let deleted = bounded(ctx, "lease prune", async {
+            Ok(api.delete(&name, &dp).await)
+        })
+        .await?;
+        match deleted {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => return Err(classify(ctx, e, "lease prune")),
         }
     }
     Ok(())
+}
+
+/// Runs a write only as long as this term may still write: a request that
+/// has not answered when the term ends is abandoned (the term's end is the
+/// last moment this replica may believe it leads).
+async fn bounded<T>(
+    ctx: &Ctx,
+    what: &'static str,
+    write: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(ctx.leadership.time_left(), write).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout { what }),
+    }
 }
 
 fn classify(ctx: &Ctx, e: kube::Error, what: &'static str) -> Error {
@@ -425,6 +462,10 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
 }
 
 async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, note: String) {
+    // Events are writes too: none after the term.
+    if !ctx.leadership.is_leader() {
+        return;
+    }
     let event = Event {
         type_,
         reason: reason.into(),
@@ -449,7 +490,7 @@ pub fn error_policy(task: Arc<BatchTask>, error: &Error, ctx: Arc<Ctx>) -> Actio
         // requeue is a safety net.
         Error::Conflict { .. } => Action::requeue(Duration::from_millis(500)),
         Error::NotLeader => Action::await_change(),
-        Error::Kube { .. } => {
+        Error::Kube { .. } | Error::Timeout { .. } => {
             warn!(task = %task.name_any(), error = %error, "reconcile failed");
             Action::requeue(Duration::from_secs(2))
         }

@@ -29,6 +29,14 @@ pub fn held_by(lease: &TaskLease, holder: &str) -> bool {
         && lease.spec.holder_identity.as_deref() == Some(holder)
 }
 
+/// True if `lease` carries the completion `c` written by `holder`.
+fn completed_by(lease: &TaskLease, holder: &str, c: &Completion) -> bool {
+    let st = lease.status.as_ref();
+    st.and_then(|s| s.phase) == Some(LeasePhase::Completed)
+        && lease.spec.holder_identity.as_deref() == Some(holder)
+        && st.and_then(|s| s.outcome) == Some(c.outcome)
+}
+
 /// Re-reads a lease after a conflict: `Some(fresh)` while it is still held
 /// by `holder`, `None` once it is not (or is gone).
 async fn still_ours(
@@ -177,12 +185,30 @@ pub async fn complete(
         match api.replace(&l.name_any(), &PostParams::default(), &l).await {
             Ok(_) => return Ok(()),
             Err(kube::Error::Api(s)) if s.code == 409 => {
-                match still_ours(api, &l.name_any(), holder).await? {
-                    Some(fresh) => current = fresh,
-                    None => return Err(rejected(s)),
+                let fresh = api
+                    .get_opt(&l.name_any())
+                    .await
+                    .map_err(|source| Error::Kube {
+                        what: "re-read after conflict",
+                        source,
+                    })?;
+                match fresh {
+                    // Our own earlier try landed, its answer lost: done.
+                    Some(f) if completed_by(&f, holder, c) => return Ok(()),
+                    Some(f) if held_by(&f, holder) => current = f,
+                    _ => return Err(rejected(s)),
                 }
             }
-            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 => return Err(rejected(s)),
+            Err(kube::Error::Api(s)) if s.code == 422 => {
+                // A final lease refuses every write: maybe it is final with
+                // our own completion, whose answer was lost.
+                let fresh = api.get_opt(&l.name_any()).await.ok().flatten();
+                if fresh.is_some_and(|f| completed_by(&f, holder, c)) {
+                    return Ok(());
+                }
+                return Err(rejected(s));
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => return Err(rejected(s)),
             Err(source) => {
                 return Err(Error::Kube {
                     what: "completion",

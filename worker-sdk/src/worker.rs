@@ -331,7 +331,27 @@ impl Worker {
                 continue;
             }
             let sent = Instant::now();
-            match lease_ops::claim(api, &candidate, &self.identity).await {
+            let claimed = match timeout(
+                READ_BUDGET,
+                lease_ops::claim(api, &candidate, &self.identity),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout { what: "claim" }),
+            };
+            let claimed = match claimed {
+                // The claim may have been applied with its answer lost:
+                // look, and adopt the lease if it is ours (its kill clock
+                // counts from this claim's send), so it does not sit Held by
+                // nobody until it expires and costs the task a retry.
+                Err(e) => match timeout(READ_BUDGET, api.get_opt(&candidate.name_any())).await {
+                    Ok(Ok(Some(l))) if lease_ops::held_by(&l, &self.identity) => Ok(Some(l)),
+                    _ => Err(e),
+                },
+                other => other,
+            };
+            match claimed {
                 Ok(Some(held)) => {
                     self.metrics.claims.inc();
                     info!(lease = %held.name_any(), token = held.spec.fencing_token, "claimed");
