@@ -228,6 +228,14 @@ fn issued(l: &TaskLease) -> bool {
         .any(|o| o.kind == "BatchTask" && o.controller == Some(true) && o.uid == l.spec.task_uid)
 }
 
+/// A final lease the operator created to retire a token.
+fn tombstone(l: &TaskLease) -> bool {
+    let st = l.status.as_ref();
+    st.and_then(|s| s.phase) == Some(LeasePhase::Released)
+        && st.and_then(|s| s.reason.as_deref()) == Some("TokenRetired")
+        && l.spec.holder_identity.is_none()
+}
+
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
     l.status.as_ref().and_then(|s| s.phase)
 }
@@ -251,6 +259,11 @@ pub fn check_leases(leases: &[Recorded]) -> Vec<String> {
         let uid = l.uid().unwrap_or_default();
         let task = l.spec.task_uid.clone();
         let name = l.name_any();
+        // A tombstone (created final to retire a token whose lease went
+        // missing) is never live: it does not "use" its token again.
+        if tombstone(l) {
+            continue;
+        }
         let seen = tokens.entry(task.clone()).or_default();
         if !seen.iter().any(|(u, _, _)| *u == uid) {
             if let Some((_, _, other)) = seen.iter().find(|(_, t, _)| *t == l.spec.fencing_token) {
@@ -509,6 +522,20 @@ mod tests {
             v.iter().any(|m| m.contains("no lease of the task carried")),
             "{v:?}"
         );
+    }
+
+    #[test]
+    fn a_tombstone_does_not_use_its_token_again() {
+        let mut stone = lease("s", 1, LeasePhase::Released, None);
+        if let Change::Lease(l) = &mut stone.change {
+            l.status.as_mut().unwrap().reason = Some("TokenRetired".into());
+        }
+        let h = vec![
+            lease("a", 1, LeasePhase::Held, Some("w1")),
+            stone,
+            lease("b", 2, LeasePhase::Offered, None),
+        ];
+        assert!(check_leases(&h).is_empty(), "{:?}", check_leases(&h));
     }
 
     #[test]

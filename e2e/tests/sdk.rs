@@ -751,12 +751,13 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
         },
     )
     .unwrap();
-    // TTL 12 s: the kill switch fires 8 s after the last renewal was sent.
+    // TTL 30 s: the kill switch fires 20 s after the last renewal was sent;
+    // each try of a write is bounded by half a renewal period (5 s).
     let payload = json!({"steps": 10, "stepMillis": 200});
     tasks::create(
         &ns,
         "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 12, "payload": payload}),
+        json!({"queue": "demo", "leaseDurationSeconds": 30, "payload": payload}),
     )
     .await
     .unwrap();

@@ -230,6 +230,159 @@ fn create_cases() -> Vec<Create> {
             ),
         },
         Create {
+            what: "activeDeadlineSeconds of zero",
+            kind: ar_task(),
+            bad: bt(
+                "c-deadline-zero",
+                json!({"queue": "q", "activeDeadlineSeconds": 0}),
+            ),
+            expect: "spec.activeDeadlineSeconds: Invalid value: 0",
+            good: bt(
+                "c-deadline-one",
+                json!({"queue": "q", "activeDeadlineSeconds": 1}),
+            ),
+        },
+        Create {
+            what: "maxSpeculativeAborts above 100",
+            kind: ar_task(),
+            bad: bt(
+                "c-aborts-high",
+                json!({"queue": "q", "maxSpeculativeAborts": 101}),
+            ),
+            expect: "spec.maxSpeculativeAborts: Invalid value: 101",
+            good: bt(
+                "c-aborts-100",
+                json!({"queue": "q", "maxSpeculativeAborts": 100}),
+            ),
+        },
+        Create {
+            what: "backoff initialSeconds of zero",
+            kind: ar_task(),
+            bad: bt(
+                "c-init-zero",
+                json!({"queue": "q", "backoff": {"initialSeconds": 0}}),
+            ),
+            expect: "spec.backoff.initialSeconds: Invalid value: 0",
+            good: bt(
+                "c-init-one",
+                json!({"queue": "q", "backoff": {"initialSeconds": 1}}),
+            ),
+        },
+        Create {
+            what: "backoff maxSeconds above a day",
+            kind: ar_task(),
+            bad: bt(
+                "c-max-day",
+                json!({"queue": "q", "backoff": {"maxSeconds": 86401}}),
+            ),
+            expect: "spec.backoff.maxSeconds: Invalid value: 86401",
+            good: bt(
+                "c-max-day-ok",
+                json!({"queue": "q", "backoff": {"maxSeconds": 86400}}),
+            ),
+        },
+        Create {
+            what: "backoff multiplier above 10",
+            kind: ar_task(),
+            bad: bt(
+                "c-mult-high",
+                json!({"queue": "q", "backoff": {"multiplier": 11}}),
+            ),
+            expect: "spec.backoff.multiplier: Invalid value: 11",
+            good: bt(
+                "c-mult-ten",
+                json!({"queue": "q", "backoff": {"multiplier": 10}}),
+            ),
+        },
+        Create {
+            what: "33 resources",
+            kind: ar_task(),
+            bad: bt(
+                "c-res-many",
+                json!({"queue": "q", "resources": (0..33).map(|i| format!("r{i}")).collect::<Vec<_>>()}),
+            ),
+            expect: "spec.resources: Too many",
+            good: bt(
+                "c-res-32",
+                json!({"queue": "q", "resources": (0..32).map(|i| format!("r{i}")).collect::<Vec<_>>()}),
+            ),
+        },
+        Create {
+            what: "lease holder identity over 253 characters",
+            kind: ar_lease(),
+            bad: {
+                let mut l = lease("c-lease-longholder", None, "Held");
+                l["spec"]["holderIdentity"] = json!("w".repeat(254));
+                l
+            },
+            expect: "spec.holderIdentity: Too long",
+            good: {
+                let mut l = lease("c-lease-holder253", None, "Held");
+                l["spec"]["holderIdentity"] = json!("w".repeat(253));
+                l
+            },
+        },
+        Create {
+            what: "lease reason over 128 characters",
+            kind: ar_lease(),
+            bad: {
+                let mut l = lease("c-lease-longreason", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Failed");
+                l["status"]["reason"] = json!("R".repeat(129));
+                l
+            },
+            expect: "status.reason: Too long",
+            good: {
+                let mut l = lease("c-lease-reason128", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Failed");
+                l["status"]["reason"] = json!("R".repeat(128));
+                l
+            },
+        },
+        Create {
+            what: "lease message over 4096 characters",
+            kind: ar_lease(),
+            bad: {
+                let mut l = lease("c-lease-longmsg", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Failed");
+                l["status"]["message"] = json!("m".repeat(4097));
+                l
+            },
+            expect: "status.message: Too long",
+            good: {
+                let mut l = lease("c-lease-msg4096", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Failed");
+                l["status"]["message"] = json!("m".repeat(4096));
+                l
+            },
+        },
+        Create {
+            what: "lease fencing token zero",
+            kind: ar_lease(),
+            bad: {
+                let mut l = lease("c-lease-token0", None, "Offered");
+                l["spec"]["fencingToken"] = json!(0);
+                l
+            },
+            expect: "spec.fencingToken: Invalid value: 0",
+            good: lease("c-lease-token3", None, "Offered"),
+        },
+        Create {
+            what: "unknown lease outcome",
+            kind: ar_lease(),
+            bad: {
+                let mut l = lease("c-lease-maybe", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Maybe");
+                l
+            },
+            expect: "status.outcome: Unsupported value: \"Maybe\"",
+            good: {
+                let mut l = lease("c-lease-done", Some("w1"), "Completed");
+                l["status"]["outcome"] = json!("Succeeded");
+                l
+            },
+        },
+        Create {
             what: "lease TTL out of range",
             kind: ar_lease(),
             bad: {
