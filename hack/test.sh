@@ -56,4 +56,5 @@ step "e2e tests"
 cargo build --locked -p batchlease-operator -p batchlease-demo-worker
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/debug/batchlease-demo-worker
-cargo_test --locked -p batchlease-e2e -- --test-threads=4
+# --no-fail-fast: every test binary runs, and the summary counts them all.
+cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4

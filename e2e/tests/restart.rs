@@ -16,7 +16,7 @@ use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::worker::{claim, complete};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, controlplane, wait_for};
+use batchlease_e2e::{Cluster, controlplane};
 use kube::api::Api;
 use serde_json::json;
 use tokio::time::Instant;
@@ -24,6 +24,37 @@ use tokio::time::Instant;
 const T: Duration = Duration::from_secs(60);
 /// "Within a few seconds" of the component being back.
 const RESUME: Duration = Duration::from_secs(6);
+
+/// When fresh watches of BatchTasks and TaskLeases, configured as the
+/// operator's are, have both delivered their initial list.
+async fn served_again(ns: &batchlease_e2e::TestNamespace) -> Instant {
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+    async fn listed<K>(api: Api<K>)
+    where
+        K: kube::Resource<DynamicType = ()>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + 'static,
+    {
+        let stream = watcher(api, watcher::Config::default());
+        futures::pin_mut!(stream);
+        while let Some(ev) = stream.next().await {
+            if matches!(ev, Ok(watcher::Event::InitDone)) {
+                return;
+            }
+        }
+    }
+    let both = async {
+        tokio::join!(listed(ns.api::<BatchTask>()), listed(ns.api::<TaskLease>()));
+    };
+    tokio::time::timeout(T, both)
+        .await
+        .expect("the API server serves lists again");
+    Instant::now()
+}
 
 #[tokio::test]
 async fn the_operator_resumes_within_seconds_after_apiserver_and_etcd_restarts() {
@@ -76,26 +107,10 @@ async fn the_operator_resumes_within_seconds_after_apiserver_and_etcd_restarts()
         }
 
         controlplane::restart(component, Duration::from_secs(down)).unwrap();
-        // Back = the API server serves this namespace's tasks again (after
-        // an etcd restart its caches re-initialize after /readyz is OK).
-        let tasks_api: Api<BatchTask> = ns.api();
-        let back = wait_for(
-            "the API server to serve lists again",
-            T,
-            || op.logs(),
-            || {
-                let tasks_api = tasks_api.clone();
-                async move {
-                    Ok(tasks_api
-                        .list(&Default::default())
-                        .await
-                        .ok()
-                        .map(|_| Instant::now()))
-                }
-            },
-        )
-        .await
-        .unwrap();
+        // Back = the API server serves what the operator asks for again:
+        // the initial list of a watch like the operator's, of both kinds
+        // (after an etcd restart that can take a while after /readyz).
+        let back = served_again(&ns).await;
         // Clients reconnect: a fresh connection answers at once.
         let done_lease = held.pop().unwrap();
         let completed = tokio::time::timeout(T, async {
