@@ -638,6 +638,23 @@ fn interrupted_retries_at_once_without_spending_a_retry() {
     );
 }
 
+/// `n` Interrupted attempts in the task's history.
+fn interrupted_before(s: &mut BatchTaskStatus, n: i64) {
+    for k in 0..n {
+        crate::status::push_history(
+            s,
+            batchlease_api::AttemptRecord {
+                token: k + 1,
+                holder: None,
+                outcome: "Interrupted".into(),
+                start: None,
+                end: None,
+                reason: None,
+            },
+        );
+    }
+}
+
 #[test]
 fn repeated_interruptions_back_off_then_count_as_failures() {
     // (Interrupted outcomes already in the history, expected: attempts
@@ -650,21 +667,9 @@ fn repeated_interruptions_back_off_then_count_as_failures() {
         (5, 1, true),
     ];
     for (before, attempts, delayed) in cases {
-        let t = task().phase(TaskPhase::Running, 9).with(|s| {
-            for k in 0..before {
-                crate::status::push_history(
-                    s,
-                    batchlease_api::AttemptRecord {
-                        token: k + 1,
-                        holder: None,
-                        outcome: "Interrupted".into(),
-                        start: None,
-                        end: None,
-                        reason: None,
-                    },
-                );
-            }
-        });
+        let t = task()
+            .phase(TaskPhase::Running, 9)
+            .with(|s| interrupted_before(s, before));
         let (st, tr) = into_status(
             Case::new(t)
                 .leases(vec![completed(9, LeaseOutcome::Interrupted, |_| {})])
@@ -685,21 +690,7 @@ fn repeated_interruptions_back_off_then_count_as_failures() {
     let t = task()
         .spec(|s| s.max_retries = 0)
         .phase(TaskPhase::Running, 9)
-        .with(|s| {
-            for k in 0..5 {
-                crate::status::push_history(
-                    s,
-                    batchlease_api::AttemptRecord {
-                        token: k + 1,
-                        holder: None,
-                        outcome: "Interrupted".into(),
-                        start: None,
-                        end: None,
-                        reason: None,
-                    },
-                );
-            }
-        });
+        .with(|s| interrupted_before(s, 5));
     let (st, _) = into_status(
         Case::new(t)
             .leases(vec![completed(9, LeaseOutcome::Interrupted, |_| {})])

@@ -145,6 +145,36 @@ fn limits(fence: &Fence) -> String {
     )
 }
 
+/// Counts a refused write (by the fence, or by the storage) and passes the
+/// error on.
+fn refused(metrics: &WorkerMetrics, e: Error) -> Error {
+    if matches!(e, Error::Revoked { .. } | Error::Fenced { .. }) {
+        metrics.fenced_commit_rejected.inc();
+    }
+    if matches!(e, Error::Fenced { .. }) {
+        metrics.refused_by_storage.inc();
+    }
+    e
+}
+
+/// Checks the fence (a revoked attempt must not even try), begins a
+/// transaction with the session limits of [`limits`], and returns it with
+/// the deadline its statements carry.
+async fn begin_fenced<'c>(
+    client: &'c mut Client,
+    metrics: &WorkerMetrics,
+    fence: &Fence,
+    skew: Duration,
+) -> Result<(Transaction<'c>, std::time::SystemTime), Error> {
+    fence.check().map_err(|e| refused(metrics, e))?;
+    let pg = |what| move |source| Error::Postgres { what, source };
+    let tx = client.transaction().await.map_err(pg("begin"))?;
+    tx.batch_execute(&limits(fence))
+        .await
+        .map_err(pg("session limits"))?;
+    Ok((tx, deadline(fence, skew)))
+}
+
 /// Default allowance for clock skew between worker and database server.
 pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(500);
 
@@ -180,16 +210,6 @@ impl FencedStore {
         &self.client
     }
 
-    fn refused(&self, e: Error) -> Error {
-        if matches!(e, Error::Revoked { .. } | Error::Fenced { .. }) {
-            self.metrics.fenced_commit_rejected.inc();
-        }
-        if matches!(e, Error::Fenced { .. }) {
-            self.metrics.refused_by_storage.inc();
-        }
-        e
-    }
-
     /// Registers `fence`'s token for task `task_uid` (design §4). Returns
     /// the commit of an earlier attempt if one stuck; [`Error::Fenced`] if
     /// a newer attempt registered first. Registering twice is harmless.
@@ -198,14 +218,9 @@ impl FencedStore {
         fence: &Fence,
         task_uid: &str,
     ) -> Result<Option<EarlierCommit>, Error> {
-        fence.check().map_err(|e| self.refused(e))?;
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
-        let tx = self.client.transaction().await.map_err(pg("begin"))?;
-        tx.batch_execute(&limits(fence))
-            .await
-            .map_err(pg("session limits"))?;
-        let until = deadline(fence, self.skew);
+        let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
         let row = tx
             .query_opt(REGISTER, &[&task_uid, &token, &until])
             .await
@@ -227,16 +242,16 @@ impl FencedStore {
                 else {
                     // No row, and the insert did not run: too late.
                     let _ = tx.rollback().await;
-                    return Err(self.refused(late(token)));
+                    return Err(refused(&self.metrics, late(token)));
                 };
                 let current: i64 = r.get(0);
                 if current < token {
                     let _ = tx.rollback().await;
-                    return Err(self.refused(late(token)));
+                    return Err(refused(&self.metrics, late(token)));
                 }
                 if current != token {
                     let _ = tx.rollback().await;
-                    return Err(self.refused(Error::Fenced { token, current }));
+                    return Err(refused(&self.metrics, Error::Fenced { token, current }));
                 }
                 // Already registered by us (an acknowledgement was lost).
                 let committed: Option<i64> = r.get(1);
@@ -275,15 +290,9 @@ impl FencedStore {
     where
         W: for<'t> FnOnce(&'t Transaction<'t>) -> Writes<'t>,
     {
-        // Refuse locally first: a revoked attempt must not even try.
-        fence.check().map_err(|e| self.refused(e))?;
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
-        let tx = self.client.transaction().await.map_err(pg("begin"))?;
-        tx.batch_execute(&limits(fence))
-            .await
-            .map_err(pg("session limits"))?;
-        let until = deadline(fence, self.skew);
+        let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
         let rows = tx
             .execute(COMMIT, &[&task_uid, &token, &Json(payload), &until])
             .await
@@ -295,14 +304,16 @@ impl FencedStore {
                 .map_err(pg("fence read"))?;
             let _ = tx.rollback().await;
             let Some(r) = r else {
-                return Err(self.refused(late(token)));
+                return Err(refused(&self.metrics, late(token)));
             };
             let current: i64 = r.get(0);
             let committed: Option<i64> = r.get(1);
             let stored: Option<Json<Value>> = r.get(2);
             return match committed {
-                None if current <= token => Err(self.refused(late(token))),
-                _ if current > token => Err(self.refused(Error::Fenced { token, current })),
+                None if current <= token => Err(refused(&self.metrics, late(token))),
+                _ if current > token => {
+                    Err(refused(&self.metrics, Error::Fenced { token, current }))
+                }
                 Some(c) if c == token => {
                     if stored.map(|j| j.0).as_ref() == Some(payload) {
                         Ok(Committed::AlreadyCommitted)
@@ -311,7 +322,7 @@ impl FencedStore {
                     }
                 }
                 Some(c) => Err(Error::CommittedEarlier { token, earlier: c }),
-                None => Err(self.refused(Error::Fenced { token, current })),
+                None => Err(refused(&self.metrics, Error::Fenced { token, current })),
             };
         }
         if let Err(source) = writes(&tx).await {
@@ -324,7 +335,7 @@ impl FencedStore {
         // The last word before COMMIT.
         if let Err(e) = fence.check() {
             let _ = tx.rollback().await;
-            return Err(self.refused(e));
+            return Err(refused(&self.metrics, e));
         }
         tx.commit().await.map_err(pg("commit"))?;
         Ok(Committed::Written)
