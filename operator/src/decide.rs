@@ -215,11 +215,17 @@ fn tombstone(task: &BatchTask, token: i64) -> TaskLease {
 /// Reason of a [`tombstone`].
 pub const TOKEN_RETIRED: &str = "TokenRetired";
 
-/// A live (Offered or Held) lease controlled by the task that is not its
-/// current lease: end it, so its holder (if any) stops at its next renewal.
+/// A live (Offered or Held) lease controlled by the task, of an *older*
+/// token than the task's, that is not its current lease: end it, so its
+/// holder (if any) stops at its next renewal. A lease of a newer token means
+/// the task cache lags the lease cache: never touch it.
 fn stray(task: &BatchTask, leases: &[Arc<TaskLease>]) -> Option<Decision> {
     let uid = task.metadata.uid.as_deref()?;
+    let token = task.status.as_ref().map_or(0, |s| s.fencing_token);
     let l = leases.iter().find(|l| {
+        if l.spec.fencing_token >= token {
+            return false;
+        }
         let live = matches!(
             l.status.as_ref().and_then(|s| s.phase),
             Some(LeasePhase::Offered | LeasePhase::Held) | None

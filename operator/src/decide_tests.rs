@@ -318,6 +318,15 @@ fn a_live_lease_that_is_not_current_is_ended() {
             Some(LeasePhase::Expired)
         );
     }
+    // A lease of a newer token than the cached task knows: the task cache
+    // lags (the lease watch delivered first). Never touched.
+    let d = Case::new(t.clone())
+        .leases(vec![
+            lease(5, LeasePhase::Offered, None),
+            lease(6, LeasePhase::Held, Some("w2")),
+        ])
+        .run();
+    assert_eq!(d, Decision::Wait(None), "{d:?}");
     // Final leases and leases the task does not control are left alone.
     let mut foreign = (*lease(4, LeasePhase::Held, Some("m"))).clone();
     foreign.metadata.owner_references = None;
