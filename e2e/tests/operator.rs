@@ -655,3 +655,60 @@ async fn attempt_overrunning_active_deadline_is_expired_despite_renewals() {
     );
     ns.finish().await.unwrap();
 }
+
+/// Design §3.5: a conflict on the expiry write means "re-read". A renewal
+/// (a new renewTime) is credited; any other write is no sign of life. A
+/// holder that went silent while something else keeps writing its lease (a
+/// labeller, a blind writer) is expired on time all the same.
+#[tokio::test]
+async fn writes_that_are_no_renewals_do_not_keep_a_silent_lease_alive() {
+    let (ns, op) = setup("churn").await;
+    let leases: Api<TaskLease> = ns.api();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "q", "leaseDurationSeconds": 5, "maxRetries": 0}),
+    )
+    .await
+    .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    claim(&leases, &offered, "silent").await.unwrap();
+    let claimed = Instant::now();
+    // The holder never renews; a labeller rewrites the lease's labels as
+    // fast as it can (each write changes its resourceVersion).
+    let churn = {
+        let leases = leases.clone();
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            loop {
+                n += 1;
+                let patch = json!({"metadata": {"labels": {"churn": n.to_string()}}});
+                let _ = leases
+                    .patch("job-1", &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+            }
+        })
+    };
+    wait_lease(&ns, "job-1", LeasePhase::Expired, T, || op.logs())
+        .await
+        .unwrap();
+    let after = claimed.elapsed();
+    churn.abort();
+    assert!(
+        after < Duration::from_secs(5 + 4),
+        "a silent lease under churn expired {after:?} after its claim (TTL 5 s)"
+    );
+    assert!(after >= Duration::from_secs(5), "expired early: {after:?}");
+    wait_phase(&ns, "job", TaskPhase::DeadLettered, T, || op.logs())
+        .await
+        .unwrap();
+    let conflicts = op
+        .metric("batchlease_write_conflicts_total")
+        .await
+        .unwrap()
+        .unwrap_or(0.0);
+    eprintln!("expiry write conflicts under churn: {conflicts}");
+    ns.finish().await.unwrap();
+}

@@ -70,6 +70,15 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
     })
 }
 
+/// Pure: does `fresh` (read after a conflict) show a renewal since `cached`
+/// — a new `renewTime` or holder, or a phase other than Held? Only that is a
+/// sign of life; any other write (a label, an annotation) is not.
+pub fn renewed_since(cached: &TaskLease, fresh: &TaskLease) -> bool {
+    fresh.spec.renew_time != cached.spec.renew_time
+        || fresh.spec.holder_identity != cached.spec.holder_identity
+        || fresh.status.as_ref().and_then(|s| s.phase) != Some(LeasePhase::Held)
+}
+
 type Key = (String, String);
 
 #[derive(Debug, Default)]
@@ -259,6 +268,24 @@ mod tests {
         ] {
             assert!(next_seen(Some(&first), &lease("u1", Some("w1"), phase, 100), t1).is_none());
         }
+    }
+
+    #[test]
+    fn only_a_new_renew_time_is_a_renewal_after_a_conflict() {
+        let cached = lease("u1", Some("w1"), LeasePhase::Held, 100);
+        let mut labelled = cached.clone();
+        labelled.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        assert!(!renewed_since(&cached, &labelled), "a label is no renewal");
+        let renewed = lease("u1", Some("w1"), LeasePhase::Held, 101);
+        assert!(renewed_since(&cached, &renewed));
+        // Even a renewTime from the past is a change, hence a renewal.
+        let old_clock = lease("u1", Some("w1"), LeasePhase::Held, 1);
+        assert!(renewed_since(&cached, &old_clock));
+        let completed = lease("u1", Some("w1"), LeasePhase::Completed, 100);
+        assert!(
+            renewed_since(&cached, &completed),
+            "ended: leave it to settle"
+        );
     }
 
     #[test]

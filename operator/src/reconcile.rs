@@ -283,50 +283,88 @@ async fn expire(
     lease: &TaskLease,
     reason: ExpiryReason,
 ) -> Result<Action, Error> {
-    ctx.leadership.ensure()?;
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
-    let written = bounded(ctx, "lease expire", async {
-        Ok(api
-            .replace(&lease.name_any(), &PostParams::default(), lease)
-            .await)
-    })
-    .await?;
-    match written {
-        Ok(_) => {
-            let labels = ReasonLabels {
-                queue: task.spec.queue.clone(),
-                reason: reason.as_str().into(),
-            };
-            ctx.metrics
-                .lease_expired_before_release
-                .get_or_create(&labels)
-                .inc();
-            let holder = lease.spec.holder_identity.clone().unwrap_or_default();
-            info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), %holder, reason = reason.as_str(), "lease expired");
-            let note = format!(
-                "lease {} of {holder} (fencing token {}) expired: {}",
-                lease.name_any(),
-                lease.spec.fencing_token,
-                lease
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.message.clone())
-                    .unwrap_or_default()
-            );
-            publish(ctx, task, EventType::Warning, reason.as_str(), note).await;
-            Ok(Action::await_change())
+    let mut attempt = lease.clone();
+    // At most two writes: the cached copy, then — after a conflict that was
+    // not a renewal — the copy a re-read returned.
+    for retry in [false, true] {
+        ctx.leadership.ensure()?;
+        let written = bounded(ctx, "lease expire", async {
+            Ok(api
+                .replace(&attempt.name_any(), &PostParams::default(), &attempt)
+                .await)
+        })
+        .await?;
+        match written {
+            Ok(_) => {
+                expired(ctx, task, &attempt, reason).await;
+                return Ok(Action::await_change());
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                ctx.metrics.write_conflicts.inc();
+                // A write landed after our read (design §3.5: re-read). A
+                // renewal — a new renewTime — is one observed now: never
+                // expire on a stale copy. Anything else (a label, a blind
+                // writer) is no sign of life: expire the fresh copy.
+                let fresh = bounded(ctx, "lease read", async {
+                    api.get_opt(&attempt.name_any())
+                        .await
+                        .map_err(|source| Error::Kube {
+                            what: "lease read",
+                            source,
+                        })
+                })
+                .await?;
+                match fresh {
+                    Some(f) if !crate::observe::renewed_since(lease, &f) => {
+                        if retry {
+                            // Still no renewal, but the lease keeps changing:
+                            // try again shortly, without crediting it.
+                            return Ok(Action::requeue(Duration::from_millis(200)));
+                        }
+                        debug!(lease = %f.name_any(), "expiry conflicted with a write that was no renewal; expiring the fresh copy");
+                        let mut next = f;
+                        next.status = attempt.status.clone();
+                        attempt = next;
+                    }
+                    _ => {
+                        ctx.tracker.touch(&ns, &lease.name_any(), Instant::now());
+                        debug!(lease = %lease.name_any(), "expiry lost to a renewal; not expiring");
+                        return Ok(Action::requeue(Duration::from_millis(500)));
+                    }
+                }
+            }
+            Err(e) => return Err(classify(ctx, e, "lease expire")),
         }
-        Err(kube::Error::Api(s)) if s.code == 409 => {
-            // A write landed after our read: the holder renewed (or completed).
-            // That is a renewal observed now; never expire on a stale copy.
-            ctx.metrics.write_conflicts.inc();
-            ctx.tracker.touch(&ns, &lease.name_any(), Instant::now());
-            debug!(lease = %lease.name_any(), "expiry lost to a concurrent write; not expiring");
-            Ok(Action::requeue(Duration::from_millis(500)))
-        }
-        Err(e) => Err(classify(ctx, e, "lease expire")),
     }
+    Ok(Action::requeue(Duration::from_millis(500)))
+}
+
+/// Metrics, log and Event of a lease the operator expired.
+async fn expired(ctx: &Ctx, task: &BatchTask, lease: &TaskLease, reason: ExpiryReason) {
+    let ns = lease.namespace().unwrap_or_default();
+    let labels = ReasonLabels {
+        queue: task.spec.queue.clone(),
+        reason: reason.as_str().into(),
+    };
+    ctx.metrics
+        .lease_expired_before_release
+        .get_or_create(&labels)
+        .inc();
+    let holder = lease.spec.holder_identity.clone().unwrap_or_default();
+    info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), %holder, reason = reason.as_str(), "lease expired");
+    let note = format!(
+        "lease {} of {holder} (fencing token {}) expired: {}",
+        lease.name_any(),
+        lease.spec.fencing_token,
+        lease
+            .status
+            .as_ref()
+            .and_then(|s| s.message.clone())
+            .unwrap_or_default()
+    );
+    publish(ctx, task, EventType::Warning, reason.as_str(), note).await;
 }
 
 async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {
