@@ -30,6 +30,26 @@ async fn setup(prefix: &str) -> (TestNamespace, Operator, tokio_postgres::Client
     (ns, op, db)
 }
 
+/// A demo worker with one slot.
+fn one_slot_worker(ns: &TestNamespace, identity: &str) -> Process {
+    let opts = WorkerOpts {
+        slots: 1,
+        ..Default::default()
+    };
+    workers::start(&ns.name, identity, &opts).unwrap()
+}
+
+/// Creates task `job` on the demo queue with lease TTL `ttl` seconds.
+async fn demo_job(ns: &TestNamespace, ttl: u64, payload: serde_json::Value) {
+    tasks::create(
+        ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": ttl, "payload": payload}),
+    )
+    .await
+    .unwrap();
+}
+
 fn logs(op: &Operator, workers: &[&Process]) -> String {
     let mut out = op.logs();
     for w in workers {
@@ -114,14 +134,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         ..opts.clone()
     };
     let zombie = workers::start(&ns.name, "zombie", &zombie_opts).unwrap();
-    let payload = json!({"steps": 30, "stepMillis": 200});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 5, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 5, json!({"steps": 30, "stepMillis": 200})).await;
     wait_holder(&ns, "job", "zombie", T, || logs(&op, &[&zombie]))
         .await
         .unwrap();
@@ -257,14 +270,7 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     };
     let cut_off = workers::start(&ns.name, "cutoff", &opts).unwrap();
     let ttl = Duration::from_secs(6);
-    let payload = json!({"steps": 100, "stepMillis": 200});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 6, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 6, json!({"steps": 100, "stepMillis": 200})).await;
     wait_holder(&ns, "job", "cutoff", T, || logs(&op, &[&cut_off]))
         .await
         .unwrap();
@@ -310,15 +316,7 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     );
 
     // PostgreSQL stayed reachable, yet the cut-off worker writes nothing.
-    let rescuer = workers::start(
-        &ns.name,
-        "rescuer",
-        &WorkerOpts {
-            slots: 1,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let rescuer = one_slot_worker(&ns, "rescuer");
     wait_phase(
         &ns,
         "job",
@@ -347,14 +345,7 @@ async fn checkpoint_survives_a_killed_attempt() {
         ..Default::default()
     };
     let mut first = workers::start(&ns.name, "first", &opts).unwrap();
-    let payload = json!({"steps": 12, "stepMillis": 400});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 5, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 5, json!({"steps": 12, "stepMillis": 400})).await;
     // Progress travels with the renewals: wait until the lease shows step ≥ 3.
     let leases: Api<TaskLease> = ns.api();
     wait_for(
@@ -461,23 +452,8 @@ async fn permanent_error_dead_letters_immediately() {
 #[tokio::test]
 async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases() {
     let (ns, op, db) = setup("delete").await;
-    let w = workers::start(
-        &ns.name,
-        "w",
-        &WorkerOpts {
-            slots: 1,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let payload = json!({"steps": 200, "stepMillis": 100});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 6, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    let w = one_slot_worker(&ns, "w");
+    demo_job(&ns, 6, json!({"steps": 200, "stepMillis": 100})).await;
     wait_phase(&ns, "job", TaskPhase::Running, T, || logs(&op, &[&w]))
         .await
         .unwrap();
@@ -668,14 +644,7 @@ async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_r
         },
     )
     .unwrap();
-    let payload = json!({"steps": 100, "stepMillis": 100});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 30, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 30, json!({"steps": 100, "stepMillis": 100})).await;
     wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
         .await
         .unwrap();
@@ -753,14 +722,7 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
     .unwrap();
     // TTL 30 s: the kill switch fires 20 s after the last renewal was sent;
     // each try of a write is bounded by half a renewal period (5 s).
-    let payload = json!({"steps": 10, "stepMillis": 200});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 30, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 30, json!({"steps": 10, "stepMillis": 200})).await;
     wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
         .await
         .unwrap();
@@ -813,25 +775,10 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
 #[tokio::test]
 async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
     let (ns, op, _db) = setup("giveback").await;
-    let w = workers::start(
-        &ns.name,
-        "w",
-        &WorkerOpts {
-            slots: 1,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let w = one_slot_worker(&ns, "w");
     // TTL 15 s: the worker's kill switch fires 10 s after its last renewal
     // was sent, the operator would expire the lease 15 s after it saw it.
-    let payload = json!({"steps": 200, "stepMillis": 100});
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 15, "payload": payload}),
-    )
-    .await
-    .unwrap();
+    demo_job(&ns, 15, json!({"steps": 200, "stepMillis": 100})).await;
     wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
         .await
         .unwrap();
