@@ -143,10 +143,8 @@ impl History {
                 _ => None,
             })
             .collect();
-        if let Ok(url) = std::env::var("BATCHLEASE_PG_URL")
-            && !uids.is_empty()
-        {
-            let writes = storage_writes(&url, &uids).await?;
+        if std::env::var_os("BATCHLEASE_PG_URL").is_some() && !uids.is_empty() {
+            let writes = storage_writes(&uids).await?;
             out.extend(check_storage(&leases, &writes));
         }
         if opts.all_final {
@@ -393,11 +391,10 @@ pub fn check_final(tasks: &[Recorded]) -> Vec<String> {
         .collect()
 }
 
-async fn storage_writes(url: &str, uids: &BTreeSet<String>) -> anyhow::Result<Vec<StorageWrite>> {
+async fn storage_writes(uids: &BTreeSet<String>) -> anyhow::Result<Vec<StorageWrite>> {
     if uids.is_empty() {
         return Ok(Vec::new());
     }
-    let _ = url;
     let db = crate::pg::connect().await?;
     let ids: Vec<String> = uids.iter().cloned().collect();
     let rows = db
