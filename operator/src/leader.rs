@@ -182,12 +182,17 @@ impl Campaign {
         }
     }
 
-    /// Resolves with the next term this replica leads.
+    /// Resolves with the next term this replica leads. Fails once the
+    /// election task ended (it ends only when vacating, which consumes the
+    /// campaign, so any end seen here is a crash): its last term may still
+    /// look valid until its deadline, and handing it out again would start
+    /// controllers that stop at once, over and over.
     pub async fn acquired(&mut self) -> anyhow::Result<Leadership> {
         let (Some(term), Some(rx)) = (&self.term, &mut self.changed) else {
             return Ok(Leadership::always());
         };
         loop {
+            anyhow::ensure!(rx.has_changed().is_ok(), "the leader election task ended");
             let t = *term.lock().unwrap_or_else(|e| e.into_inner());
             if t.valid(t.generation, Instant::now()) {
                 return Ok(Leadership {
@@ -595,6 +600,30 @@ mod tests {
             ..cfg
         };
         assert_eq!(odd.term(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_election_task_is_an_error_not_another_term() {
+        // The elector crashed mid-term: its term still looks valid until
+        // the deadline, but no term may be handed out again.
+        let term = Arc::new(Mutex::new(Term {
+            generation: 1,
+            valid_until: Some(Instant::now() + Duration::from_secs(10)),
+        }));
+        let (tx, rx) = watch::channel(1);
+        let mut campaign = Campaign {
+            task: None,
+            stop: CancellationToken::new(),
+            term: Some(term),
+            changed: Some(rx),
+        };
+        assert!(campaign.acquired().await.is_ok(), "the elector is alive");
+        drop(tx);
+        let err = tokio::time::timeout(Duration::from_secs(1), campaign.acquired())
+            .await
+            .expect("fails at once, does not wait for a change")
+            .unwrap_err();
+        assert!(err.to_string().contains("election task ended"), "{err}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -15,6 +15,7 @@ mod observe;
 mod reconcile;
 mod settle;
 mod status;
+mod supervise;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -43,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
     let health = Arc::new(http::Health {
         registry,
         ready: Default::default(),
+        live: Default::default(),
     });
     let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
 
@@ -74,7 +76,16 @@ async fn main() -> anyhow::Result<()> {
         health.ready.store(true, Ordering::Release);
         info!("waiting for leadership");
         let leadership = tokio::select! {
-            l = campaign.acquired() => l?,
+            l = campaign.acquired() => match l {
+                Ok(l) => l,
+                Err(e) => {
+                    // The election task died: nothing would ever lead or
+                    // renew again. Let Kubernetes restart the process.
+                    error!(error = %e, "leader election ended: exiting");
+                    health.live.fail(format!("leader election ended: {e}"));
+                    break 1;
+                }
+            },
             _ = &mut shutdown => {
                 info!("shutting down");
                 break 0;
@@ -98,11 +109,15 @@ async fn main() -> anyhow::Result<()> {
             leadership: leadership.clone(),
         };
         let stop = CancellationToken::new();
-        let running: Vec<_> = namespaces
-            .iter()
-            .map(|ns| controller::start(&shared, ns.as_deref(), stop.clone()))
-            .collect();
-        metrics.watch_tasks(running.iter().map(|r| r.tasks.clone()).collect());
+        let mut tasks = supervise::TermTasks::default();
+        let mut stores = Vec::new();
+        for ns in &namespaces {
+            let running = controller::start(&shared, ns.as_deref(), stop.clone());
+            stores.push(running.tasks);
+            let scope = ns.as_deref().unwrap_or("*");
+            tasks.adopt(format!("controller for namespace {scope}"), running.done);
+        }
+        metrics.watch_tasks(stores);
         let ready = {
             let (health, synced) = (health.clone(), synced.clone());
             tokio::spawn(async move {
@@ -124,16 +139,20 @@ async fn main() -> anyhow::Result<()> {
                 error!(result = ?r, "metrics server ended");
                 Some(1)
             }
+            ended = tasks.first_ended() => {
+                // Controllers run until `stop`; one that ended on its own
+                // leaves a leader that holds the Lease and does nothing.
+                error!(task = %ended.name, outcome = %ended.outcome,
+                    "a controller ended unexpectedly: failing /healthz, stopping the term, exiting");
+                health.live.fail(format!("{ended} unexpectedly"));
+                Some(1)
+            }
         };
         ready.abort();
         stop.cancel();
         metrics.is_leader.set(0);
         metrics.watch_tasks(Vec::new());
-        let drain = async {
-            for r in running {
-                let _ = r.done.await;
-            }
-        };
+        let drain = tasks.drain();
         // The old term's writes are refused by their generation and bounded
         // by its end; still, let in-flight reconciles finish (bounded)
         // before campaigning again or vacating, so no request of this term
