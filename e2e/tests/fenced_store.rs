@@ -3,6 +3,10 @@
 //! fence check and its write, a commit that lands before the successor
 //! registered, a paused holder of the row lock, rolled-back user writes.
 //!
+//! The same store behind a pool ([`FencedPool`]): slots commit at once, a
+//! broken connection is replaced, a cancelled write leaves nothing behind
+//! on the connection the next slot gets.
+//!
 //! Each case writes a side effect (`effects`) in the same transaction as
 //! the fenced commit, so "exactly one attempt's effect sticks" is counted,
 //! not assumed.
@@ -12,8 +16,8 @@
 use std::time::Duration;
 
 use batchlease_e2e::{pg, workers};
-use batchlease_worker_sdk::postgres::{Committed, FencedStore};
-use batchlease_worker_sdk::{EarlierCommit, Error, Fence, KillClock, WorkerMetrics};
+use batchlease_worker_sdk::postgres::{Committed, FencedPool, FencedStore};
+use batchlease_worker_sdk::{EarlierCommit, Error, Fence, KillClock, Registry, WorkerMetrics};
 use rand::Rng;
 use serde_json::json;
 use tokio::time::Instant;
@@ -331,4 +335,186 @@ async fn the_database_clock_refuses_writes_past_the_attempts_deadline() {
         commit_effect(&mut on_time, &f1, &uid).await.unwrap(),
         Committed::Written
     );
+}
+
+/// A pool of `size` connections to the test PostgreSQL.
+fn pool(size: usize) -> std::sync::Arc<FencedPool> {
+    std::sync::Arc::new(FencedPool::new(size, WorkerMetrics::default(), || async {
+        let (client, conn) = tokio_postgres::connect(&workers::pg_url().unwrap(), NoTls).await?;
+        tokio::spawn(conn);
+        Ok(client)
+    }))
+}
+
+/// A fresh task UID (the tables are shared by every test).
+fn new_uid() -> String {
+    format!("uid-{:012x}", rand::rng().random::<u64>() >> 16)
+}
+
+#[tokio::test]
+async fn pooled_slots_register_and_commit_while_another_slot_holds_its_connection_busy() {
+    // Slot A is inside a slow commit (its writes take 3 s). Slots B and C
+    // register and commit other tasks meanwhile. Behind one connection
+    // (`Mutex<FencedStore>`, or a pool of one) they would wait for A.
+    let (_, _, db, uid_a) = setup().await;
+    let pool = pool(3);
+    let fa = live(1, 30);
+    Registry::register(&*pool, &uid_a, &fa).await.unwrap();
+    let (inside_tx, inside) = tokio::sync::oneshot::channel::<()>();
+    let slow = tokio::spawn({
+        let (pool, uid) = (pool.clone(), uid_a.clone());
+        async move {
+            let mut store = pool.get().await.unwrap();
+            let id = uid.clone();
+            store
+                .commit_with(&fa, &uid, &json!({"token": 1}), move |tx| {
+                    Box::pin(async move {
+                        tx.execute(
+                            "INSERT INTO effects (task_id, token) VALUES ($1, 1)",
+                            &[&id],
+                        )
+                        .await?;
+                        let _ = inside_tx.send(());
+                        tx.execute("SELECT pg_sleep(3)", &[]).await.map(|_| ())
+                    })
+                })
+                .await
+        }
+    });
+    inside.await.unwrap();
+    let started = Instant::now();
+    let others: Vec<_> = (0..2)
+        .map(|_| {
+            let (pool, uid) = (pool.clone(), new_uid());
+            tokio::spawn(async move {
+                let f = live(1, 30);
+                Registry::register(&*pool, &uid, &f).await.unwrap();
+                let mut store = pool.get().await.unwrap();
+                let committed = commit_effect(&mut store, &f, &uid).await.unwrap();
+                (uid, committed)
+            })
+        })
+        .collect();
+    for other in others {
+        let (uid, committed) = other.await.unwrap();
+        assert_eq!(committed, Committed::Written);
+        assert_eq!(effects(&db, &uid).await, [1]);
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "B and C took {waited:?}: they waited for A's connection"
+    );
+    assert!(!slow.is_finished(), "A is still inside its commit");
+    assert_eq!(slow.await.unwrap().unwrap(), Committed::Written);
+    assert_eq!(effects(&db, &uid_a).await, [1]);
+}
+
+#[tokio::test]
+async fn a_pooled_connection_whose_session_ended_is_replaced() {
+    // The server ended the session (here by hand; in production e.g.
+    // `idle_in_transaction_session_timeout` for a paused holder, or a
+    // restart). A single store would fail every later write; the pool
+    // drops the dead connection and opens a new one.
+    let (_, _, db, uid) = setup().await;
+    let pool = pool(1);
+    let old: i32 = {
+        let store = pool.get().await.unwrap();
+        store
+            .client()
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    db.execute("SELECT pg_terminate_backend($1)", &[&old])
+        .await
+        .unwrap();
+    let f1 = live(1, 30);
+    // The first use may find out the hard way (a Postgres error, never a
+    // doubtful write); the next gets a new connection.
+    let mut failures = 0;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match Registry::register(&*pool, &uid, &f1).await {
+            Ok(earlier) => {
+                assert_eq!(earlier, None);
+                break;
+            }
+            Err(Error::Postgres { .. }) if Instant::now() < deadline => {
+                failures += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the pool kept the dead connection: {e}"),
+        }
+    }
+    assert!(
+        failures <= 1,
+        "{failures} writes failed on the dead connection"
+    );
+    let mut store = pool.get().await.unwrap();
+    let new: i32 = store
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(new, old, "a new session");
+    assert_eq!(
+        commit_effect(&mut store, &f1, &uid).await.unwrap(),
+        Committed::Written
+    );
+    assert_eq!(effects(&db, &uid).await, [1]);
+}
+
+#[tokio::test]
+async fn a_write_cancelled_mid_transaction_leaves_nothing_for_the_next_user_of_its_connection() {
+    // A's handler is dropped (kill switch) inside its commit transaction,
+    // after its side effect and with the row locked. The connection goes
+    // back to the pool; B (the successor, on that same connection: a pool
+    // of one) must not find itself inside A's transaction — else B's
+    // COMMIT would make A's effect stick too.
+    let (_, _, db, uid) = setup().await;
+    let pool = pool(1);
+    let f1 = live(1, 30);
+    Registry::register(&*pool, &uid, &f1).await.unwrap();
+    let (inside_tx, inside) = tokio::sync::oneshot::channel::<()>();
+    let a = tokio::spawn({
+        let (pool, uid) = (pool.clone(), uid.clone());
+        async move {
+            let mut store = pool.get().await.unwrap();
+            let id = uid.clone();
+            store
+                .commit_with(&f1, &uid, &json!({"token": 1}), move |tx| {
+                    Box::pin(async move {
+                        tx.execute(
+                            "INSERT INTO effects (task_id, token) VALUES ($1, 1)",
+                            &[&id],
+                        )
+                        .await?;
+                        let _ = inside_tx.send(());
+                        std::future::pending::<()>().await;
+                        Ok(())
+                    })
+                })
+                .await
+        }
+    });
+    inside.await.unwrap();
+    a.abort();
+    assert!(a.await.unwrap_err().is_cancelled());
+    let f2 = live(2, 30);
+    let started = Instant::now();
+    assert_eq!(Registry::register(&*pool, &uid, &f2).await.unwrap(), None);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "A's row lock was released with its transaction"
+    );
+    let mut store = pool.get().await.unwrap();
+    assert_eq!(
+        commit_effect(&mut store, &f2, &uid).await.unwrap(),
+        Committed::Written
+    );
+    assert_eq!(effects(&db, &uid).await, [2], "A's effect rolled back");
+    assert_eq!(pg::row(&db, &uid).await.unwrap().map(|(t, _)| t), Some(2));
 }
