@@ -7,18 +7,22 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
-/// Writes a kubeconfig under `dir` that authenticates as user `name` (a
+use crate::secrets::PrivateDir;
+
+/// Writes a kubeconfig in `dir` that authenticates as user `name` (a
 /// client certificate signed by the test CA, in group `system:masters`, so
-/// authorization is as for the admin) and returns its path.
-pub fn kubeconfig_as(name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
+/// authorization is as for the admin) and returns its path. The key and
+/// the kubeconfig are 0600; all of it goes when `dir` is dropped.
+pub fn kubeconfig_as(name: &str, dir: &PrivateDir) -> anyhow::Result<PathBuf> {
     let cp = std::env::var("BATCHLEASE_CP_DIR").context("BATCHLEASE_CP_DIR unset")?;
     let pki = Path::new(&cp).join("pki");
-    std::fs::create_dir_all(dir)?;
-    let key = dir.join(format!("{name}.key"));
-    let csr = dir.join(format!("{name}.csr"));
-    let crt = dir.join(format!("{name}.crt"));
+    // Created 0600 before openssl writes the key into it (it truncates and
+    // keeps the mode), whatever mode this openssl would have chosen.
+    let key = dir.write(&format!("{name}.key"), "")?;
+    let csr = dir.path().join(format!("{name}.csr"));
+    let crt = dir.path().join(format!("{name}.crt"));
     // Extensions make it an X.509 v3 certificate (rustls refuses v1).
-    let ext = dir.join(format!("{name}.ext"));
+    let ext = dir.path().join(format!("{name}.ext"));
     std::fs::write(
         &ext,
         "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
@@ -62,7 +66,7 @@ pub fn kubeconfig_as(name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
         "-CAkey".into(),
         p(&pki.join("ca.key")),
         "-CAserial".into(),
-        p(&dir.join("ca.srl")),
+        p(&dir.path().join("ca.srl")),
         "-extfile".into(),
         p(&ext),
         "-out".into(),
@@ -73,7 +77,5 @@ pub fn kubeconfig_as(name: &str, dir: &Path) -> anyhow::Result<PathBuf> {
     let mine = admin
         .replace(&p(&pki.join("admin.crt")), &p(&crt))
         .replace(&p(&pki.join("admin.key")), &p(&key));
-    let out = dir.join(format!("{name}.kubeconfig"));
-    std::fs::write(&out, mine)?;
-    Ok(out)
+    dir.write(&format!("{name}.kubeconfig"), &mine)
 }

@@ -55,11 +55,11 @@ pub fn ok(args: &[&str]) -> anyhow::Result<String> {
 
 /// A kubeconfig that authenticates as ServiceAccount `sa` of `namespace`
 /// with a fresh token (TokenRequest), against the same server and CA as
-/// `KUBECONFIG`. Written to `dir`.
+/// `KUBECONFIG`. Written to `dir` (0600: the token is good for an hour).
 pub fn service_account_kubeconfig(
     namespace: &str,
     sa: &str,
-    dir: &std::path::Path,
+    dir: &crate::secrets::PrivateDir,
 ) -> anyhow::Result<std::path::PathBuf> {
     let token = ok(&["create", "token", sa, "-n", namespace, "--duration=1h"])?;
     let admin = std::fs::read_to_string(std::env::var("KUBECONFIG")?)?;
@@ -76,8 +76,5 @@ pub fn service_account_kubeconfig(
          current-context: {sa}\n",
         token.trim()
     );
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("kubeconfig-{sa}"));
-    std::fs::write(&path, text)?;
-    Ok(path)
+    dir.write(&format!("kubeconfig-{sa}"), &text)
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::ports::free_port;
 use crate::process::Process;
+use crate::secrets::PrivateDir;
 use crate::wait::wait_for;
 
 /// One operator replica.
@@ -16,19 +18,17 @@ pub struct Operator {
     process: Process,
     pub name: String,
     pub metrics_port: u16,
+    /// The replica's own client identity (key, certificate, kubeconfig),
+    /// unless the caller passed `--kubeconfig`; kept for restarts. Declared
+    /// after `process`: fields drop in order, so the replica is killed
+    /// before its credentials are removed.
+    _identity: Option<PrivateDir>,
 }
 
 /// The operator binary, built by `hack/test.sh` (`BATCHLEASE_OPERATOR_BIN`).
 pub fn binary() -> anyhow::Result<String> {
     std::env::var("BATCHLEASE_OPERATOR_BIN")
         .context("BATCHLEASE_OPERATOR_BIN unset: run hack/test.sh (it builds the operator)")
-}
-
-/// A free TCP port on loopback.
-pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 impl Operator {
@@ -58,11 +58,14 @@ impl Operator {
         args.retain(|a| !extra.iter().any(|e| flag(e) == flag(a)));
         // Its own client identity (user `operator-<name>`), so the audit log
         // tells this replica's writes from everyone else's.
-        if !extra.iter().any(|e| flag(e) == "--kubeconfig") {
-            let dir = std::env::temp_dir().join(format!("batchlease-e2e-{namespace}"));
+        let identity = if extra.iter().any(|e| flag(e) == "--kubeconfig") {
+            None
+        } else {
+            let dir = PrivateDir::new(&format!("{namespace}-{name}"))?;
             let kc = crate::identity::kubeconfig_as(&Self::user(name), &dir)?;
             args.push(format!("--kubeconfig={}", kc.display()));
-        }
+            Some(dir)
+        };
         args.extend(extra);
         let env = vec![(
             "RUST_LOG".into(),
@@ -73,6 +76,7 @@ impl Operator {
             process,
             name: name.into(),
             metrics_port: port,
+            _identity: identity,
         })
     }
 

@@ -102,10 +102,12 @@ async fn pump(
     }
 }
 
-/// A copy of the kubeconfig at `KUBECONFIG` whose server is the proxy.
+/// A copy of the kubeconfig at `KUBECONFIG` whose server is the proxy,
+/// written to `dir` (0600: it is the admin's). Named after the proxy's
+/// port, so one directory can hold the copies for several proxies.
 pub fn proxied_kubeconfig(
     proxy: &Proxy,
-    dir: &std::path::Path,
+    dir: &crate::secrets::PrivateDir,
 ) -> anyhow::Result<std::path::PathBuf> {
     let path = std::env::var("KUBECONFIG")?;
     let text = std::fs::read_to_string(&path)?;
@@ -115,9 +117,7 @@ pub fn proxied_kubeconfig(
         .ok_or_else(|| anyhow::anyhow!("no server in {path}"))?
         .to_owned();
     let proxied = text.replace(&server, &format!("https://127.0.0.1:{}", proxy.port));
-    let out = dir.join("kubeconfig-proxied");
-    std::fs::write(&out, proxied)?;
-    Ok(out)
+    dir.write(&format!("kubeconfig-proxied-{}", proxy.port), &proxied)
 }
 
 /// host:port of the API server in `KUBECONFIG`.

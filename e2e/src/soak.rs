@@ -25,6 +25,7 @@ use crate::history::Checks;
 use crate::operator::Operator;
 use crate::process::Process;
 use crate::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+use crate::secrets::PrivateDir;
 use crate::tasks::phase_of;
 use crate::workers::{self, WorkerOpts};
 use crate::{Cluster, controlplane, wait_for};
@@ -181,8 +182,8 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     let cluster = Cluster::with_crds().await?;
     let mut ns = cluster.namespace("soak").await?;
     ns.tolerate_watch_errors();
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&dir)?;
+    // The workers' kubeconfigs; removed when the run ends.
+    let secrets = PrivateDir::new(&ns.name)?;
 
     let ops = Arc::new(Mutex::new(vec![
         Operator::start(&ns.name, "op-a")?,
@@ -203,14 +204,12 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     for i in 0..cfg.workers {
         let api = Proxy::start(apiserver_addr()?).await?;
         let pg = Proxy::start(pg_addr.clone()).await?;
-        let wdir = dir.join(format!("w{i}"));
-        std::fs::create_dir_all(&wdir)?;
-        let port = crate::operator::free_port()?;
+        let port = crate::ports::free_port()?;
         let opts = WorkerOpts {
             queue: "soak".into(),
             slots: cfg.slots,
             drain_grace_seconds: 2,
-            kubeconfig: Some(proxied_kubeconfig(&api, &wdir)?),
+            kubeconfig: Some(proxied_kubeconfig(&api, &secrets)?),
             metrics_port: Some(port),
             pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
             extra: Vec::new(),

@@ -130,7 +130,7 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
     }
 
     // Sufficient: run the operator and a worker on those identities only.
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{n}"));
+    let dir = batchlease_e2e::secrets::PrivateDir::new(n).unwrap();
     let op_kc = kubectl::service_account_kubeconfig(n, &sa, &dir).unwrap();
     let op = Operator::start_with(
         n,

@@ -390,8 +390,7 @@ async fn sigterm_with_the_api_server_unreachable_exits_promptly() {
     let cluster = Cluster::with_crds().await.unwrap();
     let ns = cluster.namespace("term-cut").await.unwrap();
     let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name).unwrap();
     let kc = proxied_kubeconfig(&proxy, &dir).unwrap();
     // A long term (25 s) so the kill switch cannot be what ends it.
     let mut op = Operator::start_with(

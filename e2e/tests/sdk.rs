@@ -128,7 +128,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
         slots: 1,
         ..Default::default()
     };
-    let zombie_metrics = batchlease_e2e::operator::free_port().unwrap();
+    let zombie_metrics = batchlease_e2e::ports::free_port().unwrap();
     let zombie_opts = WorkerOpts {
         metrics_port: Some(zombie_metrics),
         ..opts.clone()
@@ -260,8 +260,7 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
 async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     let (ns, op, db) = setup("partition").await;
     let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name).unwrap();
     let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
     let opts = WorkerOpts {
         slots: 1,
@@ -527,7 +526,7 @@ async fn claims_failing_with_api_errors_are_retried_without_new_events() {
         &format!("--serviceaccount={n}:w"),
     ])
     .unwrap();
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{n}"));
+    let dir = batchlease_e2e::secrets::PrivateDir::new(n).unwrap();
     let kc = kubectl::service_account_kubeconfig(n, "w", &dir).unwrap();
     let w = workers::start(
         n,
@@ -633,7 +632,7 @@ async fn a_forged_lease_is_neither_claimed_nor_followed() {
 #[tokio::test]
 async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_read() {
     let (ns, op, db) = setup("lost").await;
-    let port = batchlease_e2e::operator::free_port().unwrap();
+    let port = batchlease_e2e::ports::free_port().unwrap();
     let w = workers::start(
         &ns.name,
         "w",
@@ -708,8 +707,7 @@ async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_r
 async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
     let (ns, op, db) = setup("complete-retry").await;
     let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
-    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name).unwrap();
     let w = workers::start(
         &ns.name,
         "w",
