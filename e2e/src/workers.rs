@@ -55,7 +55,6 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
         format!("--slots={}", opts.slots),
         format!("--identity={identity}"),
         format!("--drain-grace-seconds={}", opts.drain_grace_seconds),
-        format!("--pg-url={}", opts.pg_url.clone().map_or_else(pg_url, Ok)?),
     ];
     args.extend(opts.extra.iter().cloned());
     if let Some(port) = opts.metrics_port {
@@ -64,10 +63,17 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
     if let Some(kc) = &opts.kubeconfig {
         args.push(format!("--kubeconfig={}", kc.display()));
     }
-    let env = vec![(
-        "RUST_LOG".into(),
-        "info,kube=warn,batchlease_worker_sdk=debug".into(),
-    )];
+    let env = vec![
+        (
+            "RUST_LOG".into(),
+            "info,kube=warn,batchlease_worker_sdk=debug".into(),
+        ),
+        // Never on the command line, where every user of the host sees it.
+        (
+            "BATCHLEASE_PG_URL".into(),
+            opts.pg_url.clone().map_or_else(pg_url, Ok)?,
+        ),
+    ];
     Process::start(
         binary()?,
         namespace,

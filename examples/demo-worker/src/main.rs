@@ -5,17 +5,18 @@
 //! Payload: `{"steps": 5, "stepMillis": 200, "failureRate": 0.0,
 //! "permanentFailure": false}`.
 
+mod pg_url;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_worker_sdk::postgres::{FencedStore, migrate};
+use batchlease_worker_sdk::postgres::{FencedPool, migrate};
 use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
 use clap::Parser;
 use rand::Rng;
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::Mutex;
 use tracing::info;
 
 /// Flags (each also an environment variable).
@@ -39,9 +40,12 @@ struct Args {
     /// Holder identity (default: POD_NAME or host name, plus a random suffix).
     #[arg(long, env = "BATCHLEASE_IDENTITY")]
     identity: Option<String>,
-    /// PostgreSQL connection string for the fenced store.
-    #[arg(long, env = "BATCHLEASE_PG_URL")]
-    pg_url: String,
+    /// File with the PostgreSQL connection string for the fenced store
+    /// (e.g. a mounted Secret); without it, the environment variable
+    /// BATCHLEASE_PG_URL. Never a flag: a command line is visible to every
+    /// user of the host.
+    #[arg(long, env = "BATCHLEASE_PG_URL_FILE")]
+    pg_url_file: Option<std::path::PathBuf>,
     /// Seconds running handlers may finish after SIGTERM.
     #[arg(long, env = "BATCHLEASE_DRAIN_GRACE_SECONDS", default_value_t = 10)]
     drain_grace_seconds: u64,
@@ -91,12 +95,8 @@ async fn main() -> anyhow::Result<()> {
         }
         None => kube::Client::try_default().await?,
     };
-    let (pg, conn) = tokio_postgres::connect(&args.pg_url, tokio_postgres::NoTls)
-        .await
-        .context("connecting to PostgreSQL")?;
-    tokio::spawn(conn);
-    migrate(&pg).await?;
-
+    let pg = pg_url::load(args.pg_url_file.as_deref())?;
+    let database = pg_url::describe(&pg);
     let mut builder = WorkerBuilder::new(client, &args.namespace)
         .slots(args.slots)
         .drain_grace(Duration::from_secs(args.drain_grace_seconds));
@@ -111,7 +111,32 @@ async fn main() -> anyhow::Result<()> {
         builder.metrics().register(&mut registry);
         tokio::spawn(serve_metrics(addr, Arc::new(registry)));
     }
-    let store = Arc::new(Mutex::new(FencedStore::new(pg, builder.metrics().clone())));
+    // A connection per slot: slots commit concurrently.
+    let store = Arc::new(FencedPool::new(
+        args.slots,
+        builder.metrics().clone(),
+        move || {
+            let pg = pg.clone();
+            async move {
+                let (client, conn) = pg.connect(tokio_postgres::NoTls).await?;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::warn!(error = %e, "PostgreSQL connection ended");
+                    }
+                });
+                Ok(client)
+            }
+        },
+    ));
+    migrate(
+        store
+            .get()
+            .await
+            .with_context(|| format!("connecting to PostgreSQL ({database})"))?
+            .client(),
+    )
+    .await?;
+    info!(%database, "fenced store ready");
     // Each attempt registers its token before the handler runs (design §4).
     let worker = builder.registry(store.clone()).build()?;
     let identity = worker.identity().to_owned();
@@ -130,7 +155,7 @@ async fn main() -> anyhow::Result<()> {
 
 async fn work(
     ctx: TaskContext,
-    store: Arc<Mutex<FencedStore>>,
+    store: Arc<FencedPool>,
     identity: String,
 ) -> Result<Output, TaskError> {
     let p: Payload = ctx.payload()?;
@@ -173,11 +198,10 @@ async fn work(
         return Err(TaskError::retryable("simulated flaky failure").with_reason("DemoFlaky"));
     }
     let row = json!({"worker": identity, "token": ctx.fencing_token(), "steps": p.steps, "resumedFrom": from});
-    let committed = store
-        .lock()
-        .await
-        .commit(ctx.fence(), ctx.task_uid(), &row)
-        .await;
+    let committed = match store.get().await {
+        Ok(mut db) => db.commit(ctx.fence(), ctx.task_uid(), &row).await,
+        Err(e) => Err(e),
+    };
     match committed {
         Ok(c) => info!(
             task = ctx.task_name(),
