@@ -7,11 +7,10 @@
 
 use std::sync::Arc;
 
-use batchlease_worker_sdk::postgres::{FencedStore, migrate};
+use batchlease_worker_sdk::postgres::{FencedPool, migrate};
 use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder, WorkerMetrics};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::Mutex;
 
 #[derive(Deserialize)]
 struct Job {
@@ -25,13 +24,21 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
-    let (pg, conn) =
-        tokio_postgres::connect(&std::env::var("PG_URL")?, tokio_postgres::NoTls).await?;
-    tokio::spawn(conn);
-    migrate(&pg).await?;
+    let pg_url = std::env::var("PG_URL")?;
+    // Opens one connection (the pool calls it up to once per slot).
+    let connect = move || {
+        let pg_url = pg_url.clone();
+        async move {
+            let (pg, conn) = tokio_postgres::connect(&pg_url, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            Ok(pg)
+        }
+    };
     let shutdown = shutdown_signal();
     // [snippet]
-    let store = Arc::new(Mutex::new(FencedStore::new(pg, WorkerMetrics::default())));
+    // A connection per slot: slots register and commit concurrently.
+    let store = Arc::new(FencedPool::new(4, WorkerMetrics::default(), connect));
+    migrate(store.get().await?.client()).await?;
     let worker = WorkerBuilder::new(client, "default")
         .queue("demo")
         .slots(4)
@@ -50,7 +57,7 @@ async fn main() -> anyhow::Result<()> {
                     ctx.checkpoint(json!({"step": 1})); // handed to the next attempt
                     let rows = json!({"rows": job.rows});
                     // Refused once the lease is lost, by the SDK and by PostgreSQL.
-                    let mut db = store.lock().await;
+                    let mut db = store.get().await?;
                     db.commit(ctx.fence(), ctx.task_uid(), &rows).await?;
                     Ok::<_, TaskError>(Output::json(rows))
                 }
