@@ -2,13 +2,12 @@
 //! operator (status). Its `status.fencingToken` is the fencing source for
 //! every lease ever issued for the task.
 
+use crate::json::JsonObject;
+use crate::schema;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
-
-use crate::schema;
 
 /// What a user asks batchlease to run.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -59,9 +58,9 @@ pub struct BatchTaskSpec {
     pub queue: String,
 
     /// Free-form description of the work, handed to the worker as-is.
+    /// Kept as raw JSON text (any depth the API server accepts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "schema::free_form_object")]
-    pub payload: Option<Value>,
+    pub payload: Option<JsonObject>,
 
     /// Lease TTL in seconds (5..3600). A holder that has not renewed for this
     /// long loses the task; its worker stops itself after 2/3 of it.
@@ -82,9 +81,10 @@ pub struct BatchTaskSpec {
     pub backoff: BackoffSpec,
 
     /// Wall-clock bound of one attempt, enforced by the worker's kill switch
-    /// and by the operator.
+    /// and by the operator. At most one year: a bound keeps every clock
+    /// addition in the SDK and operator far from overflow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 31_536_000))]
     pub active_deadline_seconds: Option<i64>,
 
     /// Names of BatchTasks in the same namespace that must succeed first
@@ -228,12 +228,10 @@ pub struct BatchTaskStatus {
     pub effective_mode: Option<TaskMode>,
     /// Last progress a worker recorded, handed to the next attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "schema::free_form_object")]
-    pub checkpoint: Option<Value>,
+    pub checkpoint: Option<JsonObject>,
     /// Small result reported by the worker that completed the task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "schema::free_form_object")]
-    pub result: Option<Value>,
+    pub result: Option<JsonObject>,
     /// Why the last attempt failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<Failure>,

@@ -5,6 +5,7 @@
 
 mod batch_task;
 mod current;
+mod json;
 pub mod keys;
 pub mod names;
 mod schema;
@@ -16,6 +17,10 @@ pub use batch_task::{
     TaskPhase, defaults,
 };
 pub use current::{NotCurrent, check_current};
+pub use json::{
+    JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_MESSAGE_CHARS, MAX_REASON_CHARS,
+    MAX_RESULT_BYTES,
+};
 pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
 pub use watch_backoff::WatchBackoff;
 

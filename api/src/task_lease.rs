@@ -8,13 +8,11 @@
 
 use std::collections::BTreeMap;
 
+use crate::json::JsonObject;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
-
-use crate::schema;
 
 /// The lease of one attempt: who holds it, under which fencing token.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -51,6 +49,23 @@ use crate::schema;
     .message("a Held lease cannot be offered again")
     .field_path(".status.phase")
     .reason(Reason::FieldValueForbidden),
+    // Only a holder completes, and only what it holds: without this an
+    // Offered lease could be set Completed directly by anyone allowed to
+    // write leases, settling a task nobody ran.
+    validation = Rule::new(
+        "!has(self.status) || !has(self.status.phase) || self.status.phase != 'Completed' || (has(oldSelf.status) && has(oldSelf.status.phase) && oldSelf.status.phase in ['Held', 'Completed'])"
+    )
+    .message("a lease may become Completed only from Held")
+    .field_path(".status.phase")
+    .reason(Reason::FieldValueForbidden),
+    // A phase once set stays set: a lease without one is neither offered
+    // nor held, and would wedge its task.
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.phase) || (has(self.status) && has(self.status.phase))"
+    )
+    .message("status.phase may not be removed once set")
+    .field_path(".status.phase")
+    .reason(Reason::FieldValueRequired),
     validation = Rule::new(
         "!has(self.status) || !has(self.status.phase) || !(self.status.phase in ['Held', 'Completed']) || (has(self.spec.holderIdentity) && self.spec.holderIdentity != '')"
     )
@@ -192,10 +207,8 @@ pub struct TaskLeaseStatus {
     pub message: Option<String>,
     /// Small result reported with a successful completion.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "schema::free_form_object")]
-    pub result: Option<Value>,
+    pub result: Option<JsonObject>,
     /// Latest progress recorded by the holder, sent with renewals.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "schema::free_form_object")]
-    pub checkpoint: Option<Value>,
+    pub checkpoint: Option<JsonObject>,
 }

@@ -207,6 +207,51 @@ fn cases() -> Vec<Case> {
             Some(lease(Some("w1"), "Held", 1)),
             None,
         ),
+        (
+            "settle an offer nobody ran",
+            "taskleases",
+            lease(Some("w1"), "Completed", 1),
+            Some(lease(None, "Offered", 1)),
+            Some("Completed only from Held"),
+        ),
+        (
+            // Transition rules do not run on create; workers' RBAC has no
+            // create on taskleases, so only the operator creates leases.
+            "created Completed (not a transition)",
+            "taskleases",
+            lease(Some("w1"), "Completed", 1),
+            None,
+            None,
+        ),
+        (
+            "complete a held lease",
+            "taskleases",
+            lease(Some("w1"), "Completed", 1),
+            Some(lease(Some("w1"), "Held", 1)),
+            None,
+        ),
+        (
+            "phase removed",
+            "taskleases",
+            {
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["status"] = json!({});
+                l
+            },
+            Some(lease(Some("w1"), "Held", 1)),
+            Some("may not be removed"),
+        ),
+        (
+            "status removed",
+            "taskleases",
+            {
+                let mut l = lease(Some("w1"), "Held", 1);
+                l.as_object_mut().unwrap().remove("status");
+                l
+            },
+            Some(lease(Some("w1"), "Held", 1)),
+            Some("may not be removed"),
+        ),
     ]
 }
 

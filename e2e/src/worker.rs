@@ -43,7 +43,7 @@ pub async fn complete(
     st.phase = Some(LeasePhase::Completed);
     st.outcome = Some(outcome);
     st.reason = reason.map(Into::into);
-    st.result = result;
+    st.result = result.and_then(|v| batchlease_api::JsonObject::try_from(v).ok());
     api.replace(&l.name_any(), &PostParams::default(), &l).await
 }
 

@@ -73,7 +73,10 @@ async fn happy_path_one_lease_token_one() {
     let st = done.status.unwrap();
     assert_eq!(st.fencing_token, 1);
     assert_eq!(st.attempts, 0);
-    assert_eq!(st.result, Some(json!({"rows": 42})));
+    assert_eq!(
+        st.result.map(|r| r.to_value().unwrap()),
+        Some(json!({"rows": 42}))
+    );
     assert_eq!(st.history.len(), 1);
     assert_eq!(st.history[0].outcome, "Succeeded");
     assert_eq!(st.history[0].holder.as_deref(), Some("worker-1"));
@@ -312,7 +315,10 @@ async fn silent_holder_expires_after_ttl_and_the_zombie_is_fenced() {
         .unwrap();
     let st = done.status.unwrap();
     assert_eq!(st.fencing_token, 2);
-    assert_eq!(st.result, Some(json!({"by": "rescuer"})));
+    assert_eq!(
+        st.result.map(|r| r.to_value().unwrap()),
+        Some(json!({"by": "rescuer"}))
+    );
     assert_eq!(st.attempts, 1, "the expiry spent one retry");
     let outcomes: Vec<_> = st
         .history

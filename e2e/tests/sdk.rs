@@ -356,7 +356,7 @@ async fn checkpoint_survives_a_killed_attempt() {
             let step = l
                 .and_then(|l| l.status)
                 .and_then(|s| s.checkpoint)
-                .and_then(|c| c["step"].as_u64());
+                .and_then(|c| c.to_value().ok()?["step"].as_u64());
             Ok(step.filter(|s| *s >= 3))
         },
     )
@@ -371,7 +371,9 @@ async fn checkpoint_survives_a_killed_attempt() {
     .unwrap();
     let st = done.status.unwrap();
     assert_eq!(st.fencing_token, 2);
-    let resumed = st.result.unwrap()["resumedFrom"].as_u64().unwrap();
+    let resumed = st.result.unwrap().to_value().unwrap()["resumedFrom"]
+        .as_u64()
+        .unwrap();
     assert!(resumed >= 3, "attempt 2 started from step {resumed}");
     ns.finish().await.unwrap();
 }

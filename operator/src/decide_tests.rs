@@ -449,14 +449,19 @@ fn success_settles_the_task() {
         .phase(TaskPhase::Running, 2)
         .with(|s| s.holder = Some("w1".into()));
     let l = completed(2, LeaseOutcome::Succeeded, |s| {
-        s.result = Some(serde_json::json!({"rows": 7}));
-        s.checkpoint = Some(serde_json::json!({"step": 9}));
+        s.result =
+            Some(batchlease_api::JsonObject::try_from(serde_json::json!({"rows": 7})).unwrap());
+        s.checkpoint =
+            Some(batchlease_api::JsonObject::try_from(serde_json::json!({"step": 9})).unwrap());
     });
     let d = Case::new(t).leases(vec![l]).run();
     let (st, tr) = status_of(&d);
     assert_eq!(*tr, Transition::Succeeded);
     assert_eq!(st.phase, Some(TaskPhase::Succeeded));
-    assert_eq!(st.result, Some(serde_json::json!({"rows": 7})));
+    assert_eq!(
+        st.result,
+        Some(batchlease_api::JsonObject::try_from(serde_json::json!({"rows": 7})).unwrap())
+    );
     assert_eq!(st.holder, None);
     assert_eq!(st.fencing_token, 2);
     assert_eq!(st.history.last().unwrap().outcome, "Succeeded");
@@ -489,7 +494,8 @@ fn failures_retry_with_growing_backoff_then_dead_letter() {
         let l = completed(attempts + 1, LeaseOutcome::Failed, |s| {
             s.reason = Some("Boom".into());
             s.message = Some("it broke".into());
-            s.checkpoint = Some(serde_json::json!({"step": 3}));
+            s.checkpoint =
+                Some(batchlease_api::JsonObject::try_from(serde_json::json!({"step": 3})).unwrap());
         });
         let d = Case::new(t).leases(vec![l]).run();
         let (st, tr) = status_of(&d);
@@ -505,7 +511,7 @@ fn failures_retry_with_growing_backoff_then_dead_letter() {
         );
         assert_eq!(
             st.checkpoint,
-            Some(serde_json::json!({"step": 3})),
+            Some(batchlease_api::JsonObject::try_from(serde_json::json!({"step": 3})).unwrap()),
             "progress is handed to the next attempt"
         );
         match want {

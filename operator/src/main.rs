@@ -7,6 +7,7 @@ mod config;
 mod controller;
 mod decide;
 mod expectations;
+mod fit;
 mod http;
 mod leader;
 mod lease_build;

@@ -228,6 +228,7 @@ async fn write_status(
     status: batchlease_api::BatchTaskStatus,
 ) -> Result<(), Error> {
     ctx.leadership.ensure()?;
+    let (status, dropped) = crate::fit::fit(task, status);
     let api: Api<BatchTask> =
         Api::namespaced(ctx.client.clone(), &task.namespace().unwrap_or_default());
     let mut updated = task.clone();
@@ -239,7 +240,12 @@ async fn write_status(
             .map(|_| ())
             .map_err(|e| classify(ctx, e, "status write"))
     })
-    .await
+    .await?;
+    for d in dropped {
+        warn!(task = %task.name_any(), reason = d.reason(), "left out of the status: too large");
+        publish(ctx, task, EventType::Warning, d.reason(), d.note()).await;
+    }
+    Ok(())
 }
 
 async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {

@@ -23,7 +23,7 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let client = kube::Client::try_default().await?;
+    let config = kube::Config::infer().await?;
     let pg_url = std::env::var("PG_URL")?;
     // Opens one connection (the pool calls it up to once per slot).
     let connect = move || {
@@ -39,7 +39,7 @@ async fn main() -> anyhow::Result<()> {
     // A connection per slot: slots register and commit concurrently.
     let store = Arc::new(FencedPool::new(4, WorkerMetrics::default(), connect));
     migrate(store.get().await?.client()).await?;
-    let worker = WorkerBuilder::new(client, "default")
+    let worker = WorkerBuilder::new(config, "default")
         .queue("demo")
         .slots(4)
         .registry(store.clone()) // each attempt registers its token before it runs
@@ -54,7 +54,7 @@ async fn main() -> anyhow::Result<()> {
                         return Ok(Output::json(json!({"committedBy": done.token})));
                     }
                     let job: Job = ctx.payload()?; // wrong shape: a permanent error
-                    ctx.checkpoint(json!({"step": 1})); // handed to the next attempt
+                    ctx.checkpoint(json!({"step": 1}))?; // handed to the next attempt
                     let rows = json!({"rows": job.rows});
                     // Refused once the lease is lost, by the SDK and by PostgreSQL.
                     let mut db = store.get().await?;

@@ -8,7 +8,9 @@ use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, LeaseOutcome, TaskLease};
+use batchlease_api::{
+    BatchTask, JsonObject, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHARS, TaskLease,
+};
 use kube::ResourceExt;
 use kube::api::Api;
 use tokio::sync::oneshot;
@@ -42,6 +44,12 @@ pub(crate) struct Attempt {
     pub interrupt: CancellationToken,
     /// Where the attempt registers its token before the handler runs.
     pub registry: Option<Arc<dyn Registry>>,
+    /// Where the heartbeat runs, and its own API handle built there. A
+    /// handler that blocks its thread (CPU-bound code that never awaits)
+    /// must not starve the renewals and the kill timer: on the handler's
+    /// runtime a freshly spawned heartbeat sits in that very thread's
+    /// non-stealable LIFO slot. `None` (unit tests): the current runtime.
+    pub heartbeat_on: Option<(tokio::runtime::Handle, Api<TaskLease>)>,
 }
 
 impl Attempt {
@@ -57,12 +65,7 @@ impl Attempt {
             task_name: self.task.name_any(),
             namespace: self.task.namespace().unwrap_or_default(),
             task_uid: self.task.uid().unwrap_or_default(),
-            payload: self
-                .task
-                .spec
-                .payload
-                .clone()
-                .unwrap_or(serde_json::Value::Null),
+            payload: self.task.spec.payload.clone(),
             attempt: self.task.status.as_ref().map_or(0, |s| s.attempts) + 1,
             previous_checkpoint: self.task.status.as_ref().and_then(|s| s.checkpoint.clone()),
             resource_tokens: self.lease.spec.resource_tokens.clone(),
@@ -79,9 +82,13 @@ impl Attempt {
         // until the completion is acknowledged, so a slow or retried
         // completion never lets the lease lapse (and never conflicts with a
         // renewal of our own).
-        let heartbeat = tokio::spawn(
+        let (runtime, heartbeat_api) = match &self.heartbeat_on {
+            Some((handle, api)) => (handle.clone(), api.clone()),
+            None => (tokio::runtime::Handle::current(), self.api.clone()),
+        };
+        let heartbeat = runtime.spawn(
             Heartbeat {
-                api: self.api.clone(),
+                api: heartbeat_api,
                 identity: self.identity.clone(),
                 lease: self.lease.clone(),
                 checkpoint: pending_checkpoint.clone(),
@@ -187,6 +194,17 @@ async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) 
         return;
     }
     let c = match reason {
+        KillReason::WriteRefused => Completion {
+            outcome: LeaseOutcome::Failed,
+            reason: Some("LeaseWriteRefused".into()),
+            message: Some(
+                "the API server refused the attempt's renewal as invalid; see the worker's log"
+                    .into(),
+            ),
+            permanent: false,
+            result: None,
+            checkpoint: None,
+        },
         KillReason::DeadlineExceeded => Completion {
             outcome: LeaseOutcome::Failed,
             reason: Some("ActiveDeadlineExceeded".into()),
@@ -225,17 +243,25 @@ fn interrupted() -> TaskError {
 
 const INTERRUPTED: &str = "WorkerDrained";
 
-fn completion_of(
-    result: Result<Output, TaskError>,
-    checkpoint: Option<serde_json::Value>,
-) -> Completion {
+fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObject>) -> Completion {
+    let failed = |reason: String, message: String, permanent: bool, checkpoint| Completion {
+        outcome: LeaseOutcome::Failed,
+        reason: Some(clip(reason, MAX_REASON_CHARS)),
+        message: Some(clip(message, MAX_MESSAGE_CHARS)),
+        permanent,
+        result: None,
+        checkpoint,
+    };
     match result {
+        Ok(Output {
+            result: Some(Err(e)),
+        }) => failed(e.reason.into(), e.message, true, checkpoint),
         Ok(out) => Completion {
             outcome: LeaseOutcome::Succeeded,
             reason: None,
             message: None,
             permanent: false,
-            result: out.result,
+            result: out.result.and_then(Result::ok),
             checkpoint,
         },
         Err(TaskError::Retryable { reason, message }) if reason == INTERRUPTED => Completion {
@@ -246,24 +272,38 @@ fn completion_of(
             result: None,
             checkpoint,
         },
-        Err(TaskError::Retryable { reason, message }) => Completion {
-            outcome: LeaseOutcome::Failed,
-            reason: Some(reason),
-            message: Some(message),
-            permanent: false,
-            result: None,
-            checkpoint,
-        },
-        Err(TaskError::Permanent { reason, message }) => Completion {
-            outcome: LeaseOutcome::Failed,
-            reason: Some(reason),
-            message: Some(message),
-            permanent: true,
-            result: None,
-            checkpoint,
-        },
+        Err(TaskError::Retryable { reason, message }) => failed(reason, message, false, checkpoint),
+        Err(TaskError::Permanent { reason, message }) => failed(reason, message, true, checkpoint),
     }
 }
+
+/// `s` cut to at most `max` characters (the CRDs' `maxLength` counts
+/// characters): an over-long message used to make the completion itself
+/// fail with 422, losing the real error.
+fn clip(mut s: String, max: usize) -> String {
+    if let Some((at, _)) = s.char_indices().nth(max) {
+        s.truncate(at);
+    }
+    s
+}
+
+/// What replaces a completion the API server refused as invalid: the
+/// attempt fails, retryably, with the server's own words.
+fn refused_completion(message: &str) -> Completion {
+    Completion {
+        outcome: LeaseOutcome::Failed,
+        reason: Some(COMPLETION_REFUSED.into()),
+        message: Some(clip(
+            format!("the API server refused the completion: {message}"),
+            MAX_MESSAGE_CHARS,
+        )),
+        permanent: false,
+        result: None,
+        checkpoint: None,
+    }
+}
+
+const COMPLETION_REFUSED: &str = "CompletionRefused";
 
 fn outcome_label(o: LeaseOutcome) -> &'static str {
     match o {
@@ -291,7 +331,7 @@ struct Heartbeat {
     identity: String,
     /// Our latest copy of the lease.
     lease: TaskLease,
-    checkpoint: Arc<Mutex<Option<serde_json::Value>>>,
+    checkpoint: Arc<Mutex<Option<JsonObject>>>,
     fence: Fence,
     metrics: WorkerMetrics,
 }
@@ -351,7 +391,7 @@ impl Heartbeat {
             // whole budget: each try gets at most half a renewal period,
             // then is dropped (with its connection) and retried afresh.
             let budget = kill_at.saturating_duration_since(sent).min(per_try);
-            if let Some(c) = &completion {
+            if let Some(c) = completion.clone() {
                 // The last word: never complete an attempt we cannot prove ours.
                 if let Err(e) = self.fence.check() {
                     warn!(lease = %self.lease.name_any(), error = %e, "not completing: attempt revoked");
@@ -359,13 +399,27 @@ impl Heartbeat {
                 }
                 match timeout(
                     budget,
-                    lease_ops::complete(&self.api, &self.lease, &self.identity, c),
+                    lease_ops::complete(&self.api, &self.lease, &self.identity, &c),
                 )
                 .await
                 {
                     Ok(Ok(())) => return Verdict::Completed(c.outcome),
                     Ok(Err(e @ Error::Rejected { .. })) => {
                         error!(lease = %self.lease.name_any(), error = %e, kind = e.kind(), "completion rejected");
+                        return Verdict::Rejected;
+                    }
+                    // Our own completion is invalid (the lease is still
+                    // ours): report that instead, once; it carries nothing
+                    // of the handler's output that could be refused again.
+                    Ok(Err(Error::Invalid { message, .. }))
+                        if c.reason.as_deref() != Some(COMPLETION_REFUSED) =>
+                    {
+                        error!(lease = %self.lease.name_any(), %message, "completion refused as invalid; reporting the refusal");
+                        completion = Some(refused_completion(&message));
+                        next = Instant::now();
+                    }
+                    Ok(Err(e @ Error::Invalid { .. })) => {
+                        error!(lease = %self.lease.name_any(), error = %e, "completion refused as invalid");
                         return Verdict::Rejected;
                     }
                     Ok(Err(e)) => {
@@ -402,6 +456,11 @@ impl Heartbeat {
                 Ok(Ok(Renewal::Lost(why))) => {
                     warn!(lease = %self.lease.name_any(), why, "renewal found the lease lost");
                     self.fence.kill(KillReason::LeaseLost);
+                    return Verdict::Killed;
+                }
+                Ok(Err(e @ Error::Invalid { .. })) => {
+                    error!(lease = %self.lease.name_any(), error = %e, "renewal refused as invalid: ending the attempt");
+                    self.fence.kill(KillReason::WriteRefused);
                     return Verdict::Killed;
                 }
                 Ok(Err(e)) => {
@@ -457,6 +516,7 @@ mod tests {
             metrics: WorkerMetrics::default(),
             interrupt: CancellationToken::new(),
             registry: None,
+            heartbeat_on: None,
         };
         let (d, c) = (dropped.clone(), cancelled.clone());
         let ended = attempt
@@ -477,6 +537,43 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             cancelled.load(Ordering::SeqCst),
         )
+    }
+
+    /// An oversized or non-object result, or an over-long message, used to
+    /// make the completion fail with 422 and the attempt look expired.
+    #[test]
+    fn completions_fit_the_crd_or_say_why_not() {
+        let big = serde_json::json!({"x": "y".repeat(batchlease_api::MAX_RESULT_BYTES)});
+        let c = completion_of(Ok(Output::json(big)), None);
+        assert_eq!(c.outcome, LeaseOutcome::Failed);
+        assert!(c.permanent);
+        assert_eq!(c.reason.as_deref(), Some("ResultTooLarge"));
+        assert!(c.result.is_none());
+
+        let c = completion_of(Ok(Output::json(vec![1, 2])), None);
+        assert_eq!(c.reason.as_deref(), Some("InvalidResult"));
+        assert!(c.permanent);
+
+        let ok = completion_of(Ok(Output::json(serde_json::json!({"n": 1}))), None);
+        assert_eq!(ok.outcome, LeaseOutcome::Succeeded);
+        assert_eq!(ok.result.unwrap().as_str(), r#"{"n":1}"#);
+
+        let long = "é".repeat(MAX_MESSAGE_CHARS + 10);
+        let c = completion_of(
+            Err(TaskError::retryable(long).with_reason("R".repeat(500))),
+            None,
+        );
+        assert_eq!(c.message.unwrap().chars().count(), MAX_MESSAGE_CHARS);
+        assert_eq!(c.reason.unwrap().chars().count(), MAX_REASON_CHARS);
+        assert!(!c.permanent);
+
+        let e: TaskError = Output::try_json(serde_json::json!({"x": "y".repeat(200_000)}))
+            .unwrap_err()
+            .into();
+        assert!(
+            matches!(e, TaskError::Permanent { ref reason, .. } if reason == "ResultTooLarge"),
+            "{e:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -507,6 +604,7 @@ mod tests {
             metrics: WorkerMetrics::default(),
             interrupt: CancellationToken::new(),
             registry: None,
+            heartbeat_on: None,
         };
         let run =
             attempt.run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>());

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use batchlease_api::{JsonObject, MAX_CHECKPOINT_BYTES, MAX_RESULT_BYTES};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -43,12 +45,12 @@ pub struct TaskContext {
     pub(crate) task_name: String,
     pub(crate) namespace: String,
     pub(crate) task_uid: String,
-    pub(crate) payload: Value,
+    pub(crate) payload: Option<JsonObject>,
     pub(crate) attempt: i32,
-    pub(crate) previous_checkpoint: Option<Value>,
+    pub(crate) previous_checkpoint: Option<JsonObject>,
     pub(crate) resource_tokens: BTreeMap<String, i64>,
     pub(crate) fence: Fence,
-    pub(crate) pending_checkpoint: Arc<Mutex<Option<Value>>>,
+    pub(crate) pending_checkpoint: Arc<Mutex<Option<JsonObject>>>,
     pub(crate) earlier_commit: Option<EarlierCommit>,
 }
 
@@ -76,15 +78,20 @@ impl TaskContext {
         self.earlier_commit.as_ref()
     }
 
-    /// The payload as JSON.
-    pub fn payload_json(&self) -> &Value {
-        &self.payload
+    /// The payload as JSON text (any depth; `None` when the task has none).
+    pub fn payload_raw(&self) -> Option<&JsonObject> {
+        self.payload.as_ref()
     }
 
-    /// The payload, deserialized; a payload of the wrong shape is a
-    /// permanent error (a retry would see the same payload).
+    /// The payload, deserialized (JSON `null` when the task has none). A
+    /// payload of the wrong shape — or nested deeper than serde_json's 128
+    /// levels — is a permanent error: a retry would see the same payload.
     pub fn payload<T: DeserializeOwned>(&self) -> Result<T, crate::TaskError> {
-        serde_json::from_value(self.payload.clone()).map_err(|e| {
+        let parsed = match &self.payload {
+            Some(p) => p.parse(),
+            None => serde_json::from_value(Value::Null),
+        };
+        parsed.map_err(|e| {
             crate::TaskError::permanent(format!("payload: {e}")).with_reason("InvalidPayload")
         })
     }
@@ -104,18 +111,49 @@ impl TaskContext {
         &self.resource_tokens
     }
 
-    /// Progress recorded by the previous attempt, to resume from.
-    pub fn previous_checkpoint(&self) -> Option<&Value> {
+    /// Progress recorded by the previous attempt, to resume from, as JSON
+    /// text.
+    pub fn previous_checkpoint_raw(&self) -> Option<&JsonObject> {
         self.previous_checkpoint.as_ref()
     }
 
+    /// Progress recorded by the previous attempt, deserialized; `Ok(None)`
+    /// when there is none. A checkpoint of the wrong shape is a permanent
+    /// error (the next attempt would read the same one).
+    pub fn previous_checkpoint<T: DeserializeOwned>(&self) -> Result<Option<T>, crate::TaskError> {
+        self.previous_checkpoint
+            .as_ref()
+            .map(JsonObject::parse)
+            .transpose()
+            .map_err(|e| {
+                crate::TaskError::permanent(format!("previous checkpoint: {e}"))
+                    .with_reason("InvalidCheckpoint")
+            })
+    }
+
     /// Records progress; it travels with the next renewal (no extra write)
-    /// and is handed to the next attempt if this one fails.
-    pub fn checkpoint(&self, progress: Value) {
+    /// and is handed to the next attempt if this one fails. It must
+    /// serialize to a JSON object of at most
+    /// [`MAX_CHECKPOINT_BYTES`](batchlease_api::MAX_CHECKPOINT_BYTES);
+    /// otherwise nothing is recorded and the error says why (a permanent
+    /// failure if returned from the handler).
+    pub fn checkpoint(&self, progress: impl Serialize) -> Result<(), Error> {
+        let cp = JsonObject::from_serialize(&progress).map_err(|e| Error::InvalidJson {
+            what: "checkpoint",
+            source: e,
+        })?;
+        if cp.len() > MAX_CHECKPOINT_BYTES {
+            return Err(Error::TooLarge {
+                what: "checkpoint",
+                bytes: cp.len(),
+                limit: MAX_CHECKPOINT_BYTES,
+            });
+        }
         *self
             .pending_checkpoint
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(progress);
+            .unwrap_or_else(|e| e.into_inner()) = Some(cp);
+        Ok(())
     }
 
     /// Fires when the kill switch does. The SDK also drops the handler's
@@ -133,7 +171,30 @@ impl TaskContext {
 /// What a successful handler returns: a small result for the task's status.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Output {
-    pub result: Option<Value>,
+    /// The result, or why it cannot be one (reported as a permanent
+    /// failure of the attempt when the handler returns).
+    pub(crate) result: Option<Result<JsonObject, OutputError>>,
+}
+
+/// Why a handler's result was refused; see [`Output::try_json`].
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OutputError {
+    /// `ResultTooLarge` or `InvalidResult`.
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
+}
+
+impl OutputError {
+    fn of(e: &Error) -> Self {
+        let reason = match e {
+            Error::TooLarge { .. } => "ResultTooLarge",
+            _ => "InvalidResult",
+        };
+        Self {
+            reason,
+            message: e.to_string(),
+        }
+    }
 }
 
 impl Output {
@@ -142,10 +203,38 @@ impl Output {
         Self::default()
     }
 
-    /// A JSON result (keep it small: it is stored in the BatchTask status).
-    pub fn json(result: Value) -> Self {
-        Self {
-            result: Some(result),
+    /// A result: `value` must serialize to a JSON object of at most
+    /// [`MAX_RESULT_BYTES`](batchlease_api::MAX_RESULT_BYTES) (it is stored
+    /// in the BatchTask's status). If it does not, the attempt fails
+    /// permanently with reason `ResultTooLarge` or `InvalidResult` when the
+    /// handler returns; use [`Output::try_json`] to find out earlier.
+    pub fn json(value: impl Serialize) -> Self {
+        Self::try_json(value).unwrap_or_else(|e| Self {
+            result: Some(Err(OutputError::of(&e))),
+        })
+    }
+
+    /// Like [`Output::json`], but reports a refused result at once.
+    pub fn try_json(value: impl Serialize) -> Result<Self, Error> {
+        let result = JsonObject::from_serialize(&value).map_err(|e| Error::InvalidJson {
+            what: "result",
+            source: e,
+        })?;
+        Self::try_raw(result)
+    }
+
+    /// A result given as JSON text (any depth), checked like
+    /// [`Output::try_json`].
+    pub fn try_raw(result: JsonObject) -> Result<Self, Error> {
+        if result.len() > MAX_RESULT_BYTES {
+            return Err(Error::TooLarge {
+                what: "result",
+                bytes: result.len(),
+                limit: MAX_RESULT_BYTES,
+            });
         }
+        Ok(Self {
+            result: Some(Ok(result)),
+        })
     }
 }

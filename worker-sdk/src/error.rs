@@ -93,6 +93,31 @@ pub enum Error {
     /// A write kept conflicting with our own earlier writes.
     #[error("{what} kept conflicting; gave up")]
     Contended { what: &'static str },
+    /// A checkpoint or result that is not a JSON object (or cannot be
+    /// serialized): the CRDs accept objects only.
+    #[error("{what} is not a valid JSON object: {source}")]
+    InvalidJson {
+        what: &'static str,
+        #[source]
+        source: batchlease_api::JsonObjectError,
+    },
+    /// A checkpoint or result over its size limit: it would be refused by
+    /// the API server or make the task's status too large.
+    #[error("{what} is {bytes} bytes; the limit is {limit}")]
+    TooLarge {
+        what: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
+    /// The API server refused our own write of a lease that is still ours
+    /// (422 Invalid): retrying the same write cannot help, so the attempt
+    /// ends with this error instead of looping until the kill switch.
+    #[error("the API server refused the {what} of lease {lease} as invalid: {message}")]
+    Invalid {
+        what: &'static str,
+        lease: String,
+        message: String,
+    },
     /// The worker was configured wrongly.
     #[error("invalid worker configuration: {0}")]
     Config(&'static str),
@@ -112,6 +137,9 @@ impl Error {
             Self::Postgres { .. } => "postgres",
             Self::Contended { .. } => "contended",
             Self::Timeout { .. } => "timeout",
+            Self::InvalidJson { .. } => "invalid_json",
+            Self::TooLarge { .. } => "too_large",
+            Self::Invalid { .. } => "invalid",
             Self::Config(_) => "config",
         }
     }
@@ -124,11 +152,23 @@ impl From<Error> for TaskError {
         let reason = match &e {
             Error::Revoked { .. } => "Revoked",
             Error::Fenced { .. } => "Fenced",
+            // The same handler would produce the same output again: a
+            // retry cannot help.
+            Error::TooLarge { what: "result", .. } => return permanent("ResultTooLarge", &e),
+            Error::TooLarge { .. } => return permanent("CheckpointTooLarge", &e),
+            Error::InvalidJson { .. } => return permanent("InvalidJson", &e),
             _ => "SdkError",
         };
         TaskError::Retryable {
             reason: reason.into(),
             message: e.to_string(),
         }
+    }
+}
+
+fn permanent(reason: &str, e: &Error) -> TaskError {
+    TaskError::Permanent {
+        reason: reason.into(),
+        message: e.to_string(),
     }
 }

@@ -28,6 +28,9 @@ pub enum KillReason {
     LeaseLost,
     /// The attempt ran past `activeDeadlineSeconds`.
     DeadlineExceeded,
+    /// The API server refused our own write of the lease as invalid (422):
+    /// the same write would be refused again.
+    WriteRefused,
 }
 
 impl KillReason {
@@ -37,6 +40,7 @@ impl KillReason {
             Self::RenewalsFailed => "renewals_failed",
             Self::LeaseLost => "lease_lost",
             Self::DeadlineExceeded => "deadline_exceeded",
+            Self::WriteRefused => "write_refused",
         }
     }
 }
@@ -57,7 +61,10 @@ impl KillClock {
         Self {
             ttl,
             last_ok_sent: claim_sent,
-            deadline: active_deadline.map(|d| claim_sent + d),
+            // Checked: a deadline too far to represent is no deadline
+            // (the schema caps it at a year; this keeps a hostile or
+            // future value from panicking every claimant).
+            deadline: active_deadline.and_then(|d| claim_sent.checked_add(d)),
         }
     }
 
@@ -202,6 +209,20 @@ mod tests {
     use super::*;
 
     const TTL: Duration = Duration::from_secs(30);
+
+    /// `activeDeadlineSeconds` near `i64::MAX` made `Instant + Duration`
+    /// panic in every worker that claimed the task.
+    #[test]
+    fn an_unrepresentable_deadline_is_no_deadline() {
+        let c = KillClock::new(
+            TTL,
+            Instant::now(),
+            Some(Duration::from_secs(i64::MAX.unsigned_abs())),
+        );
+        assert_eq!(c.kill_at().1, KillReason::RenewalsFailed);
+        let c = KillClock::new(TTL, Instant::now(), Some(Duration::MAX));
+        assert_eq!(c.kill_at().1, KillReason::RenewalsFailed);
+    }
 
     #[test]
     fn kill_at_table() {

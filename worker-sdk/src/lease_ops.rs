@@ -1,12 +1,11 @@
 //! The worker's writes to a TaskLease (design §3 steps 2, 3, 6). Each is
 //! one replace of the whole object carrying the resourceVersion read.
 
-use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease};
+use batchlease_api::{JsonObject, LeaseOutcome, LeasePhase, TaskLease};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
-use serde_json::Value;
 
 use crate::error::Error;
 
@@ -82,7 +81,7 @@ pub async fn renew(
     api: &Api<TaskLease>,
     ours: &TaskLease,
     holder: &str,
-    checkpoint: Option<Value>,
+    checkpoint: Option<JsonObject>,
 ) -> Result<Renewal, Error> {
     let mut l = ours.clone();
     l.spec.renew_time = Some(now());
@@ -96,6 +95,14 @@ pub async fn renew(
             // Someone wrote after our copy. Only the operator writes a held
             // lease besides us, and only to end it — but look before leaping.
             match still_ours(api, &l.name_any(), holder).await? {
+                // 422 on a lease still ours: the API server refuses the
+                // write itself (our checkpoint?). The same write would be
+                // refused again: end the attempt, saying why.
+                Some(_) if s.code == 422 => Err(Error::Invalid {
+                    what: "renewal",
+                    lease: l.name_any(),
+                    message: s.message,
+                }),
                 // Still ours (e.g. our own earlier write whose answer was
                 // lost): retry on the fresh copy right away.
                 Some(fresh) => {
@@ -124,8 +131,8 @@ pub struct Completion {
     pub reason: Option<String>,
     pub message: Option<String>,
     pub permanent: bool,
-    pub result: Option<Value>,
-    pub checkpoint: Option<Value>,
+    pub result: Option<JsonObject>,
+    pub checkpoint: Option<JsonObject>,
 }
 
 /// One completion attempt from `ours`, no re-read: a conflict means someone
@@ -203,10 +210,16 @@ pub async fn complete(
                 // A final lease refuses every write: maybe it is final with
                 // our own completion, whose answer was lost.
                 let fresh = api.get_opt(&l.name_any()).await.ok().flatten();
-                if fresh.is_some_and(|f| completed_by(&f, holder, c)) {
-                    return Ok(());
-                }
-                return Err(rejected(s));
+                return match fresh {
+                    Some(f) if completed_by(&f, holder, c) => Ok(()),
+                    // Still ours: the completion itself is invalid.
+                    Some(f) if held_by(&f, holder) => Err(Error::Invalid {
+                        what: "completion",
+                        lease: l.name_any(),
+                        message: s.message,
+                    }),
+                    _ => Err(rejected(s)),
+                };
             }
             Err(kube::Error::Api(s)) if s.code == 404 => return Err(rejected(s)),
             Err(source) => {

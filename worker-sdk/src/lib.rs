@@ -5,14 +5,14 @@
 //! server and by your storage.
 //!
 //! ```no_run
-//! # async fn demo(client: kube::Client) -> Result<(), batchlease_worker_sdk::Error> {
+//! # async fn demo(config: kube::Config) -> Result<(), batchlease_worker_sdk::Error> {
 //! use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
-//! let worker = WorkerBuilder::new(client, "default").queue("etl").slots(4).build()?;
+//! let worker = WorkerBuilder::new(config, "default").queue("etl").slots(4).build()?;
 //! worker
 //!     .run(
 //!         |ctx: TaskContext| async move {
 //!             let n: u64 = ctx.payload()?;
-//!             ctx.checkpoint(serde_json::json!({"done": n}));
+//!             ctx.checkpoint(serde_json::json!({"done": n}))?;
 //!             Ok::<_, TaskError>(Output::json(serde_json::json!({"n": n})))
 //!         },
 //!         async { let _ = tokio::signal::ctrl_c().await; },
@@ -25,6 +25,7 @@ mod attempt;
 mod context;
 mod error;
 mod fence;
+mod heartbeat_runtime;
 mod lease_ops;
 mod metrics;
 #[cfg(feature = "postgres")]
@@ -32,6 +33,7 @@ pub mod postgres;
 mod worker;
 
 pub use attempt::Ended;
+pub use batchlease_api::{JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_RESULT_BYTES};
 pub use context::{EarlierCommit, Output, Registry, TaskContext};
 pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};

@@ -23,12 +23,13 @@ use crate::attempt::{Attempt, Ended};
 use crate::context::{Output, Registry, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillClock};
+use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops;
 use crate::metrics::WorkerMetrics;
 
 /// Configures a [`Worker`].
 pub struct WorkerBuilder {
-    client: Client,
+    config: kube::Config,
     namespace: String,
     queues: Vec<String>,
     slots: usize,
@@ -40,9 +41,13 @@ pub struct WorkerBuilder {
 
 impl WorkerBuilder {
     /// A worker for `namespace`: one slot, no queue yet, 30 s drain grace.
-    pub fn new(client: Client, namespace: impl Into<String>) -> Self {
+    /// It takes the client *configuration* (e.g. `kube::Config::infer()`),
+    /// not a client: it builds two clients from it, one for claims and
+    /// handlers and one on the heartbeat's own runtime, so a handler that
+    /// blocks its thread cannot starve the lease's renewals.
+    pub fn new(config: kube::Config, namespace: impl Into<String>) -> Self {
         Self {
-            client,
+            config,
             namespace: namespace.into(),
             queues: Vec::new(),
             slots: 1,
@@ -107,8 +112,26 @@ impl WorkerBuilder {
             return Err(Error::Config("slots must be at least 1"));
         }
         let identity = self.identity.unwrap_or_else(default_identity);
+        // The CRD caps holderIdentity at 253 characters: a longer identity
+        // made every claim fail with 422, which looked like lost races.
+        if identity.is_empty() || identity.chars().count() > MAX_IDENTITY_CHARS {
+            return Err(Error::Config(
+                "identity must be 1 to 253 characters (spec.holderIdentity)",
+            ));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::Config(
+                "build() must be called inside a Tokio runtime",
+            ));
+        }
+        let heartbeats = Arc::new(HeartbeatRuntime::start(self.config.clone())?);
+        let client = Client::try_from(self.config).map_err(|source| Error::Kube {
+            what: "client",
+            source,
+        })?;
         Ok(Worker {
-            client: self.client,
+            client,
+            heartbeats,
             namespace: self.namespace,
             queues: self.queues,
             slots: self.slots,
@@ -119,6 +142,9 @@ impl WorkerBuilder {
         })
     }
 }
+
+/// `spec.holderIdentity`'s `maxLength`.
+const MAX_IDENTITY_CHARS: usize = 253;
 
 fn default_identity() -> String {
     let base = std::env::var("POD_NAME")
@@ -149,6 +175,7 @@ impl std::fmt::Debug for Worker {
 /// Runs tasks of its queues. See [`WorkerBuilder`].
 pub struct Worker {
     client: Client,
+    heartbeats: Arc<HeartbeatRuntime>,
     namespace: String,
     queues: Vec<String>,
     slots: usize,
@@ -247,6 +274,12 @@ impl Worker {
                 };
                 let attempt = AttemptStart {
                     leases: leases.clone(),
+                    heartbeat_on: self.heartbeats.handle().map(|h| {
+                        (
+                            h,
+                            Api::namespaced(self.heartbeats.client(), &self.namespace),
+                        )
+                    }),
                     identity: self.identity.clone(),
                     metrics: self.metrics.clone(),
                     interrupt: interrupt.clone(),
@@ -398,6 +431,7 @@ enum Claim {
 /// What a spawned attempt needs besides the lease and its task.
 struct AttemptStart {
     leases: Api<TaskLease>,
+    heartbeat_on: Option<(tokio::runtime::Handle, Api<TaskLease>)>,
     identity: String,
     metrics: WorkerMetrics,
     interrupt: CancellationToken,
@@ -435,8 +469,51 @@ impl AttemptStart {
             metrics: self.metrics,
             interrupt: self.interrupt,
             registry: self.registry,
+            heartbeat_on: self.heartbeat_on,
         }
         .run(handler)
         .await
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn config() -> kube::Config {
+        kube::Config::new("http://127.0.0.1:1".parse().unwrap())
+    }
+
+    /// A 254-character identity made every claim fail with 422, which the
+    /// worker took for lost races: silently nothing ran.
+    #[tokio::test]
+    async fn build_refuses_an_identity_the_crd_would_refuse() {
+        for bad in ["", &"w".repeat(254)] {
+            let e = WorkerBuilder::new(config(), "ns")
+                .queue("q")
+                .identity(bad)
+                .build()
+                .unwrap_err();
+            assert!(matches!(e, Error::Config(m) if m.contains("253")), "{e:?}");
+        }
+        let w = WorkerBuilder::new(config(), "ns")
+            .queue("q")
+            .identity("w".repeat(253))
+            .build()
+            .unwrap();
+        assert_eq!(w.identity().len(), 253);
+    }
+
+    #[test]
+    fn build_outside_a_runtime_is_an_error_not_a_panic() {
+        let e = WorkerBuilder::new(config(), "ns")
+            .queue("q")
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Config(m) if m.contains("runtime")),
+            "{e:?}"
+        );
     }
 }

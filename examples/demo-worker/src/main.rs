@@ -3,7 +3,10 @@
 //! then commits its result to PostgreSQL under the attempt's fence.
 //!
 //! Payload: `{"steps": 5, "stepMillis": 200, "failureRate": 0.0,
-//! "permanentFailure": false}`.
+//! "permanentFailure": false}`. For tests of hostile or careless handlers:
+//! `"spinMillis": n` first computes for n ms without awaiting (a CPU-bound
+//! handler), `"deepLevels": n` records a checkpoint and returns a result
+//! nested n objects deep, `"resultBytes": n` returns a result of n bytes.
 
 mod pg_url;
 
@@ -12,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use batchlease_worker_sdk::postgres::{FencedPool, migrate};
-use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
+use batchlease_worker_sdk::{JsonObject, Output, TaskContext, TaskError, WorkerBuilder};
 use clap::Parser;
 use rand::Rng;
 use serde::Deserialize;
@@ -68,6 +71,32 @@ struct Payload {
     failure_rate: f64,
     #[serde(default)]
     permanent_failure: bool,
+    #[serde(default)]
+    spin_millis: u64,
+    #[serde(default)]
+    deep_levels: usize,
+    #[serde(default)]
+    result_bytes: usize,
+}
+
+/// The demo's checkpoint.
+#[derive(Deserialize)]
+struct Progress {
+    step: u64,
+}
+
+/// `{"n":{"n":…{"step":k}…}}`, `levels` objects deep, as JSON text: built
+/// as text because a `serde_json::Value` this deep overflows the stack.
+fn nested(levels: usize, step: u64) -> Result<JsonObject, TaskError> {
+    let mut s = String::with_capacity(levels * 6 + 16);
+    for _ in 1..levels {
+        s.push_str("{\"n\":");
+    }
+    s.push_str(&format!("{{\"step\":{step}}}"));
+    for _ in 1..levels {
+        s.push('}');
+    }
+    JsonObject::from_text(s).map_err(|e| TaskError::permanent(e.to_string()))
 }
 
 fn five() -> u64 {
@@ -86,18 +115,16 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let client = match &args.kubeconfig {
+    let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)?;
-            kube::Client::try_from(
-                kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?,
-            )?
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
         }
-        None => kube::Client::try_default().await?,
+        None => kube::Config::infer().await?,
     };
     let pg = pg_url::load(args.pg_url_file.as_deref())?;
     let database = pg_url::describe(&pg);
-    let mut builder = WorkerBuilder::new(client, &args.namespace)
+    let mut builder = WorkerBuilder::new(config, &args.namespace)
         .slots(args.slots)
         .drain_grace(Duration::from_secs(args.drain_grace_seconds));
     for q in &args.queues {
@@ -172,10 +199,22 @@ async fn work(
             json!({"committedBy": earlier.token, "result": earlier.payload}),
         ));
     }
-    let from = ctx
-        .previous_checkpoint()
-        .and_then(|c| c["step"].as_u64())
-        .unwrap_or(0);
+    // A deep checkpoint (deepLevels) is not one this demo resumes from.
+    let from = if p.deep_levels > 0 {
+        0
+    } else {
+        ctx.previous_checkpoint::<Progress>()?.map_or(0, |c| c.step)
+    };
+    if p.spin_millis > 0 {
+        // Computes without ever awaiting, like CPU-bound user code: the
+        // lease must stay renewed all the same (the heartbeat has its own
+        // runtime).
+        let until = std::time::Instant::now() + Duration::from_millis(p.spin_millis);
+        let mut spins: u64 = 0;
+        while std::time::Instant::now() < until {
+            spins = std::hint::black_box(spins.wrapping_add(1));
+        }
+    }
     info!(
         task = ctx.task_name(),
         token = ctx.fencing_token(),
@@ -186,7 +225,11 @@ async fn work(
     for step in from..p.steps {
         // The "work" of this demo is waiting; a real worker computes here.
         tokio::time::sleep(Duration::from_millis(p.step_millis)).await;
-        ctx.checkpoint(json!({"step": step + 1}));
+        if p.deep_levels > 0 {
+            ctx.checkpoint(nested(p.deep_levels, step + 1)?)?;
+        } else {
+            ctx.checkpoint(json!({"step": step + 1}))?;
+        }
     }
     if p.permanent_failure {
         return Err(
@@ -213,6 +256,15 @@ async fn work(
             tracing::error!(task = ctx.task_name(), token = ctx.fencing_token(), error = %e, kind = e.kind(), "commit rejected");
             return Err(e.into());
         }
+    }
+    if p.deep_levels > 0 {
+        return Ok(Output::try_raw(nested(p.deep_levels, p.steps)?)?);
+    }
+    if p.result_bytes > 0 {
+        // Output::json defers the size check to the completion, which
+        // reports it as a permanent ResultTooLarge failure.
+        let filler = "x".repeat(p.result_bytes);
+        return Ok(Output::json(json!({"worker": identity, "filler": filler})));
     }
     Ok(Output::json(
         json!({"worker": identity, "resumedFrom": from}),
