@@ -6,9 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use batchlease_api::{BatchTask, TaskLease, WatchBackoff};
 use futures::{StreamExt, TryStreamExt};
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, watcher};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -151,7 +152,15 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         .reflect(task_writer)
         .applied_objects();
     let controller = Controller::for_stream(task_stream, task_store.clone())
-        .owns_stream(lease_stream)
+        // Leases map to their task by the immutable spec.taskName, not by
+        // the owner reference (metadata anyone who may update a lease can
+        // remove, which would hide the lease from its task's reconcile).
+        .watches_stream(lease_stream, |l: TaskLease| {
+            std::iter::once(
+                ObjectRef::<BatchTask>::new(&l.spec.task_name)
+                    .within(&l.namespace().unwrap_or_default()),
+            )
+        })
         .reconcile_all_on(relisted)
         .graceful_shutdown_on(async move { stop.cancelled().await });
     let tasks = task_store;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use batchlease_api::{BatchTask, TaskLease};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -84,8 +84,20 @@ pub async fn reconcile(task: Arc<BatchTask>, ctx: Arc<Ctx>) -> Result<Action, Er
     ctx.metrics
         .reconcile_duration
         .observe(started.elapsed().as_secs_f64());
-    result
+    // A safety net, not the mechanism: every task is looked at again now
+    // and then even if no event arrives (a lost watch event, metadata
+    // changed behind our back), spread out so they do not come all at once.
+    result.map(|action| {
+        if action == Action::await_change() {
+            Action::requeue(RESYNC + RESYNC.mul_f64(rand::rng().random::<f64>() / 5.0))
+        } else {
+            action
+        }
+    })
 }
+
+/// How long a task waits for an event before it is reconciled anyway.
+const RESYNC: Duration = Duration::from_secs(300);
 
 async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     if !ctx.leases_listed.load(std::sync::atomic::Ordering::Acquire) {
@@ -101,6 +113,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         .filter_map(|l| ctx.leases.get(&ObjectRef::new(&l).within(&ns)))
         .filter(|l| l.spec.task_uid == uid)
         .collect();
+    repair_leases(ctx, task, &leases).await?;
     let now = Instant::now();
     let current = task.status.as_ref().and_then(|s| s.current_lease.clone());
     let observation = current
@@ -220,6 +233,42 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             Ok(then.map_or_else(Action::await_change, Action::requeue))
         }
     }
+}
+
+/// Puts back the labels and controller reference of this task's leases
+/// that someone changed (see `lease_build::repair`): without them workers
+/// cannot see an offer and the garbage collector cannot find the lease.
+async fn repair_leases(
+    ctx: &Ctx,
+    task: &BatchTask,
+    leases: &[Arc<TaskLease>],
+) -> Result<(), Error> {
+    for lease in leases {
+        let Some(patch) = crate::lease_build::repair(task, lease) else {
+            continue;
+        };
+        ctx.leadership.ensure()?;
+        let name = lease.name_any();
+        let api: Api<TaskLease> =
+            Api::namespaced(ctx.client.clone(), &task.namespace().unwrap_or_default());
+        bounded(ctx, "lease repair", async {
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(ctx, e, "lease repair"))
+        })
+        .await?;
+        warn!(task = %task.name_any(), lease = %name, "lease labels or owner reference were changed; restored");
+        publish(
+            ctx,
+            task,
+            EventType::Warning,
+            "LeaseRepaired",
+            format!("lease {name} had its labels or owner reference changed; restored"),
+        )
+        .await;
+    }
+    Ok(())
 }
 
 async fn write_status(
