@@ -32,6 +32,14 @@ pub const MAX_MESSAGE_CHARS: usize = 4096;
 /// Upper bound of a reason, in characters (the CRDs' `maxLength`).
 pub const MAX_REASON_CHARS: usize = 128;
 
+/// Upper bound of the nesting depth of a checkpoint or result the SDK
+/// writes. The API server accepts objects nested about 10,000 levels deep
+/// but (Kubernetes 1.37) stores some it then cannot decode — every list of
+/// that resource in the namespace fails for every client until the object
+/// is removed by hand. Nothing legitimate nests 1,000 levels; staying far
+/// below keeps a careless handler away from that edge.
+pub const MAX_DEPTH: usize = 1000;
+
 /// A JSON object held as its text. Equality is textual.
 #[derive(Clone)]
 pub struct JsonObject(Box<RawValue>);
@@ -82,6 +90,34 @@ impl JsonObject {
     /// Never true for a valid object (`{}` has two bytes); for clippy.
     pub fn is_empty(&self) -> bool {
         self.0.get().is_empty()
+    }
+
+    /// Nesting depth of the object (`{}` is 1), counted by one pass over
+    /// the text without recursion.
+    pub fn depth(&self) -> usize {
+        let (mut depth, mut max) = (0usize, 0usize);
+        let (mut in_string, mut escaped) = (false, false);
+        for b in self.as_str().bytes() {
+            if in_string {
+                match (escaped, b) {
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' => {
+                    depth += 1;
+                    max = max.max(depth);
+                }
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        max
     }
 
     /// Decodes into `T` with serde_json's default limits (128 levels): a
@@ -186,6 +222,24 @@ mod tests {
         assert_eq!(
             JsonObject::try_from(json!({"n": 1})).unwrap().as_str(),
             r#"{"n":1}"#
+        );
+    }
+
+    #[test]
+    fn depth_counts_nesting_outside_strings() {
+        let cases = [
+            ("{}", 1),
+            (r#"{"a":[1,{"b":2}]}"#, 3),
+            (r#"{"a":"{{{[[["}"#, 1),
+            (r#"{"a":"\"{{","b":{}}"#, 2),
+            (r#"{"a":"\\","b":{"c":{}}}"#, 3),
+        ];
+        for (text, want) in cases {
+            assert_eq!(JsonObject::from_text(text).unwrap().depth(), want, "{text}");
+        }
+        assert_eq!(
+            JsonObject::from_text(nested(10_000)).unwrap().depth(),
+            10_000
         );
     }
 

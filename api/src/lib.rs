@@ -18,8 +18,8 @@ pub use batch_task::{
 };
 pub use current::{NotCurrent, check_current};
 pub use json::{
-    JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_MESSAGE_CHARS, MAX_REASON_CHARS,
-    MAX_RESULT_BYTES,
+    JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_MESSAGE_CHARS,
+    MAX_REASON_CHARS, MAX_RESULT_BYTES,
 };
 pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
 pub use watch_backoff::WatchBackoff;

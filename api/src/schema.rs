@@ -5,10 +5,17 @@ use schemars::{Schema, SchemaGenerator, json_schema};
 
 /// An object whose keys the API server must keep although the schema does
 /// not name them: payloads, checkpoints and results belong to user code.
+///
+/// Atomic: without it the API server tracks every nested key of the object
+/// in `metadata.managedFields`, mirroring its whole depth there — and
+/// managedFields are decoded as `serde_json::Value`, so a deeply nested
+/// payload broke every client's decoding of the object all the same. An
+/// opaque user blob is one field to server-side apply anyway.
 pub fn free_form_object(_: &mut SchemaGenerator) -> Schema {
     json_schema!({
         "type": "object",
         "x-kubernetes-preserve-unknown-fields": true,
+        "x-kubernetes-map-type": "atomic",
     })
 }
 

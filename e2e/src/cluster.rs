@@ -129,7 +129,8 @@ impl TestNamespace {
         Api::namespaced(self.client.clone(), &self.name)
     }
 
-    /// Everything a human needs to see why a test failed in this namespace.
+    /// Everything a human needs to see why a test failed in this namespace
+    /// (each listing capped at [`DIAGNOSTICS_CAP`] bytes).
     pub fn diagnostics(&self) -> String {
         let mut out = String::new();
         for args in [
@@ -139,8 +140,8 @@ impl TestNamespace {
             let mut full = args.clone();
             full.extend(["-n", &self.name]);
             out.push_str(&format!("$ kubectl {}\n", full.join(" ")));
-            match kubectl::run(&full) {
-                Ok(o) => out.push_str(&o.combined()),
+            match kubectl::run_capped(&full, DIAGNOSTICS_CAP) {
+                Ok(o) => out.push_str(&o),
                 Err(e) => out.push_str(&format!("(kubectl failed: {e:#})\n")),
             }
         }
@@ -192,6 +193,9 @@ impl TestNamespace {
         Ok(())
     }
 }
+
+/// Bytes of each kubectl listing kept in diagnostics.
+pub const DIAGNOSTICS_CAP: usize = 2_000_000;
 
 /// The last lines of each control-plane component's log.
 pub fn component_logs() -> String {

@@ -41,6 +41,34 @@ pub fn run(args: &[&str]) -> anyhow::Result<Output> {
     })
 }
 
+/// Runs kubectl and keeps at most `max` bytes of its stdout, then stops
+/// it: diagnostics of a namespace holding a 10,000-level object would
+/// otherwise be YAML of quadratic size (every level indents further).
+pub fn run_capped(args: &[&str], max: usize) -> anyhow::Result<String> {
+    use std::io::Read;
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let mut child = Command::new(binary())
+        .args(args)
+        .current_dir(root)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| format!("running {} {}", binary(), args.join(" ")))?;
+    let mut out = Vec::new();
+    if let Some(stdout) = child.stdout.take() {
+        stdout.take(max as u64 + 1).read_to_end(&mut out)?;
+    }
+    let cut = out.len() > max;
+    let _ = child.kill();
+    let _ = child.wait();
+    out.truncate(max);
+    let mut text = String::from_utf8_lossy(&out).into_owned();
+    if cut {
+        text.push_str(&format!("\n… (cut at {max} bytes)\n"));
+    }
+    Ok(text)
+}
+
 /// Runs kubectl and fails with its output unless it succeeded.
 pub fn ok(args: &[&str]) -> anyhow::Result<String> {
     let out = run(args)?;

@@ -2,9 +2,12 @@
 //! of tasks under two operator replicas while faults drawn from a seeded
 //! RNG hit them — SIGSTOP past the TTL, SIGKILL, an API partition with
 //! PostgreSQL reachable, PostgreSQL packets held past the TTL and then
-//! delivered, the leader SIGKILLed, kube-apiserver and etcd restarted. At
-//! the end every task must have finished and the history checker must find
-//! no violation. The seed is printed first, so a failure replays.
+//! delivered, the leader SIGKILLed, kube-apiserver and etcd restarted —
+//! and hostile tenants: lease labels and owner references tampered with,
+//! forged leases carrying the largest token, tasks with a 10,000-level
+//! payload and handlers that compute for 2·TTL without yielding. At the end
+//! every task must have finished and the history checker must find no
+//! violation. The seed is printed first, so a failure replays.
 //!
 //! Quick mode runs in CI (`e2e/tests/soak.rs`, ≥ 100 faults); the full run
 //! is `hack/soak.sh --faults=1000` (`e2e/bench/RESULTS.md`).
@@ -14,7 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_api::{BatchTask, TaskPhase};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use kube::ResourceExt;
+use kube::api::{Patch, PatchParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -62,7 +67,7 @@ impl SoakConfig {
 }
 
 /// Fault kinds, with their weights.
-const KINDS: [(&str, u32); 7] = [
+const KINDS: [(&str, u32); 9] = [
     ("worker_sigstop_past_ttl", 20),
     ("worker_sigkill", 14),
     ("worker_api_partition", 16),
@@ -70,7 +75,24 @@ const KINDS: [(&str, u32); 7] = [
     ("leader_sigkill", 8),
     ("kube_apiserver_restart", 2),
     ("etcd_restart", 2),
+    ("tamper_lease_metadata", 6),
+    ("forge_lease", 3),
 ];
+
+/// A demo payload that also nests 9,980 objects deep (built as text).
+fn deep_payload() -> String {
+    let levels = 9_980;
+    let mut s = String::with_capacity(levels * 6 + 64);
+    s.push_str(r#"{"steps":4,"stepMillis":250,"n":"#);
+    for _ in 1..levels {
+        s.push_str(r#"{"n":"#);
+    }
+    s.push_str("{}");
+    for _ in 0..levels {
+        s.push('}');
+    }
+    s
+}
 
 /// What happened.
 #[derive(Debug, Default)]
@@ -231,14 +253,24 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         let (api, n, ttl) = (tasks_api.clone(), cfg.tasks, cfg.ttl_seconds);
         tokio::spawn(async move {
             for i in 0..n {
-                let t: BatchTask = serde_json::from_value(json!({
+                // Every tenth task nests deep; every tenth (another) spins
+                // the CPU for 2·TTL without awaiting.
+                let payload = match i % 10 {
+                    3 => json!(null),
+                    7 => json!({"steps": 1, "stepMillis": 1, "spinMillis": 2 * ttl * 1000}),
+                    _ => json!({"steps": 4, "stepMillis": 250}),
+                };
+                let mut t: BatchTask = serde_json::from_value(json!({
                     "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
                     "metadata": {"name": format!("t{i:04}")},
                     "spec": {"queue": "soak", "leaseDurationSeconds": ttl, "maxRetries": 20,
                              "backoff": {"initialSeconds": 1, "maxSeconds": 2},
-                             "payload": {"steps": 4, "stepMillis": 250}}
+                             "payload": payload}
                 }))
                 .expect("a valid task");
+                if i % 10 == 3 {
+                    t.spec.payload = batchlease_api::JsonObject::from_text(deep_payload()).ok();
+                }
                 // Control-plane faults make creates fail for a while: retry.
                 while api.create(&Default::default(), &t).await.is_err() {
                     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -294,6 +326,29 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
                     });
                     true
                 }
+            }
+            "tamper_lease_metadata" => {
+                let (api, pick) = (ns.api::<TaskLease>(), rng.random::<u64>());
+                running.spawn(async move {
+                    if let Err(e) = tamper(&api, pick).await {
+                        eprintln!("soak: tampering failed: {e:#}");
+                    }
+                });
+                true
+            }
+            "forge_lease" => {
+                let (leases, tasks, pick) = (
+                    ns.api::<TaskLease>(),
+                    tasks_api.clone(),
+                    rng.random::<u64>(),
+                );
+                let n = report.faults.get(kind).copied().unwrap_or(0);
+                running.spawn(async move {
+                    if let Err(e) = forge(&leases, &tasks, pick, n).await {
+                        eprintln!("soak: forging failed: {e:#}");
+                    }
+                });
+                true
             }
             "leader_sigkill" => {
                 let ops = ops.clone();
@@ -426,6 +481,72 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         ns.cleanup().await?;
     }
     Ok(report)
+}
+
+/// Hides a live lease from the queue's workers (wrong queue label) and
+/// from the garbage collector (no owner reference); the operator must put
+/// both back.
+async fn tamper(api: &kube::Api<TaskLease>, pick: u64) -> anyhow::Result<()> {
+    let live: Vec<TaskLease> = api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|l| {
+            matches!(
+                l.status.as_ref().and_then(|s| s.phase),
+                Some(LeasePhase::Offered | LeasePhase::Held)
+            ) && !l.owner_references().is_empty()
+        })
+        .collect();
+    let Some(victim) = pick_one(&live, pick) else {
+        return Ok(());
+    };
+    api.patch(
+        &victim.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {
+            "labels": {"batchlease.dev/queue": "elsewhere"},
+            "ownerReferences": null,
+        }})),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Plants an Offered lease with the largest token for a running task,
+/// visible to the queue's workers: nobody may claim it or be fenced by it.
+async fn forge(
+    leases: &kube::Api<TaskLease>,
+    tasks: &kube::Api<BatchTask>,
+    pick: u64,
+    n: usize,
+) -> anyhow::Result<()> {
+    let open: Vec<BatchTask> = tasks
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|t| !phase_of(t).is_some_and(TaskPhase::is_terminal))
+        .collect();
+    let Some(task) = pick_one(&open, pick) else {
+        return Ok(());
+    };
+    let forged: TaskLease = serde_json::from_value(json!({
+        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskLease",
+        "metadata": {"name": format!("forged-{n}"), "labels": {
+            "batchlease.dev/task": task.name_any(), "batchlease.dev/queue": "soak"}},
+        "spec": {"taskName": task.name_any(), "taskUID": task.uid().unwrap_or_default(),
+                 "queue": "soak", "fencingToken": i64::MAX, "leaseDurationSeconds": 30},
+        "status": {"phase": "Offered"}
+    }))?;
+    leases.create(&Default::default(), &forged).await?;
+    Ok(())
+}
+
+fn pick_one<T>(items: &[T], pick: u64) -> Option<&T> {
+    let len = u64::try_from(items.len()).ok().filter(|n| *n > 0)?;
+    items.get(usize::try_from(pick % len).ok()?)
 }
 
 /// One fault on worker `i`, lasting `dur` where it has a duration.

@@ -243,6 +243,19 @@ fn create_cases() -> Vec<Create> {
             ),
         },
         Create {
+            what: "activeDeadlineSeconds near i64::MAX (panicked every claimant's clock)",
+            kind: ar_task(),
+            bad: bt(
+                "c-deadline-huge",
+                json!({"queue": "q", "activeDeadlineSeconds": i64::MAX}),
+            ),
+            expect: "spec.activeDeadlineSeconds: Invalid value: 9223372036854775807",
+            good: bt(
+                "c-deadline-year",
+                json!({"queue": "q", "activeDeadlineSeconds": 31_536_000}),
+            ),
+        },
+        Create {
             what: "maxSpeculativeAborts above 100",
             kind: ar_task(),
             bad: bt(
@@ -569,6 +582,30 @@ fn update_cases() -> Vec<Update> {
                 o["spec"].as_object_mut().unwrap().remove("holderIdentity");
             },
             expect: "holderIdentity may be set once and never changed",
+            good: |o| o["status"]["phase"] = json!("Expired"),
+        },
+        Update {
+            what: "Offered lease settled without being held (any worker could settle any task)",
+            kind: ar_lease(),
+            base: lease("u-lease-settle-offer", None, "Offered"),
+            status: false,
+            bad: |o| {
+                o["spec"]["holderIdentity"] = json!("w-other-queue");
+                o["status"]["phase"] = json!("Completed");
+                o["status"]["outcome"] = json!("Succeeded");
+            },
+            expect: "a lease may become Completed only from Held",
+            good: |o| o["status"]["phase"] = json!("Expired"),
+        },
+        Update {
+            what: "Held lease's phase removed (wedged its task)",
+            kind: ar_lease(),
+            base: lease("u-lease-phase-gone", Some("w1"), "Held"),
+            status: false,
+            bad: |o| {
+                o["status"].as_object_mut().unwrap().remove("phase");
+            },
+            expect: "status.phase may not be removed once set",
             good: |o| o["status"]["phase"] = json!("Expired"),
         },
         Update {

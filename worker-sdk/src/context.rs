@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use batchlease_api::{JsonObject, MAX_CHECKPOINT_BYTES, MAX_RESULT_BYTES};
+use batchlease_api::{JsonObject, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_RESULT_BYTES};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -142,13 +142,7 @@ impl TaskContext {
             what: "checkpoint",
             source: e,
         })?;
-        if cp.len() > MAX_CHECKPOINT_BYTES {
-            return Err(Error::TooLarge {
-                what: "checkpoint",
-                bytes: cp.len(),
-                limit: MAX_CHECKPOINT_BYTES,
-            });
-        }
+        check("checkpoint", &cp, MAX_CHECKPOINT_BYTES)?;
         *self
             .pending_checkpoint
             .lock()
@@ -188,6 +182,7 @@ impl OutputError {
     fn of(e: &Error) -> Self {
         let reason = match e {
             Error::TooLarge { .. } => "ResultTooLarge",
+            Error::TooDeep { .. } => "ResultTooDeep",
             _ => "InvalidResult",
         };
         Self {
@@ -226,15 +221,29 @@ impl Output {
     /// A result given as JSON text (any depth), checked like
     /// [`Output::try_json`].
     pub fn try_raw(result: JsonObject) -> Result<Self, Error> {
-        if result.len() > MAX_RESULT_BYTES {
-            return Err(Error::TooLarge {
-                what: "result",
-                bytes: result.len(),
-                limit: MAX_RESULT_BYTES,
-            });
-        }
+        check("result", &result, MAX_RESULT_BYTES)?;
         Ok(Self {
             result: Some(Ok(result)),
         })
     }
+}
+
+/// Size and depth limits of what the SDK writes into a lease.
+fn check(what: &'static str, json: &JsonObject, max_bytes: usize) -> Result<(), Error> {
+    if json.len() > max_bytes {
+        return Err(Error::TooLarge {
+            what,
+            bytes: json.len(),
+            limit: max_bytes,
+        });
+    }
+    let depth = json.depth();
+    if depth > MAX_DEPTH {
+        return Err(Error::TooDeep {
+            what,
+            depth,
+            limit: MAX_DEPTH,
+        });
+    }
+    Ok(())
 }

@@ -109,6 +109,14 @@ pub enum Error {
         bytes: usize,
         limit: usize,
     },
+    /// A checkpoint or result nested deeper than
+    /// [`MAX_DEPTH`](batchlease_api::MAX_DEPTH) levels.
+    #[error("{what} is nested {depth} levels deep; the limit is {limit}")]
+    TooDeep {
+        what: &'static str,
+        depth: usize,
+        limit: usize,
+    },
     /// The API server refused our own write of a lease that is still ours
     /// (422 Invalid): retrying the same write cannot help, so the attempt
     /// ends with this error instead of looping until the kill switch.
@@ -139,6 +147,7 @@ impl Error {
             Self::Timeout { .. } => "timeout",
             Self::InvalidJson { .. } => "invalid_json",
             Self::TooLarge { .. } => "too_large",
+            Self::TooDeep { .. } => "too_deep",
             Self::Invalid { .. } => "invalid",
             Self::Config(_) => "config",
         }
@@ -156,6 +165,8 @@ impl From<Error> for TaskError {
             // retry cannot help.
             Error::TooLarge { what: "result", .. } => return permanent("ResultTooLarge", &e),
             Error::TooLarge { .. } => return permanent("CheckpointTooLarge", &e),
+            Error::TooDeep { what: "result", .. } => return permanent("ResultTooDeep", &e),
+            Error::TooDeep { .. } => return permanent("CheckpointTooDeep", &e),
             Error::InvalidJson { .. } => return permanent("InvalidJson", &e),
             _ => "SdkError",
         };

@@ -33,7 +33,9 @@ pub mod postgres;
 mod worker;
 
 pub use attempt::Ended;
-pub use batchlease_api::{JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_RESULT_BYTES};
+pub use batchlease_api::{
+    JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_RESULT_BYTES,
+};
 pub use context::{EarlierCommit, Output, Registry, TaskContext};
 pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};
