@@ -87,6 +87,23 @@ impl JsonObject {
         self.0.get().len()
     }
 
+    /// Size in bytes once the API server has stored it: Go's JSON encoder
+    /// writes `<`, `>` and `&` as `\u003c` (6 bytes for 1) and U+2028 /
+    /// U+2029 as `\u2028` (6 for 3), so a limit checked on our own text
+    /// alone could be exceeded six times over on the server.
+    pub fn stored_len(&self) -> usize {
+        let text = self.as_str();
+        let html = text
+            .bytes()
+            .filter(|b| matches!(b, b'<' | b'>' | b'&'))
+            .count();
+        let separators = text
+            .chars()
+            .filter(|c| matches!(c, '\u{2028}' | '\u{2029}'))
+            .count();
+        text.len() + 5 * html + 3 * separators
+    }
+
     /// Never true for a valid object (`{}` has two bytes); for clippy.
     pub fn is_empty(&self) -> bool {
         self.0.get().is_empty()
@@ -241,6 +258,14 @@ mod tests {
             JsonObject::from_text(nested(10_000)).unwrap().depth(),
             10_000
         );
+    }
+
+    #[test]
+    fn stored_len_counts_what_the_api_server_escapes() {
+        let o = JsonObject::from_text("{\"a\":\"<>&\u{2028}x\"}").unwrap();
+        // {"a":"\u003c\u003e\u0026\u2028x"} as the API server returns it.
+        assert_eq!(o.stored_len(), r#"{"a":"\u003c\u003e\u0026\u2028x"}"#.len());
+        assert_eq!(JsonObject::from_text("{}").unwrap().stored_len(), 2);
     }
 
     #[test]

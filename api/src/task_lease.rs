@@ -51,7 +51,8 @@ use serde::{Deserialize, Serialize};
     .reason(Reason::FieldValueForbidden),
     // Only a holder completes, and only what it holds: without this an
     // Offered lease could be set Completed directly by anyone allowed to
-    // write leases, settling a task nobody ran.
+    // write leases, with no claim ever visible. Who may claim is narrowed
+    // further by admission (the install issue), not by CEL.
     validation = Rule::new(
         "!has(self.status) || !has(self.status.phase) || self.status.phase != 'Completed' || (has(oldSelf.status) && has(oldSelf.status.phase) && oldSelf.status.phase in ['Held', 'Completed'])"
     )

@@ -33,8 +33,8 @@ pub fn offered_lease(task: &BatchTask, token: i64) -> TaskLease {
     lease
 }
 
-/// The metadata patch that gives `lease` back the labels and controller
-/// reference the operator created it with, or `None` if they are intact.
+/// `lease` with the labels and controller reference the operator created
+/// it with put back, or `None` if they are intact.
 ///
 /// Workers find offers by the queue label and the garbage collector deletes
 /// leases with their task by the owner reference; both are plain metadata
@@ -43,7 +43,10 @@ pub fn offered_lease(task: &BatchTask, token: i64) -> TaskLease {
 /// for this task: its immutable `taskName`, `taskUID` and token say so, and
 /// its name is the one that token gets. Other labels are left alone; another
 /// controller reference is replaced (a lease has one controller: its task).
-pub fn repair(task: &BatchTask, lease: &TaskLease) -> Option<serde_json::Value> {
+/// The caller writes the result with the cached `resourceVersion` (a CAS,
+/// under the `update` verb the operator already has): a lease that changed
+/// since is repaired on its next event.
+pub fn repair(task: &BatchTask, lease: &TaskLease) -> Option<TaskLease> {
     let uid = task.uid()?;
     let token = lease.spec.fencing_token;
     let ours = lease.spec.task_name == task.name_any()
@@ -57,37 +60,28 @@ pub fn repair(task: &BatchTask, lease: &TaskLease) -> Option<serde_json::Value> 
         (LABEL_TASK, names::label_value(&task.name_any())),
         (LABEL_QUEUE, task.spec.queue.clone()),
     ];
-    let labels = lease.labels();
-    let labels_ok = want_labels.iter().all(|(k, v)| labels.get(*k) == Some(v));
+    let labels_ok = want_labels
+        .iter()
+        .all(|(k, v)| lease.labels().get(*k) == Some(v));
     let owner = task.controller_owner_ref(&())?;
-    let refs = lease.owner_references();
-    let owner_ok = refs
+    let owner_ok = lease
+        .owner_references()
         .iter()
         .filter(|r| r.controller == Some(true))
         .eq(std::iter::once(&owner));
     if labels_ok && owner_ok {
         return None;
     }
-    let mut patch = serde_json::json!({"metadata": {}});
-    if !labels_ok {
-        patch["metadata"]["labels"] = want_labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(v.as_str())))
-            .collect::<serde_json::Map<_, _>>()
-            .into();
+    let mut fixed = lease.clone();
+    for (k, v) in want_labels {
+        fixed.labels_mut().insert(k.to_owned(), v);
     }
     if !owner_ok {
-        // A merge patch replaces the whole list: keep the non-controller
-        // references, put ours back.
-        let mut keep: Vec<_> = refs
-            .iter()
-            .filter(|r| r.controller != Some(true))
-            .cloned()
-            .collect();
-        keep.push(owner);
-        patch["metadata"]["ownerReferences"] = serde_json::to_value(keep).ok()?;
+        let refs = fixed.owner_references_mut();
+        refs.retain(|r| r.controller != Some(true));
+        refs.push(owner);
     }
-    Some(patch)
+    Some(fixed)
 }
 
 #[cfg(test)]
@@ -108,6 +102,20 @@ mod tests {
         t
     }
 
+    /// (labels of the task and queue, controller kinds) after repair.
+    fn shape(l: &TaskLease) -> (Option<String>, Option<String>, Vec<String>, usize) {
+        (
+            l.labels().get(LABEL_TASK).cloned(),
+            l.labels().get(LABEL_QUEUE).cloned(),
+            l.owner_references()
+                .iter()
+                .filter(|r| r.controller == Some(true))
+                .map(|r| r.uid.clone())
+                .collect(),
+            l.labels().len(),
+        )
+    }
+
     #[test]
     fn repair_table() {
         let t = task();
@@ -120,11 +128,17 @@ mod tests {
             controller: Some(true),
             ..Default::default()
         };
+        let fixed = Some((
+            Some("t".into()),
+            Some("q".into()),
+            vec!["uid-1".to_owned()],
+            2,
+        ));
         type Edit = fn(&mut TaskLease, &OwnerReference);
-        let cases: Vec<(&str, Edit, Option<serde_json::Value>)> = vec![
+        let cases: Vec<(&str, Edit, Option<_>)> = vec![
             ("intact", |_, _| {}, None),
             (
-                "extra user label kept",
+                "extra user label kept, not a repair",
                 |l, _| {
                     l.labels_mut().insert("team".into(), "a".into());
                 },
@@ -135,46 +149,49 @@ mod tests {
                 |l, _| {
                     l.labels_mut().remove(LABEL_QUEUE);
                 },
-                Some(
-                    serde_json::json!({"metadata": {"labels": {LABEL_TASK: "t", LABEL_QUEUE: "q"}}}),
-                ),
+                fixed.clone(),
             ),
             (
                 "queue label changed",
                 |l, _| {
                     l.labels_mut().insert(LABEL_QUEUE.into(), "other".into());
                 },
-                Some(
-                    serde_json::json!({"metadata": {"labels": {LABEL_TASK: "t", LABEL_QUEUE: "q"}}}),
-                ),
+                fixed.clone(),
             ),
             (
                 "owner removed",
                 |l, _| l.metadata.owner_references = None,
-                Some(serde_json::json!({"metadata": {"ownerReferences": [
-                    serde_json::to_value(task().controller_owner_ref(&()).unwrap()).unwrap()
-                ]}})),
+                fixed.clone(),
             ),
             (
                 "controller replaced",
                 |l, s| l.metadata.owner_references = Some(vec![s.clone()]),
-                Some(serde_json::json!({"metadata": {"ownerReferences": [
-                    serde_json::to_value(task().controller_owner_ref(&()).unwrap()).unwrap()
-                ]}})),
+                fixed.clone(),
             ),
         ];
         for (what, edit, want) in cases {
             let mut l = intact.clone();
             edit(&mut l, &stranger);
-            assert_eq!(repair(&t, &l), want, "{what}");
+            let got = repair(&t, &l);
+            assert_eq!(got.as_ref().map(shape), want, "{what}");
+            if let Some(g) = got {
+                assert_eq!(
+                    (&g.spec, &g.status),
+                    (&l.spec, &l.status),
+                    "{what}: only metadata"
+                );
+            }
         }
         // Not a lease the operator made for this task: left alone.
         let mut forged = offered_lease(&t, 9);
         forged.metadata.owner_references = None;
-        assert_eq!(repair(&t, &forged), None, "token above the task's");
+        assert!(repair(&t, &forged).is_none(), "token above the task's");
         let mut other_uid = offered_lease(&t, 1);
         other_uid.spec.task_uid = "uid-0".into();
         other_uid.metadata.labels = None;
-        assert_eq!(repair(&t, &other_uid), None, "another incarnation's lease");
+        assert!(
+            repair(&t, &other_uid).is_none(),
+            "another incarnation's lease"
+        );
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use batchlease_api::{BatchTask, TaskLease};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -238,35 +238,46 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
 /// Puts back the labels and controller reference of this task's leases
 /// that someone changed (see `lease_build::repair`): without them workers
 /// cannot see an offer and the garbage collector cannot find the lease.
+/// Best effort: a failed repair is logged and retried on the lease's next
+/// event or the resync; it never holds up the task's own decision.
 async fn repair_leases(
     ctx: &Ctx,
     task: &BatchTask,
     leases: &[Arc<TaskLease>],
 ) -> Result<(), Error> {
     for lease in leases {
-        let Some(patch) = crate::lease_build::repair(task, lease) else {
+        let Some(fixed) = crate::lease_build::repair(task, lease) else {
             continue;
         };
         ctx.leadership.ensure()?;
         let name = lease.name_any();
         let api: Api<TaskLease> =
             Api::namespaced(ctx.client.clone(), &task.namespace().unwrap_or_default());
-        bounded(ctx, "lease repair", async {
-            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        // A CAS on the cached copy: a lease written since is not ours to
+        // overwrite, and will be looked at again on its event.
+        let written = bounded(ctx, "lease repair", async {
+            api.replace(&name, &PostParams::default(), &fixed)
                 .await
                 .map(|_| ())
                 .map_err(|e| classify(ctx, e, "lease repair"))
         })
-        .await?;
-        warn!(task = %task.name_any(), lease = %name, "lease labels or owner reference were changed; restored");
-        publish(
-            ctx,
-            task,
-            EventType::Warning,
-            "LeaseRepaired",
-            format!("lease {name} had its labels or owner reference changed; restored"),
-        )
         .await;
+        match written {
+            Ok(()) => {
+                warn!(task = %task.name_any(), lease = %name, "lease labels or owner reference were changed; restored");
+                publish(
+                    ctx,
+                    task,
+                    EventType::Warning,
+                    "LeaseRepaired",
+                    format!("lease {name} had its labels or owner reference changed; restored"),
+                )
+                .await;
+            }
+            Err(e) => {
+                debug!(task = %task.name_any(), lease = %name, error = %e, "lease repair not written; retried on the next event");
+            }
+        }
     }
     Ok(())
 }

@@ -21,6 +21,7 @@ use tracing::{debug, error, info, warn};
 use crate::context::{Output, Registry, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillReason};
+use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops::{self, Completion, Renewal};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
 
@@ -49,7 +50,7 @@ pub(crate) struct Attempt {
     /// must not starve the renewals and the kill timer: on the handler's
     /// runtime a freshly spawned heartbeat sits in that very thread's
     /// non-stealable LIFO slot. `None` (unit tests): the current runtime.
-    pub heartbeat_on: Option<(tokio::runtime::Handle, Api<TaskLease>)>,
+    pub heartbeat_on: Option<(Arc<HeartbeatRuntime>, Api<TaskLease>)>,
 }
 
 impl Attempt {
@@ -83,7 +84,10 @@ impl Attempt {
         // completion never lets the lease lapse (and never conflicts with a
         // renewal of our own).
         let (runtime, heartbeat_api) = match &self.heartbeat_on {
-            Some((handle, api)) => (handle.clone(), api.clone()),
+            Some((rt, api)) => (
+                rt.handle().unwrap_or_else(tokio::runtime::Handle::current),
+                api.clone(),
+            ),
             None => (tokio::runtime::Handle::current(), self.api.clone()),
         };
         let heartbeat = runtime.spawn(
@@ -567,6 +571,11 @@ mod tests {
         assert_eq!(c.reason.unwrap().chars().count(), MAX_REASON_CHARS);
         assert!(!c.permanent);
 
+        // Counted as the API server stores it: `<` becomes `\u003c`.
+        assert!(matches!(
+            Output::try_json(serde_json::json!({"x": "<".repeat(30_000)})),
+            Err(Error::TooLarge { bytes, .. }) if bytes > 180_000
+        ));
         let e: TaskError = Output::try_json(serde_json::json!({"x": "y".repeat(200_000)}))
             .unwrap_err()
             .into();
@@ -587,6 +596,50 @@ mod tests {
         );
         assert!(dropped, "the handler's future was dropped");
         assert!(cancelled, "the cancellation token fired");
+    }
+
+    /// The production path: the heartbeat on its own runtime fires the
+    /// kill switch while the handler blocks the only thread of the
+    /// handler's runtime. With the heartbeat on the handler's runtime it
+    /// could not run until the handler yielded.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_blocking_handler_cannot_hold_off_the_kill_switch() {
+        let rt = Arc::new(
+            HeartbeatRuntime::start(kube::Config::new("http://127.0.0.1:1".parse().unwrap()))
+                .unwrap(),
+        );
+        let api = Api::namespaced(rt.client(), "ns");
+        // Renewals fail at once (nobody listens): the kill switch fires at
+        // 2/3 of 1.5 s, while the handler still blocks for 2.5 s.
+        let fence = Fence::new(
+            1,
+            KillClock::new(Duration::from_millis(1500), Instant::now(), None),
+        );
+        let attempt = Attempt {
+            api: unreachable_api(),
+            identity: "me".into(),
+            lease: held_lease(),
+            task: BatchTask::new("t", BatchTaskSpec::for_queue("q")),
+            fence,
+            metrics: WorkerMetrics::default(),
+            interrupt: CancellationToken::new(),
+            registry: None,
+            heartbeat_on: Some((rt, api)),
+        };
+        let seen = Arc::new(AtomicBool::new(false));
+        let s = seen.clone();
+        let ended = attempt
+            .run(move |ctx: TaskContext| async move {
+                std::thread::sleep(Duration::from_millis(2500));
+                s.store(ctx.cancellation().is_cancelled(), Ordering::SeqCst);
+                Ok::<_, TaskError>(Output::none())
+            })
+            .await;
+        assert!(
+            seen.load(Ordering::SeqCst),
+            "the kill switch fired while the handler blocked its thread"
+        );
+        assert_eq!(ended, Ended::Killed(KillReason::RenewalsFailed));
     }
 
     #[tokio::test(start_paused = true)]

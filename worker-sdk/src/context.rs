@@ -173,7 +173,7 @@ pub struct Output {
 /// Why a handler's result was refused; see [`Output::try_json`].
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct OutputError {
-    /// `ResultTooLarge` or `InvalidResult`.
+    /// `ResultTooLarge`, `ResultTooDeep` or `InvalidResult`.
     pub(crate) reason: &'static str,
     pub(crate) message: String,
 }
@@ -201,7 +201,8 @@ impl Output {
     /// A result: `value` must serialize to a JSON object of at most
     /// [`MAX_RESULT_BYTES`](batchlease_api::MAX_RESULT_BYTES) (it is stored
     /// in the BatchTask's status). If it does not, the attempt fails
-    /// permanently with reason `ResultTooLarge` or `InvalidResult` when the
+    /// permanently with reason `ResultTooLarge`, `ResultTooDeep` or
+    /// `InvalidResult` when the
     /// handler returns; use [`Output::try_json`] to find out earlier.
     pub fn json(value: impl Serialize) -> Self {
         Self::try_json(value).unwrap_or_else(|e| Self {
@@ -230,10 +231,12 @@ impl Output {
 
 /// Size and depth limits of what the SDK writes into a lease.
 fn check(what: &'static str, json: &JsonObject, max_bytes: usize) -> Result<(), Error> {
-    if json.len() > max_bytes {
+    // As the API server will store it (it escapes some characters).
+    let bytes = json.stored_len();
+    if bytes > max_bytes {
         return Err(Error::TooLarge {
             what,
-            bytes: json.len(),
+            bytes,
             limit: max_bytes,
         });
     }

@@ -31,17 +31,26 @@ impl HeartbeatRuntime {
             .map_err(|_| Error::Config("cannot start the heartbeat runtime"))?;
         let client = {
             let _inside = runtime.enter();
-            Client::try_from(config).map_err(|source| Error::Kube {
-                what: "heartbeat client",
-                source,
-            })?
+            Client::try_from(config)
         };
-        Ok(Self {
-            runtime: Some(runtime),
-            client,
-        })
+        match client {
+            Ok(client) => Ok(Self {
+                runtime: Some(runtime),
+                client,
+            }),
+            Err(source) => {
+                // Dropping a runtime blocks, which panics inside async code
+                // (where `build()` is normally called).
+                runtime.shutdown_background();
+                Err(Error::Kube {
+                    what: "heartbeat client",
+                    source,
+                })
+            }
+        }
     }
 
+    /// Where heartbeats are spawned.
     pub(crate) fn handle(&self) -> Option<Handle> {
         self.runtime.as_ref().map(|r| r.handle().clone())
     }
@@ -53,8 +62,10 @@ impl HeartbeatRuntime {
 
 impl Drop for HeartbeatRuntime {
     fn drop(&mut self) {
-        // Dropping a runtime blocks, which is forbidden inside async code;
-        // every attempt has ended by the time the worker is dropped.
+        // Dropping a runtime blocks, which is forbidden inside async code.
+        // Every attempt holds an `Arc` of this runtime, so it is dropped
+        // only after the worker and its last attempt (even one aborted
+        // with a dropped `Worker::run`) are gone.
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }

@@ -274,12 +274,10 @@ impl Worker {
                 };
                 let attempt = AttemptStart {
                     leases: leases.clone(),
-                    heartbeat_on: self.heartbeats.handle().map(|h| {
-                        (
-                            h,
-                            Api::namespaced(self.heartbeats.client(), &self.namespace),
-                        )
-                    }),
+                    heartbeat_on: Some((
+                        self.heartbeats.clone(),
+                        Api::namespaced(self.heartbeats.client(), &self.namespace),
+                    )),
                     identity: self.identity.clone(),
                     metrics: self.metrics.clone(),
                     interrupt: interrupt.clone(),
@@ -431,7 +429,7 @@ enum Claim {
 /// What a spawned attempt needs besides the lease and its task.
 struct AttemptStart {
     leases: Api<TaskLease>,
-    heartbeat_on: Option<(tokio::runtime::Handle, Api<TaskLease>)>,
+    heartbeat_on: Option<(Arc<HeartbeatRuntime>, Api<TaskLease>)>,
     identity: String,
     metrics: WorkerMetrics,
     interrupt: CancellationToken,
