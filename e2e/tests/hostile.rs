@@ -354,3 +354,132 @@ async fn tampered_lease_metadata_is_restored() {
     wait_event(&ns, "job", "LeaseRepaired", &op).await;
     ns.finish().await.unwrap();
 }
+
+/// A lease write the API server refuses although the lease is still ours
+/// (here: an admission policy refusing a checkpoint or a result) ends the
+/// attempt at once with the refusal as its reason — before, a refused
+/// renewal looped PUT+GET until the kill switch and was recorded as an
+/// interruption, and a refused completion looked like an expiry.
+#[tokio::test]
+async fn writes_the_api_server_refuses_end_the_attempt_with_that_reason() {
+    let (ns, op) = setup("refused").await;
+    let policy = format!("refuse-poison-{}", ns.name);
+    let manifest = format!(
+        r#"apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicy
+metadata:
+  name: {policy}
+spec:
+  failurePolicy: Fail
+  matchConstraints:
+    namespaceSelector:
+      matchLabels:
+        kubernetes.io/metadata.name: {ns}
+    resourceRules:
+    - apiGroups: [batchlease.dev]
+      apiVersions: [v1alpha1]
+      operations: [UPDATE]
+      resources: [taskleases]
+  validations:
+  - expression: "!has(object.status) || !has(object.status.checkpoint) || !has(object.status.checkpoint.tag) || object.status.checkpoint.tag != 'poison'"
+    reason: Invalid
+    message: this checkpoint is refused
+  - expression: "!has(object.status) || !has(object.status.result) || !has(object.status.result.tag) || object.status.result.tag != 'poison-result'"
+    reason: Invalid
+    message: this result is refused
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicyBinding
+metadata:
+  name: {policy}
+spec:
+  policyName: {policy}
+  validationActions: [Deny]
+"#,
+        ns = ns.name
+    );
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name).unwrap();
+    let path = dir.write("policy.yaml", &manifest).unwrap();
+    batchlease_e2e::kubectl::ok(&["apply", "-f", &path.to_string_lossy()]).unwrap();
+    // The policy is in force once a write it refuses is refused.
+    let leases: Api<TaskLease> = ns.api();
+    let probe: TaskLease = serde_json::from_value(json!({
+        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskLease",
+        "metadata": {"name": "probe"},
+        "spec": {"taskName": "probe", "taskUID": "probe", "queue": "none",
+                 "fencingToken": 1, "leaseDurationSeconds": 30},
+        "status": {"phase": "Offered"}
+    }))
+    .unwrap();
+    leases.create(&PostParams::default(), &probe).await.unwrap();
+    wait_for(
+        "the admission policy to refuse",
+        T,
+        || ns.diagnostics(),
+        || {
+            let leases = leases.clone();
+            async move {
+                let mut p = leases.get("probe").await?;
+                p.status.as_mut().unwrap().checkpoint =
+                    Some(JsonObject::try_from(json!({"tag": "poison"}))?);
+                Ok(
+                    match leases.replace("probe", &PostParams::default(), &p).await {
+                        Err(kube::Error::Api(s)) if s.code == 422 => Some(()),
+                        _ => None,
+                    },
+                )
+            }
+        },
+    )
+    .await
+    .unwrap();
+
+    let w = workers::start(&ns.name, "w", &WorkerOpts::default()).unwrap();
+    // Renewals carry the refused checkpoint (first renewal at 2 s, the
+    // handler runs 4 s).
+    tasks::create(
+        &ns,
+        "cp",
+        json!({"queue": "demo", "leaseDurationSeconds": 6, "maxRetries": 0,
+               "payload": {"steps": 4, "stepMillis": 1000, "tag": "poison"}}),
+    )
+    .await
+    .unwrap();
+    // The completion carries the refused result.
+    tasks::create(
+        &ns,
+        "result",
+        json!({"queue": "demo", "maxRetries": 0,
+               "payload": {"steps": 1, "stepMillis": 10, "tag": "poison-result"}}),
+    )
+    .await
+    .unwrap();
+    for (task, reason) in [("cp", "LeaseWriteRefused"), ("result", "CompletionRefused")] {
+        let t = wait_phase(&ns, task, TaskPhase::DeadLettered, T, || logs(&op, &[&w]))
+            .await
+            .unwrap();
+        let st = t.status.unwrap();
+        let failure = st.last_failure.unwrap();
+        assert_eq!(
+            (failure.reason.as_str(), st.fencing_token),
+            (reason, 1),
+            "{task}: one attempt, ended with the refusal: {failure:?}"
+        );
+    }
+    let result = tasks::status(&ns, "result")
+        .await
+        .unwrap()
+        .last_failure
+        .unwrap();
+    assert!(
+        result.message.contains("this result is refused"),
+        "{result:?}"
+    );
+    batchlease_e2e::kubectl::ok(&[
+        "delete",
+        "validatingadmissionpolicybinding,validatingadmissionpolicy",
+        &policy,
+    ])
+    .unwrap();
+    ns.finish().await.unwrap();
+}

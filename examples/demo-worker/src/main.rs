@@ -6,7 +6,8 @@
 //! "permanentFailure": false}`. For tests of hostile or careless handlers:
 //! `"spinMillis": n` first computes for n ms without awaiting (a CPU-bound
 //! handler), `"deepLevels": n` records a checkpoint and returns a result
-//! nested n objects deep, `"resultBytes": n` returns a result of n bytes.
+//! nested n objects deep, `"resultBytes": n` returns a result of n bytes,
+//! `"tag": s` adds `"tag": s` to every checkpoint and to the result.
 
 mod pg_url;
 
@@ -77,6 +78,18 @@ struct Payload {
     deep_levels: usize,
     #[serde(default)]
     result_bytes: usize,
+    /// Added as `"tag"` to every checkpoint and to the result (tests use
+    /// it to make the API server refuse a write that is still ours).
+    #[serde(default)]
+    tag: Option<String>,
+}
+
+/// `v` with `"tag": tag` added, if there is one.
+fn tagged(mut v: serde_json::Value, tag: &Option<String>) -> serde_json::Value {
+    if let Some(t) = tag {
+        v["tag"] = json!(t);
+    }
+    v
 }
 
 /// The demo's checkpoint.
@@ -228,7 +241,7 @@ async fn work(
         if p.deep_levels > 0 {
             ctx.checkpoint(nested(p.deep_levels, step + 1)?)?;
         } else {
-            ctx.checkpoint(json!({"step": step + 1}))?;
+            ctx.checkpoint(tagged(json!({"step": step + 1}), &p.tag))?;
         }
     }
     if p.permanent_failure {
@@ -266,9 +279,10 @@ async fn work(
         let filler = "x".repeat(p.result_bytes);
         return Ok(Output::json(json!({"worker": identity, "filler": filler})));
     }
-    Ok(Output::json(
+    Ok(Output::json(tagged(
         json!({"worker": identity, "resumedFrom": from}),
-    ))
+        &p.tag,
+    )))
 }
 
 /// `/metrics` in the Prometheus text format.
