@@ -2,21 +2,16 @@
 //! claims, expires silent holders by observed time, settles attempts into
 //! success, retry or the dead-letter queue (design §3, §7, §8).
 
-mod backoff;
 mod config;
 mod controller;
-mod decide;
 mod expectations;
-mod fit;
 mod http;
 mod leader;
-mod lease_build;
 mod metrics;
-mod observe;
 mod reconcile;
-mod settle;
-mod status;
 mod supervise;
+
+use batchlease_operator::{decide, fit, lease_build, observe, settle};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -17,7 +17,7 @@ use kube::ResourceExt;
 use tokio::time::Instant;
 
 /// What the operator observed of the held lease of an attempt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Observation {
     /// When a renewal (or the claim) was last observed.
     pub last_renewal: Instant,
@@ -26,7 +26,7 @@ pub struct Observation {
 }
 
 /// The last state seen of one held lease.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Seen {
     uid: String,
     holder: String,

@@ -1,0 +1,616 @@
+//! The lease protocol, model-checked: one task's life in a small cluster,
+//! every interleaving enumerated by [stateright].
+//!
+//! What is real and what is modelled:
+//! - the operator's decision is the production `decide()` (with `settle`,
+//!   `offered_lease`, `next_seen` for observations) from the operator's
+//!   library, fed real `BatchTask`/`TaskLease` objects; the reconciler
+//!   around it (cache lookups, expectations, the direct read, one write per
+//!   pass) is mirrored from `operator/src/reconcile.rs` in a few lines;
+//! - a worker's claim check is the production `check_current()`, its kill
+//!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
+//!   stop at 2/3 of the TTL);
+//! - the API server ([`api_server`]) and PostgreSQL ([`storage`]) are
+//!   models: compare-and-swap on resourceVersion and the CRDs' rules; the
+//!   fenced table's registration and commit rules of design §4.
+//!
+//! Time is abstract ticks of one second; any actor may take no step for
+//! any number of ticks (a pause, a partition, a GC stall). The operator may
+//! crash (losing its cache, observations and an issue's second write, which
+//! may still land later as a delayed request), its caches of the task and
+//! of the leases lag independently, and a lease may be deleted by someone
+//! else. See `docs/model.md`.
+
+pub mod api_server;
+pub mod storage;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use api_server::{ApiServer, Refused, decode, encode};
+use batchlease_api::{
+    BackoffSpec, BatchTask, BatchTaskSpec, LeaseOutcome, LeasePhase, TaskLease, TaskPhase,
+    check_current,
+};
+use batchlease_operator::decide::{Decision, Input, Lookup, decide};
+use batchlease_operator::lease_build::offered_lease;
+use batchlease_operator::observe::{Seen, next_seen};
+use batchlease_worker_sdk::KillClock;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use stateright::{Model, Property};
+use storage::{Storage, StorageRule};
+use tokio::time::Instant;
+
+/// How the operator replaces a current lease that is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RepairRule {
+    /// Today's rule: occupy the old name with a final tombstone, then issue
+    /// the next token (`decide` returns `RetireToken`).
+    RetireToken,
+    /// The rule before issue 7: create the lease again under the same
+    /// token. Kept to show the checker finds why it was wrong.
+    SameToken,
+}
+
+/// What a run explores.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub workers: usize,
+    /// Time runs from 0 to this many ticks (seconds).
+    pub max_ticks: u8,
+    pub operator_crashes: u8,
+    /// Times someone else deletes a lease.
+    pub lease_deletions: u8,
+    pub repair: RepairRule,
+    pub storage: StorageRule,
+}
+
+impl Config {
+    /// The CI check: two workers, one operator crash, one deletion.
+    pub fn quick() -> Self {
+        Self {
+            workers: 2,
+            max_ticks: 8,
+            operator_crashes: 1,
+            lease_deletions: 1,
+            repair: RepairRule::RetireToken,
+            storage: StorageRule::RegisterFirst,
+        }
+    }
+}
+
+/// The lease TTL of the task (the CRD's minimum).
+pub const TTL_SECONDS: i32 = 5;
+
+/// Seconds per tick. Two keep the model small and still separate the
+/// protocol's instants: a worker renews at most once per tick (the SDK
+/// renews every TTL/3 ≈ 1.7 s), its kill switch fires in the second tick
+/// after its last successful renewal was sent (2/3·TTL ≈ 3.3 s), the
+/// operator expires a lease in the third tick without an observed renewal
+/// (TTL = 5 s).
+pub const TICK_SECONDS: u64 = 2;
+
+/// The model: its configuration and the clocks' origins.
+#[derive(Debug)]
+pub struct Cluster {
+    pub cfg: Config,
+    base: Instant,
+}
+
+impl Cluster {
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            cfg,
+            base: Instant::now(),
+        }
+    }
+
+    fn instant(&self, tick: u8) -> Instant {
+        self.base + Duration::from_secs(u64::from(tick) * TICK_SECONDS)
+    }
+}
+
+/// Wall-clock time at `tick` (plus `micros`, to make renewal markers
+/// unique within a tick as real microsecond timestamps are).
+fn wall(tick: u8, micros: u32) -> Timestamp {
+    let base = Timestamp::from_second(1_800_000_000).unwrap_or(Timestamp::UNIX_EPOCH);
+    base.checked_add(
+        Duration::from_secs(u64::from(tick) * TICK_SECONDS)
+            + Duration::from_micros(u64::from(micros)),
+    )
+    .unwrap_or(base)
+}
+
+/// What the operator holds in memory; all of it is lost in a crash.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
+pub struct Operator {
+    /// Its cache of the task and of the leases (two watches: they lag
+    /// independently).
+    pub task: Option<String>,
+    pub leases: BTreeMap<String, String>,
+    pub seen: BTreeMap<String, Seen>,
+    /// Lease creates sent, and when (reconcile.rs's expectations).
+    pub expect: BTreeMap<String, u8>,
+    /// The second write of an issue, not sent yet.
+    pub pending_create: Option<String>,
+}
+
+/// One worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub enum Worker {
+    Idle,
+    Holding(Attempt),
+}
+
+/// A claimed attempt.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Attempt {
+    pub lease: String,
+    pub token: i64,
+    /// The worker's last copy of the lease (JSON).
+    pub copy: String,
+    pub claim_sent: u8,
+    pub last_ok_sent: u8,
+    pub registered: bool,
+    /// Passed its fence check for the commit; the write may land later.
+    pub checked: bool,
+    pub committed: bool,
+}
+
+/// The whole cluster.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct State {
+    pub now: u8,
+    pub api: ApiServer,
+    pub op: Operator,
+    pub workers: Vec<Worker>,
+    pub pg: Storage,
+    pub crashes: u8,
+    pub deletions: u8,
+    /// Creates sent by an operator that then crashed: they may still land.
+    pub late_creates: Vec<String>,
+    /// Ghost: tokens of the leases created (not tombstones), in order.
+    pub created: Vec<i64>,
+}
+
+/// A step.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub enum Action {
+    Tick,
+    SyncTask,
+    SyncLeases,
+    Reconcile,
+    CreateLease,
+    CrashOperator,
+    LateCreate(usize),
+    DeleteLease(String),
+    Claim(usize, String),
+    Renew(usize),
+    Register(usize),
+    CheckFence(usize),
+    CommitLands(usize),
+    Complete(usize),
+}
+
+fn phase(l: &TaskLease) -> Option<LeasePhase> {
+    l.status.as_ref().and_then(|s| s.phase)
+}
+
+fn the_task() -> BatchTask {
+    let mut spec = BatchTaskSpec::for_queue("q");
+    spec.lease_duration_seconds = TTL_SECONDS;
+    spec.max_retries = 1;
+    spec.backoff = BackoffSpec {
+        initial_seconds: 1,
+        max_seconds: 1,
+        multiplier: 1,
+    };
+    let mut t = BatchTask::new("t", spec);
+    t.metadata.namespace = Some("ns".into());
+    t.metadata.uid = Some("task-uid".into());
+    t.metadata.generation = Some(1);
+    t
+}
+
+fn worker_name(w: usize) -> String {
+    format!("w{w}")
+}
+
+impl Cluster {
+    fn kill_clock(&self, a: &Attempt) -> KillClock {
+        let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
+        let mut c = KillClock::new(ttl, self.instant(a.claim_sent), None);
+        c.renewed(self.instant(a.last_ok_sent));
+        c
+    }
+
+    /// The SDK's fence: alive strictly before the kill switch fires.
+    fn alive(&self, a: &Attempt, now: u8) -> bool {
+        self.instant(now) < self.kill_clock(a).kill_at().0
+    }
+
+    /// One reconcile pass, as `reconcile.rs` does it, on the operator's
+    /// caches; returns the new state (unchanged when it decides to wait).
+    fn reconcile(&self, s: &mut State) {
+        let Some(task_json) = s.op.task.clone() else {
+            return;
+        };
+        let task: BatchTask = decode(&task_json);
+        let uid = task.uid().unwrap_or_default();
+        let mut leases: Vec<Arc<TaskLease>> =
+            s.op.leases
+                .values()
+                .map(|l| Arc::new(decode::<TaskLease>(l)))
+                .filter(|l| l.spec.task_uid == uid)
+                .collect();
+        let current = task.status.as_ref().and_then(|st| st.current_lease.clone());
+        let observation = current
+            .as_deref()
+            .and_then(|c| s.op.seen.get(c))
+            .map(|seen| seen.observation);
+        let mut lookup = Lookup::CacheOnly;
+        if let Some(cur) = current.as_deref() {
+            if leases.iter().any(|l| l.name_any() == cur) {
+                s.op.expect.remove(cur);
+            } else if s
+                .op
+                .expect
+                .get(cur)
+                .is_some_and(|at| u64::from(s.now.saturating_sub(*at)) * TICK_SECONDS < 10)
+            {
+                lookup = Lookup::Creating;
+            }
+        }
+        let decide_with = |leases: &[Arc<TaskLease>], lookup| {
+            decide(&Input {
+                task: &task,
+                leases,
+                observation,
+                now: self.instant(s.now),
+                wall: wall(s.now, 0),
+                jitter: 0.5,
+                lookup,
+            })
+        };
+        let mut decision = decide_with(&leases, lookup);
+        if let Decision::LookUpLease(name) = &decision {
+            let lookup = match s.api.lease(name) {
+                Some(l) if check_current(&task, &l).is_ok() => {
+                    leases.push(Arc::new(l));
+                    Lookup::CacheOnly
+                }
+                Some(_) => Lookup::Occupied,
+                None => Lookup::Absent,
+            };
+            decision = decide_with(&leases, lookup);
+        }
+        match decision {
+            Decision::Wait(_) | Decision::LookUpLease(_) => {}
+            Decision::WriteStatus { status, .. } => {
+                let mut t = task.clone();
+                t.status = Some(*status);
+                let _ = s.api.replace_status(&t);
+            }
+            Decision::Issue { status, lease, .. } => {
+                let mut t = task.clone();
+                t.status = Some(*status);
+                if s.api.replace_status(&t).is_ok() {
+                    s.op.expect.insert(lease.name_any(), s.now);
+                    s.op.pending_create = Some(encode(&*lease));
+                }
+            }
+            Decision::RetireToken(tombstone) => match self.cfg.repair {
+                RepairRule::RetireToken => {
+                    let _ = s.api.create_lease(&tombstone);
+                }
+                RepairRule::SameToken => {
+                    let token = task.status.as_ref().map_or(0, |st| st.fencing_token);
+                    let again = offered_lease(&task, token);
+                    if s.api.create_lease(&again).is_ok() {
+                        s.created.push(token);
+                    }
+                }
+            },
+            Decision::Expire { lease, .. } => {
+                let _ = s.api.replace_lease(&lease);
+            }
+            Decision::Prune { victims, .. } => {
+                for (name, rv) in victims {
+                    let _ = s.api.delete_lease(&name, rv.as_deref());
+                }
+            }
+        }
+    }
+
+    fn worker_step(&self, s: &mut State, w: usize, action: &Action) {
+        let me = worker_name(w);
+        let Worker::Holding(mut a) = s.workers[w].clone() else {
+            return;
+        };
+        let alive = self.alive(&a, s.now);
+        match action {
+            Action::Renew(_) => {
+                let mut l: TaskLease = decode(&a.copy);
+                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                match s.api.replace_lease(&l) {
+                    Ok(stored) => {
+                        a.copy = encode(&stored);
+                        a.last_ok_sent = s.now;
+                    }
+                    Err(Refused::Conflict | Refused::Invalid) => match s.api.lease(&a.lease) {
+                        // Still ours: retry from the fresh copy.
+                        Some(f)
+                            if phase(&f) == Some(LeasePhase::Held)
+                                && f.spec.holder_identity.as_deref() == Some(&me) =>
+                        {
+                            a.copy = encode(&f);
+                        }
+                        _ => {
+                            s.workers[w] = Worker::Idle;
+                            return;
+                        }
+                    },
+                    Err(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                }
+            }
+            Action::Register(_) => {
+                if !alive || !s.pg.register(a.token) {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                a.registered = true;
+            }
+            Action::CheckFence(_) => {
+                if !alive {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                a.checked = true;
+            }
+            Action::CommitLands(_) => {
+                let deadline = self.kill_clock(&a).kill_at().0;
+                let in_time = self.instant(s.now) <= deadline;
+                if !s.pg.commit(a.token, w, in_time) {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                a.committed = true;
+            }
+            Action::Complete(_) => {
+                if !alive {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                let mut l: TaskLease = decode(&a.copy);
+                let st = l.status.get_or_insert_with(Default::default);
+                st.phase = Some(LeasePhase::Completed);
+                st.outcome = Some(LeaseOutcome::Succeeded);
+                match s.api.replace_lease(&l) {
+                    Ok(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                    Err(Refused::Conflict) => match s.api.lease(&a.lease) {
+                        Some(f)
+                            if phase(&f) == Some(LeasePhase::Held)
+                                && f.spec.holder_identity.as_deref() == Some(&me) =>
+                        {
+                            a.copy = encode(&f);
+                        }
+                        _ => {
+                            s.workers[w] = Worker::Idle;
+                            return;
+                        }
+                    },
+                    Err(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                }
+            }
+            _ => {}
+        }
+        s.workers[w] = Worker::Holding(a);
+    }
+}
+
+impl Model for Cluster {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![State {
+            now: 0,
+            api: ApiServer::new(&the_task()),
+            op: Operator::default(),
+            workers: vec![Worker::Idle; self.cfg.workers],
+            pg: Storage::new(self.cfg.storage),
+            crashes: 0,
+            deletions: 0,
+            late_creates: Vec::new(),
+            created: Vec::new(),
+        }]
+    }
+
+    fn actions(&self, s: &State, actions: &mut Vec<Action>) {
+        if s.now < self.cfg.max_ticks {
+            actions.push(Action::Tick);
+        }
+        if s.op.task.as_ref() != Some(&s.api.task) {
+            actions.push(Action::SyncTask);
+        }
+        if s.op.leases != s.api.leases {
+            actions.push(Action::SyncLeases);
+        }
+        if s.op.task.is_some() && s.op.pending_create.is_none() {
+            actions.push(Action::Reconcile);
+        }
+        if s.op.pending_create.is_some() {
+            actions.push(Action::CreateLease);
+        }
+        if s.crashes < self.cfg.operator_crashes && s.op != Operator::default() {
+            actions.push(Action::CrashOperator);
+        }
+        for i in 0..s.late_creates.len() {
+            actions.push(Action::LateCreate(i));
+        }
+        if s.deletions < self.cfg.lease_deletions {
+            for (name, l) in &s.api.leases {
+                let l: TaskLease = decode(l);
+                if phase(&l) == Some(LeasePhase::Held) {
+                    actions.push(Action::DeleteLease(name.clone()));
+                }
+            }
+        }
+        for (w, worker) in s.workers.iter().enumerate() {
+            match worker {
+                Worker::Idle => {
+                    for (name, l) in &s.api.leases {
+                        let l: TaskLease = decode(l);
+                        if phase(&l) == Some(LeasePhase::Offered) {
+                            actions.push(Action::Claim(w, name.clone()));
+                        }
+                    }
+                }
+                Worker::Holding(a) => {
+                    if self.alive(a, s.now) && a.last_ok_sent < s.now {
+                        actions.push(Action::Renew(w));
+                    }
+                    let registered = a.registered || self.cfg.storage == StorageRule::CommitOnly;
+                    if !a.registered && self.cfg.storage == StorageRule::RegisterFirst {
+                        actions.push(Action::Register(w));
+                    }
+                    if registered && !a.checked {
+                        actions.push(Action::CheckFence(w));
+                    }
+                    if a.checked && !a.committed {
+                        actions.push(Action::CommitLands(w));
+                    }
+                    if a.committed {
+                        actions.push(Action::Complete(w));
+                    }
+                }
+            }
+        }
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut s = last.clone();
+        match &action {
+            Action::Tick => s.now += 1,
+            Action::SyncTask => s.op.task = Some(s.api.task.clone()),
+            Action::SyncLeases => {
+                let now = self.instant(s.now);
+                let mut seen = BTreeMap::new();
+                for (name, json) in &s.api.leases {
+                    let l: TaskLease = decode(json);
+                    if let Some(next) = next_seen(s.op.seen.get(name), &l, now) {
+                        seen.insert(name.clone(), next);
+                    }
+                }
+                s.op.seen = seen;
+                s.op.leases = s.api.leases.clone();
+            }
+            Action::Reconcile => self.reconcile(&mut s),
+            Action::CreateLease => {
+                if let Some(json) = s.op.pending_create.take() {
+                    let l: TaskLease = decode(&json);
+                    if s.api.create_lease(&l).is_ok() {
+                        s.created.push(l.spec.fencing_token);
+                    }
+                }
+            }
+            Action::CrashOperator => {
+                s.crashes += 1;
+                if let Some(c) = s.op.pending_create.take() {
+                    // Sent just before the crash: it may still land.
+                    s.late_creates.push(c);
+                }
+                s.op = Operator::default();
+            }
+            Action::LateCreate(i) => {
+                let json = s.late_creates.remove(*i);
+                let l: TaskLease = decode(&json);
+                if s.api.create_lease(&l).is_ok() {
+                    s.created.push(l.spec.fencing_token);
+                }
+            }
+            Action::DeleteLease(name) => {
+                s.deletions += 1;
+                let _ = s.api.delete_lease(name, None);
+            }
+            Action::Claim(w, name) => {
+                let lease = s.api.lease(name)?;
+                let task = s.api.task();
+                if check_current(&task, &lease).is_err() {
+                    return None;
+                }
+                let mut l = lease.clone();
+                l.spec.holder_identity = Some(worker_name(*w));
+                l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                l.spec.renew_time = l.spec.acquire_time.clone();
+                l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+                let stored = s.api.replace_lease(&l).ok()?;
+                s.workers[*w] = Worker::Holding(Attempt {
+                    lease: name.clone(),
+                    token: stored.spec.fencing_token,
+                    copy: encode(&stored),
+                    claim_sent: s.now,
+                    last_ok_sent: s.now,
+                    registered: false,
+                    checked: false,
+                    committed: false,
+                });
+            }
+            Action::Renew(w)
+            | Action::Register(w)
+            | Action::CheckFence(w)
+            | Action::CommitLands(w)
+            | Action::Complete(w) => self.worker_step(&mut s, *w, &action),
+        }
+        Some(s)
+    }
+
+    fn within_boundary(&self, s: &State) -> bool {
+        s.now <= self.cfg.max_ticks
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "at most one attempt's effect is committed",
+                |_, s: &State| s.pg.accepted.len() <= 1,
+            ),
+            Property::always("a token is used by at most one lease", |_, s: &State| {
+                let mut seen = s.created.clone();
+                seen.sort_unstable();
+                seen.windows(2).all(|w| w[0] != w[1])
+            }),
+            Property::always(
+                "tokens of created leases strictly increase",
+                |_, s: &State| s.created.windows(2).all(|w| w[0] < w[1]),
+            ),
+            Property::always("never two Held leases", |_, s: &State| {
+                s.api
+                    .all_leases()
+                    .iter()
+                    .filter(|l| phase(l) == Some(LeasePhase::Held))
+                    .count()
+                    <= 1
+            }),
+            Property::always(
+                "no accepted storage write carries a token below a registered one",
+                |_, s: &State| !s.pg.stale_write_accepted,
+            ),
+            Property::sometimes("the task succeeds", |_, s: &State| {
+                s.api.task().status.and_then(|st| st.phase) == Some(TaskPhase::Succeeded)
+            }),
+        ]
+    }
+}

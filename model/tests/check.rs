@@ -1,0 +1,107 @@
+//! The bounded model check run in CI, and the two known bugs it must find.
+//! Each configuration is explored completely (BFS to a fixed point within
+//! its time bound); the state counts are printed (`--nocapture`).
+//! Deeper runs: `model-check` (docs/model.md, e2e/bench/RESULTS.md).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use batchlease_model::storage::StorageRule;
+use batchlease_model::{Cluster, Config, RepairRule};
+use stateright::{Checker, HasDiscoveries, Model};
+
+const SAFETY: [&str; 5] = [
+    "at most one attempt's effect is committed",
+    "a token is used by at most one lease",
+    "tokens of created leases strictly increase",
+    "never two Held leases",
+    "no accepted storage write carries a token below a registered one",
+];
+
+fn config(ticks: u8, crashes: u8, deletions: u8) -> Config {
+    Config {
+        workers: 2,
+        max_ticks: ticks,
+        operator_crashes: crashes,
+        lease_deletions: deletions,
+        repair: RepairRule::RetireToken,
+        storage: StorageRule::RegisterFirst,
+    }
+}
+
+fn run(cfg: Config, stop_at: Option<&'static str>) -> impl Checker<Cluster> {
+    let started = Instant::now();
+    let mut checker = Cluster::new(cfg.clone())
+        .checker()
+        .threads(2)
+        .timeout(Duration::from_secs(300));
+    if let Some(p) = stop_at {
+        checker = checker.finish_when(HasDiscoveries::AnyOf(BTreeSet::from([p])));
+    }
+    let checker = checker.spawn_bfs().join();
+    eprintln!(
+        "{cfg:?}: {} states ({} unique), depth {}, {:.1?}",
+        checker.state_count(),
+        checker.unique_state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    checker
+}
+
+fn assert_safe(cfg: Config) {
+    let checker = run(cfg, None);
+    assert!(
+        checker.is_done(),
+        "the bounded check did not finish in time"
+    );
+    for p in SAFETY {
+        checker.assert_no_discovery(p);
+    }
+    checker.assert_any_discovery("the task succeeds");
+}
+
+/// Claims, pauses past the kill switch, expiry and reassignment to the
+/// other worker, late commits: 10 s of two workers and one operator.
+#[test]
+fn safe_through_pauses_expiry_and_reassignment() {
+    assert_safe(config(5, 0, 0));
+}
+
+/// The operator crashes once anywhere, losing its cache, its observations
+/// and an issue's second write, which may still land afterwards.
+#[test]
+fn safe_when_the_operator_crashes() {
+    assert_safe(config(3, 1, 0));
+}
+
+/// Someone deletes a held lease while its holder works on.
+#[test]
+fn safe_when_a_held_lease_is_deleted() {
+    assert_safe(config(3, 0, 1));
+}
+
+/// The rule before issue 7: a current lease found gone was created again
+/// under the same token — two leases, two holders, one token.
+#[test]
+fn the_same_token_repair_is_caught() {
+    let mut cfg = config(3, 0, 1);
+    cfg.repair = RepairRule::SameToken;
+    let p = "a token is used by at most one lease";
+    let path = run(cfg, Some(p)).assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// The storage rule before issue 7: no registration, a commit accepted if
+/// its token is at least the stored one — a holder paused between its
+/// fence check and its write commits after its successor did not yet.
+#[test]
+fn commit_without_registration_is_caught() {
+    let mut cfg = config(4, 0, 0);
+    cfg.storage = StorageRule::CommitOnly;
+    let p = "at most one attempt's effect is committed";
+    let path = run(cfg, Some(p)).assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}

@@ -1,0 +1,13 @@
+//! The operator's pure decision code, as a library: the binary's
+//! reconcilers call it, and the model checker (`model/`) drives exactly
+//! this code through every interleaving of a small cluster. Not a public
+//! API: it follows the operator's needs, and picks the binary's
+//! `k8s-openapi` version.
+
+pub mod backoff;
+pub mod decide;
+pub mod fit;
+pub mod lease_build;
+pub mod observe;
+pub mod settle;
+pub mod status;
