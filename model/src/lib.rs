@@ -66,6 +66,12 @@ pub struct Config {
     pub lease_deletions: u8,
     pub repair: RepairRule,
     pub storage: StorageRule,
+    /// Writes whose answer is lost (applied, the writer never learns).
+    pub lost_answers: u8,
+    /// Liveness mode: time passes only when no other step changes
+    /// anything (every live actor acts before the clock moves: the
+    /// fairness under which "the task finishes" must hold).
+    pub fair: bool,
 }
 
 impl Config {
@@ -78,6 +84,8 @@ impl Config {
             lease_deletions: 1,
             repair: RepairRule::RetireToken,
             storage: StorageRule::RegisterFirst,
+            lost_answers: 0,
+            fair: false,
         }
     }
 }
@@ -170,6 +178,7 @@ pub struct State {
     pub pg: Storage,
     pub crashes: u8,
     pub deletions: u8,
+    pub lost: u8,
     /// Creates sent by an operator that then crashed: they may still land.
     pub late_creates: Vec<String>,
     /// Ghost: tokens of the leases created (not tombstones), in order.
@@ -188,7 +197,13 @@ pub enum Action {
     LateCreate(usize),
     DeleteLease(String),
     Claim(usize, String),
+    /// The claim is applied; its answer is lost and the worker, whose
+    /// re-read fails too, never learns it holds the lease.
+    ClaimAnswerLost(usize, String),
     Renew(usize),
+    /// The renewal is applied; its answer is lost (the worker's clock does
+    /// not count it, its copy is stale).
+    RenewAnswerLost(usize),
     Register(usize),
     CheckFence(usize),
     CommitLands(usize),
@@ -433,15 +448,52 @@ impl Model for Cluster {
             pg: Storage::new(self.cfg.storage),
             crashes: 0,
             deletions: 0,
+            lost: 0,
             late_creates: Vec::new(),
             created: Vec::new(),
         }]
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
-        if s.now < self.cfg.max_ticks {
+        if s.now < self.cfg.max_ticks && (!self.cfg.fair || self.quiescent(s)) {
             actions.push(Action::Tick);
         }
+        self.steps(s, actions);
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        self.apply(last, action)
+    }
+
+    fn within_boundary(&self, s: &State) -> bool {
+        s.now <= self.cfg.max_ticks
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let mut p = self.safety();
+        if self.cfg.fair {
+            p.push(Property::eventually("the task finishes", |_, s: &State| {
+                s.api
+                    .task()
+                    .status
+                    .and_then(|st| st.phase)
+                    .is_some_and(TaskPhase::is_terminal)
+            }));
+        }
+        p
+    }
+}
+
+impl Cluster {
+    /// No step but a tick changes anything.
+    fn quiescent(&self, s: &State) -> bool {
+        let mut steps = Vec::new();
+        self.steps(s, &mut steps);
+        steps.into_iter().all(|a| self.apply(s, a).is_none())
+    }
+
+    /// Every step but a tick that `s` allows.
+    fn steps(&self, s: &State, actions: &mut Vec<Action>) {
         if s.op.task.as_ref() != Some(&s.api.task) {
             actions.push(Action::SyncTask);
         }
@@ -475,12 +527,18 @@ impl Model for Cluster {
                         let l: TaskLease = decode(l);
                         if phase(&l) == Some(LeasePhase::Offered) {
                             actions.push(Action::Claim(w, name.clone()));
+                            if s.lost < self.cfg.lost_answers {
+                                actions.push(Action::ClaimAnswerLost(w, name.clone()));
+                            }
                         }
                     }
                 }
                 Worker::Holding(a) => {
                     if self.alive(a, s.now) && a.last_ok_sent < s.now {
                         actions.push(Action::Renew(w));
+                        if s.lost < self.cfg.lost_answers {
+                            actions.push(Action::RenewAnswerLost(w));
+                        }
                     }
                     let registered = a.registered || self.cfg.storage == StorageRule::CommitOnly;
                     if !a.registered && self.cfg.storage == StorageRule::RegisterFirst {
@@ -500,7 +558,7 @@ impl Model for Cluster {
         }
     }
 
-    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+    fn apply(&self, last: &State, action: Action) -> Option<State> {
         let mut s = last.clone();
         match &action {
             Action::Tick => s.now += 1,
@@ -545,6 +603,29 @@ impl Model for Cluster {
                 s.deletions += 1;
                 let _ = s.api.delete_lease(name, None);
             }
+            Action::ClaimAnswerLost(w, name) => {
+                let lease = s.api.lease(name)?;
+                let task = s.api.task();
+                if check_current(&task, &lease).is_err() {
+                    return None;
+                }
+                s.lost += 1;
+                let mut l = lease.clone();
+                l.spec.holder_identity = Some(worker_name(*w));
+                l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                l.spec.renew_time = l.spec.acquire_time.clone();
+                l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+                s.api.replace_lease(&l).ok()?;
+            }
+            Action::RenewAnswerLost(w) => {
+                let Worker::Holding(a) = &s.workers[*w] else {
+                    return None;
+                };
+                let mut l: TaskLease = decode(&a.copy);
+                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                s.lost += 1;
+                s.api.replace_lease(&l).ok()?;
+            }
             Action::Claim(w, name) => {
                 let lease = s.api.lease(name)?;
                 let task = s.api.task();
@@ -574,14 +655,12 @@ impl Model for Cluster {
             | Action::CommitLands(w)
             | Action::Complete(w) => self.worker_step(&mut s, *w, &action),
         }
-        Some(s)
+        // A step that changes nothing is no step: paths then end where
+        // nothing can happen any more, which `eventually` needs.
+        (s != *last).then_some(s)
     }
 
-    fn within_boundary(&self, s: &State) -> bool {
-        s.now <= self.cfg.max_ticks
-    }
-
-    fn properties(&self) -> Vec<Property<Self>> {
+    fn safety(&self) -> Vec<Property<Self>> {
         vec![
             Property::always(
                 "at most one attempt's effect is committed",

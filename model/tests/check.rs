@@ -28,6 +28,8 @@ fn config(ticks: u8, crashes: u8, deletions: u8) -> Config {
         lease_deletions: deletions,
         repair: RepairRule::RetireToken,
         storage: StorageRule::RegisterFirst,
+        lost_answers: 0,
+        fair: false,
     }
 }
 
@@ -81,6 +83,41 @@ fn safe_when_the_operator_crashes() {
 #[test]
 fn safe_when_a_held_lease_is_deleted() {
     assert_safe(config(3, 0, 1));
+}
+
+/// The liveness check can fail: with no worker the task never finishes,
+/// and the checker says so.
+#[test]
+fn the_liveness_check_is_not_vacuous() {
+    let mut cfg = config(3, 0, 0);
+    cfg.workers = 0;
+    cfg.fair = true;
+    run(cfg, None).assert_any_discovery("the task finishes");
+}
+
+/// A claim or a renewal is applied but its answer is lost: the worker
+/// does not know it holds a lease, or does not count a renewal.
+#[test]
+fn safe_when_answers_are_lost() {
+    let mut cfg = config(3, 0, 0);
+    cfg.lost_answers = 1;
+    assert_safe(cfg);
+}
+
+/// Liveness: with one worker and the operator taking every step they can
+/// before time moves on (fairness), every path ends with the task
+/// finished.
+#[test]
+fn the_task_finishes_under_fairness() {
+    let mut cfg = config(6, 0, 0);
+    cfg.workers = 1;
+    cfg.fair = true;
+    let checker = run(cfg, None);
+    assert!(checker.is_done());
+    checker.assert_no_discovery("the task finishes");
+    for p in SAFETY {
+        checker.assert_no_discovery(p);
+    }
 }
 
 /// The rule before issue 7: a current lease found gone was created again
