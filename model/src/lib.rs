@@ -68,6 +68,9 @@ pub struct Config {
     pub storage: StorageRule,
     /// Writes whose answer is lost (applied, the writer never learns).
     pub lost_answers: u8,
+    /// Workers' clocks run this many percent fast or slow (each worker
+    /// one or the other, all combinations explored); 0: exact clocks.
+    pub drift_percent: u8,
     /// Liveness mode: time passes only when no other step changes
     /// anything (every live actor acts before the clock moves: the
     /// fairness under which "the task finishes" must hold).
@@ -85,6 +88,7 @@ impl Config {
             repair: RepairRule::RetireToken,
             storage: StorageRule::RegisterFirst,
             lost_answers: 0,
+            drift_percent: 0,
             fair: false,
         }
     }
@@ -118,6 +122,11 @@ impl Cluster {
 
     fn instant(&self, tick: u8) -> Instant {
         self.base + Duration::from_secs(u64::from(tick) * TICK_SECONDS)
+    }
+
+    /// What a worker whose clock runs at `rate` percent reads at `tick`.
+    fn worker_instant(&self, rate: u8, tick: u8) -> Instant {
+        self.base + Duration::from_millis(u64::from(tick) * TICK_SECONDS * 10 * u64::from(rate))
     }
 }
 
@@ -156,6 +165,8 @@ pub enum Worker {
 /// A claimed attempt.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct Attempt {
+    /// The worker's clock rate, percent.
+    pub rate: u8,
     pub lease: String,
     pub token: i64,
     /// The worker's last copy of the lease (JSON).
@@ -179,6 +190,8 @@ pub struct State {
     pub crashes: u8,
     pub deletions: u8,
     pub lost: u8,
+    /// Each worker's clock rate, percent.
+    pub rates: Vec<u8>,
     /// Creates sent by an operator that then crashed: they may still land.
     pub late_creates: Vec<String>,
     /// Ghost: tokens of the leases created (not tombstones), in order.
@@ -237,14 +250,15 @@ fn worker_name(w: usize) -> String {
 impl Cluster {
     fn kill_clock(&self, a: &Attempt) -> KillClock {
         let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
-        let mut c = KillClock::new(ttl, self.instant(a.claim_sent), None);
-        c.renewed(self.instant(a.last_ok_sent));
+        // The worker's own monotonic clock.
+        let mut c = KillClock::new(ttl, self.worker_instant(a.rate, a.claim_sent), None);
+        c.renewed(self.worker_instant(a.rate, a.last_ok_sent));
         c
     }
 
     /// The SDK's fence: alive strictly before the kill switch fires.
     fn alive(&self, a: &Attempt, now: u8) -> bool {
-        self.instant(now) < self.kill_clock(a).kill_at().0
+        self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
     }
 
     /// One reconcile pass, as `reconcile.rs` does it, on the operator's
@@ -390,7 +404,9 @@ impl Cluster {
             }
             Action::CommitLands(_) => {
                 let deadline = self.kill_clock(&a).kill_at().0;
-                let in_time = self.instant(s.now) <= deadline;
+                // The deadline travels with the write; modelled in the
+                // worker's time frame.
+                let in_time = self.worker_instant(a.rate, s.now) <= deadline;
                 if !s.pg.commit(a.token, w, in_time) {
                     s.workers[w] = Worker::Idle;
                     return;
@@ -440,18 +456,41 @@ impl Model for Cluster {
     type Action = Action;
 
     fn init_states(&self) -> Vec<State> {
-        vec![State {
-            now: 0,
-            api: ApiServer::new(&the_task()),
-            op: Operator::default(),
-            workers: vec![Worker::Idle; self.cfg.workers],
-            pg: Storage::new(self.cfg.storage),
-            crashes: 0,
-            deletions: 0,
-            lost: 0,
-            late_creates: Vec::new(),
-            created: Vec::new(),
-        }]
+        let d = self.cfg.drift_percent;
+        let mut all_rates: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..self.cfg.workers {
+            let choices: Vec<u8> = if d == 0 {
+                vec![100]
+            } else {
+                vec![100 - d, 100 + d]
+            };
+            all_rates = all_rates
+                .into_iter()
+                .flat_map(|r| {
+                    choices.iter().map(move |c| {
+                        let mut r = r.clone();
+                        r.push(*c);
+                        r
+                    })
+                })
+                .collect();
+        }
+        all_rates
+            .into_iter()
+            .map(|rates| State {
+                now: 0,
+                api: ApiServer::new(&the_task()),
+                op: Operator::default(),
+                workers: vec![Worker::Idle; self.cfg.workers],
+                pg: Storage::new(self.cfg.storage),
+                crashes: 0,
+                deletions: 0,
+                lost: 0,
+                rates,
+                late_creates: Vec::new(),
+                created: Vec::new(),
+            })
+            .collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
@@ -639,6 +678,7 @@ impl Cluster {
                 l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
                 let stored = s.api.replace_lease(&l).ok()?;
                 s.workers[*w] = Worker::Holding(Attempt {
+                    rate: s.rates[*w],
                     lease: name.clone(),
                     token: stored.spec.fencing_token,
                     copy: encode(&stored),

@@ -29,6 +29,7 @@ fn config(ticks: u8, crashes: u8, deletions: u8) -> Config {
         repair: RepairRule::RetireToken,
         storage: StorageRule::RegisterFirst,
         lost_answers: 0,
+        drift_percent: 0,
         fair: false,
     }
 }
@@ -93,6 +94,15 @@ fn the_liveness_check_is_not_vacuous() {
     cfg.workers = 0;
     cfg.fair = true;
     run(cfg, None).assert_any_discovery("the task finishes");
+}
+
+/// Workers' clocks run 10 % fast or slow (every combination): the kill
+/// switch fires early or late by their own clock.
+#[test]
+fn safe_with_drifting_worker_clocks() {
+    let mut cfg = config(4, 0, 0);
+    cfg.drift_percent = 10;
+    assert_safe(cfg);
 }
 
 /// A claim or a renewal is applied but its answer is lost: the worker

@@ -4,7 +4,7 @@
 //!
 //! `cargo run -p batchlease-model --release --bin model-check -- --ticks=8
 //!  [--workers=2] [--crashes=1] [--deletions=1] [--repair=same-token]
-//!  [--lost=1] [--fair] [--storage=commit-only] [--timeout-seconds=600]`
+//!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only] [--timeout-seconds=600]`
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,7 @@ fn main() {
             "--deletions" => cfg.lease_deletions = n(),
             "--lost" => cfg.lost_answers = n(),
             "--fair" => cfg.fair = true,
+            "--drift" => cfg.drift_percent = n(),
             "--repair" if v == "same-token" => cfg.repair = RepairRule::SameToken,
             "--storage" if v == "commit-only" => cfg.storage = StorageRule::CommitOnly,
             "--timeout-seconds" => {
