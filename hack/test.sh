@@ -33,7 +33,12 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "unit tests"
-cargo_test --workspace --exclude batchlease-e2e --locked
+cargo_test --workspace --exclude batchlease-e2e --exclude batchlease-model --locked
+
+# The bounded model check (docs/model.md); --nocapture prints the states
+# each bound explored.
+step "model check"
+cargo_test --locked -p batchlease-model -- --nocapture
 
 step "CRD drift check"
 cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
