@@ -151,8 +151,25 @@ pub struct Operator {
     pub seen: BTreeMap<String, Seen>,
     /// Lease creates sent, and when (reconcile.rs's expectations).
     pub expect: BTreeMap<String, u8>,
-    /// The second write of an issue, not sent yet.
-    pub pending_create: Option<String>,
+    /// The write this pass decided, not applied yet (a request on its
+    /// way): the next reconcile waits for it, a crash leaves it in flight.
+    pub pending: Option<Write>,
+}
+
+/// One request of the operator to the API server.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub enum Write {
+    /// `PUT …/status` (task JSON); an issue's lease create follows it.
+    Status {
+        task: String,
+        then_create: Option<String>,
+    },
+    /// `PUT` of a lease (expiry).
+    Lease(String),
+    /// `POST` of a lease.
+    Create(String),
+    /// `DELETE` of a lease with a resourceVersion precondition.
+    Delete(String, Option<String>),
 }
 
 /// One worker.
@@ -192,8 +209,8 @@ pub struct State {
     pub lost: u8,
     /// Each worker's clock rate, percent.
     pub rates: Vec<u8>,
-    /// Creates sent by an operator that then crashed: they may still land.
-    pub late_creates: Vec<String>,
+    /// Requests of an operator that then crashed: they may still land.
+    pub late: Vec<Write>,
     /// Ghost: tokens of the leases created (not tombstones), in order.
     pub created: Vec<i64>,
 }
@@ -205,9 +222,11 @@ pub enum Action {
     SyncTask,
     SyncLeases,
     Reconcile,
-    CreateLease,
+    /// The operator's pending request reaches the API server.
+    SendWrite,
     CrashOperator,
-    LateCreate(usize),
+    /// A crashed operator's request lands late.
+    LateWrite(usize),
     DeleteLease(String),
     Claim(usize, String),
     /// The claim is applied; its answer is lost and the worker, whose
@@ -316,42 +335,72 @@ impl Cluster {
             };
             decision = decide_with(&leases, lookup);
         }
-        match decision {
-            Decision::Wait(_) | Decision::LookUpLease(_) => {}
+        s.op.pending = match decision {
+            Decision::Wait(_) | Decision::LookUpLease(_) => None,
             Decision::WriteStatus { status, .. } => {
                 let mut t = task.clone();
                 t.status = Some(*status);
-                let _ = s.api.replace_status(&t);
+                Some(Write::Status {
+                    task: encode(&t),
+                    then_create: None,
+                })
             }
             Decision::Issue { status, lease, .. } => {
                 let mut t = task.clone();
                 t.status = Some(*status);
-                if s.api.replace_status(&t).is_ok() {
-                    s.op.expect.insert(lease.name_any(), s.now);
-                    s.op.pending_create = Some(encode(&*lease));
-                }
+                Some(Write::Status {
+                    task: encode(&t),
+                    then_create: Some(encode(&*lease)),
+                })
             }
-            Decision::RetireToken(tombstone) => match self.cfg.repair {
-                RepairRule::RetireToken => {
-                    let _ = s.api.create_lease(&tombstone);
-                }
-                RepairRule::SameToken => {
-                    let token = task.status.as_ref().map_or(0, |st| st.fencing_token);
-                    let again = offered_lease(&task, token);
-                    if s.api.create_lease(&again).is_ok() {
-                        s.created.push(token);
+            Decision::RetireToken(tombstone) => {
+                s.op.expect.insert(tombstone.name_any(), s.now);
+                Some(Write::Create(match self.cfg.repair {
+                    RepairRule::RetireToken => encode(&*tombstone),
+                    RepairRule::SameToken => {
+                        let token = task.status.as_ref().map_or(0, |st| st.fencing_token);
+                        encode(&offered_lease(&task, token))
                     }
-                }
-            },
-            Decision::Expire { lease, .. } => {
-                let _ = s.api.replace_lease(&lease);
+                }))
             }
-            Decision::Prune { victims, .. } => {
-                for (name, rv) in victims {
-                    let _ = s.api.delete_lease(&name, rv.as_deref());
+            Decision::Expire { lease, .. } => Some(Write::Lease(encode(&*lease))),
+            // One delete per pass is enough for the model (it keeps few leases).
+            Decision::Prune { victims, .. } => victims
+                .into_iter()
+                .next()
+                .map(|(name, rv)| Write::Delete(name, rv)),
+        };
+    }
+
+    /// Applies one operator request; returns the follow-up request (an
+    /// issue's lease create after its status write succeeded), and whether
+    /// a create met an existing object.
+    fn send(&self, s: &mut State, write: Write) -> (Option<Write>, bool) {
+        match write {
+            Write::Status { task, then_create } => {
+                let t: BatchTask = decode(&task);
+                if s.api.replace_status(&t).is_ok() {
+                    return (then_create.map(Write::Create), false);
                 }
+            }
+            Write::Lease(l) => {
+                let _ = s.api.replace_lease(&decode(&l));
+            }
+            Write::Create(l) => {
+                let l: TaskLease = decode(&l);
+                let tombstone =
+                    l.status.as_ref().and_then(|st| st.reason.as_deref()) == Some("TokenRetired");
+                match s.api.create_lease(&l) {
+                    Ok(_) if !tombstone => s.created.push(l.spec.fencing_token),
+                    Ok(_) => {}
+                    Err(_) => return (None, true),
+                }
+            }
+            Write::Delete(name, rv) => {
+                let _ = s.api.delete_lease(&name, rv.as_deref());
             }
         }
+        (None, false)
     }
 
     fn worker_step(&self, s: &mut State, w: usize, action: &Action) {
@@ -487,7 +536,7 @@ impl Model for Cluster {
                 deletions: 0,
                 lost: 0,
                 rates,
-                late_creates: Vec::new(),
+                late: Vec::new(),
                 created: Vec::new(),
             })
             .collect()
@@ -539,17 +588,17 @@ impl Cluster {
         if s.op.leases != s.api.leases {
             actions.push(Action::SyncLeases);
         }
-        if s.op.task.is_some() && s.op.pending_create.is_none() {
+        if s.op.task.is_some() && s.op.pending.is_none() {
             actions.push(Action::Reconcile);
         }
-        if s.op.pending_create.is_some() {
-            actions.push(Action::CreateLease);
+        if s.op.pending.is_some() {
+            actions.push(Action::SendWrite);
         }
         if s.crashes < self.cfg.operator_crashes && s.op != Operator::default() {
             actions.push(Action::CrashOperator);
         }
-        for i in 0..s.late_creates.len() {
-            actions.push(Action::LateCreate(i));
+        for i in 0..s.late.len() {
+            actions.push(Action::LateWrite(i));
         }
         if s.deletions < self.cfg.lease_deletions {
             for (name, l) in &s.api.leases {
@@ -615,28 +664,36 @@ impl Cluster {
                 s.op.leases = s.api.leases.clone();
             }
             Action::Reconcile => self.reconcile(&mut s),
-            Action::CreateLease => {
-                if let Some(json) = s.op.pending_create.take() {
-                    let l: TaskLease = decode(&json);
-                    if s.api.create_lease(&l).is_ok() {
-                        s.created.push(l.spec.fencing_token);
+            Action::SendWrite => {
+                if let Some(w) = s.op.pending.take() {
+                    // reconcile.rs: every create is expected first; one
+                    // that meets an existing object is not.
+                    let creating = match &w {
+                        Write::Create(l) => Some(decode::<TaskLease>(l).name_any()),
+                        _ => None,
+                    };
+                    let (next, exists) = self.send(&mut s, w);
+                    if let (Some(name), true) = (creating, exists) {
+                        s.op.expect.remove(&name);
                     }
+                    if let Some(Write::Create(l)) = &next {
+                        let l: TaskLease = decode(l);
+                        s.op.expect.insert(l.name_any(), s.now);
+                    }
+                    s.op.pending = next;
                 }
             }
             Action::CrashOperator => {
                 s.crashes += 1;
-                if let Some(c) = s.op.pending_create.take() {
-                    // Sent just before the crash: it may still land.
-                    s.late_creates.push(c);
+                if let Some(w) = s.op.pending.take() {
+                    // Already sent: it may still land.
+                    s.late.push(w);
                 }
                 s.op = Operator::default();
             }
-            Action::LateCreate(i) => {
-                let json = s.late_creates.remove(*i);
-                let l: TaskLease = decode(&json);
-                if s.api.create_lease(&l).is_ok() {
-                    s.created.push(l.spec.fencing_token);
-                }
+            Action::LateWrite(i) => {
+                let w = s.late.remove(*i);
+                let _ = self.send(&mut s, w);
             }
             Action::DeleteLease(name) => {
                 s.deletions += 1;

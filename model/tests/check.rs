@@ -67,23 +67,23 @@ fn assert_safe(cfg: Config) {
 }
 
 /// Claims, pauses past the kill switch, expiry and reassignment to the
-/// other worker, late commits: 10 s of two workers and one operator.
+/// other worker, late commits: 8 s of two workers and one operator.
 #[test]
 fn safe_through_pauses_expiry_and_reassignment() {
-    assert_safe(config(5, 0, 0));
+    assert_safe(config(4, 0, 0));
 }
 
 /// The operator crashes once anywhere, losing its cache, its observations
 /// and an issue's second write, which may still land afterwards.
 #[test]
 fn safe_when_the_operator_crashes() {
-    assert_safe(config(3, 1, 0));
+    assert_safe(config(2, 1, 0));
 }
 
 /// Someone deletes a held lease while its holder works on.
 #[test]
 fn safe_when_a_held_lease_is_deleted() {
-    assert_safe(config(3, 0, 1));
+    assert_safe(config(2, 0, 1));
 }
 
 /// The liveness check can fail: with no worker the task never finishes,
@@ -100,7 +100,7 @@ fn the_liveness_check_is_not_vacuous() {
 /// switch fires early or late by their own clock.
 #[test]
 fn safe_with_drifting_worker_clocks() {
-    let mut cfg = config(4, 0, 0);
+    let mut cfg = config(3, 0, 0);
     cfg.drift_percent = 10;
     assert_safe(cfg);
 }
@@ -134,7 +134,7 @@ fn the_task_finishes_under_fairness() {
 /// under the same token — two leases, two holders, one token.
 #[test]
 fn the_same_token_repair_is_caught() {
-    let mut cfg = config(3, 0, 1);
+    let mut cfg = config(2, 0, 1);
     cfg.repair = RepairRule::SameToken;
     let p = "a token is used by at most one lease";
     let path = run(cfg, Some(p)).assert_any_discovery(p);
