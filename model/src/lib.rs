@@ -55,6 +55,16 @@ pub enum RepairRule {
     SameToken,
 }
 
+/// When a worker stops its attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KillRule {
+    /// The SDK's `KillClock`.
+    Sdk,
+    /// Never (a mutation: the checker must catch a worker without a kill
+    /// switch).
+    Never,
+}
+
 /// What a run explores.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -66,6 +76,7 @@ pub struct Config {
     pub lease_deletions: u8,
     pub repair: RepairRule,
     pub storage: StorageRule,
+    pub kill: KillRule,
     /// Writes whose answer is lost (applied, the writer never learns).
     pub lost_answers: u8,
     /// Workers' clocks run this many percent fast or slow (each worker
@@ -87,6 +98,7 @@ impl Config {
             lease_deletions: 1,
             repair: RepairRule::RetireToken,
             storage: StorageRule::RegisterFirst,
+            kill: KillRule::Sdk,
             lost_answers: 0,
             drift_percent: 0,
             fair: false,
@@ -154,6 +166,18 @@ pub struct Operator {
     /// The write this pass decided, not applied yet (a request on its
     /// way): the next reconcile waits for it, a crash leaves it in flight.
     pub pending: Option<Write>,
+    /// The last request the API server refused: deciding it again before
+    /// the caches change is no step (a retry loop is not progress).
+    pub refused: Option<Write>,
+}
+
+/// What became of a request.
+#[derive(Debug, Default)]
+struct Sent {
+    applied: bool,
+    /// An issue's lease create, after its status write.
+    next: Option<Write>,
+    already_exists: bool,
 }
 
 /// One request of the operator to the API server.
@@ -213,6 +237,16 @@ pub struct State {
     pub late: Vec<Write>,
     /// Ghost: tokens of the leases created (not tombstones), in order.
     pub created: Vec<i64>,
+    /// Ghost: tokens whose lease was set Expired.
+    pub expired: Vec<i64>,
+    /// Ghost: a storage write of an attempt was accepted after its lease
+    /// was expired.
+    pub write_after_expiry: bool,
+    /// Ghost (coverage): storage refused a stale attempt; a crashed
+    /// operator's request landed; a tombstone retired a token.
+    pub fenced_by_storage: bool,
+    pub late_landed: bool,
+    pub tombstones: u8,
 }
 
 /// A step.
@@ -277,7 +311,8 @@ impl Cluster {
 
     /// The SDK's fence: alive strictly before the kill switch fires.
     fn alive(&self, a: &Attempt, now: u8) -> bool {
-        self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
+        self.cfg.kill == KillRule::Never
+            || self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
     }
 
     /// One reconcile pass, as `reconcile.rs` does it, on the operator's
@@ -370,37 +405,46 @@ impl Cluster {
                 .next()
                 .map(|(name, rv)| Write::Delete(name, rv)),
         };
+        if s.op.pending.is_some() && s.op.pending == s.op.refused {
+            s.op.pending = None;
+        }
     }
 
-    /// Applies one operator request; returns the follow-up request (an
-    /// issue's lease create after its status write succeeded), and whether
-    /// a create met an existing object.
-    fn send(&self, s: &mut State, write: Write) -> (Option<Write>, bool) {
+    /// Applies one operator request.
+    fn send(&self, s: &mut State, write: Write) -> Sent {
+        let mut sent = Sent::default();
         match write {
             Write::Status { task, then_create } => {
                 let t: BatchTask = decode(&task);
                 if s.api.replace_status(&t).is_ok() {
-                    return (then_create.map(Write::Create), false);
+                    sent.applied = true;
+                    sent.next = then_create.map(Write::Create);
                 }
             }
             Write::Lease(l) => {
-                let _ = s.api.replace_lease(&decode(&l));
+                if let Ok(stored) = s.api.replace_lease(&decode(&l)) {
+                    sent.applied = true;
+                    if phase(&stored) == Some(LeasePhase::Expired) {
+                        s.expired.push(stored.spec.fencing_token);
+                    }
+                }
             }
             Write::Create(l) => {
                 let l: TaskLease = decode(&l);
                 let tombstone =
                     l.status.as_ref().and_then(|st| st.reason.as_deref()) == Some("TokenRetired");
                 match s.api.create_lease(&l) {
-                    Ok(_) if !tombstone => s.created.push(l.spec.fencing_token),
-                    Ok(_) => {}
-                    Err(_) => return (None, true),
+                    Ok(_) if tombstone => s.tombstones += 1,
+                    Ok(_) => s.created.push(l.spec.fencing_token),
+                    Err(_) => sent.already_exists = true,
                 }
+                sent.applied = !sent.already_exists;
             }
             Write::Delete(name, rv) => {
-                let _ = s.api.delete_lease(&name, rv.as_deref());
+                sent.applied = s.api.delete_lease(&name, rv.as_deref()).is_ok();
             }
         }
-        (None, false)
+        sent
     }
 
     fn worker_step(&self, s: &mut State, w: usize, action: &Action) {
@@ -438,9 +482,17 @@ impl Cluster {
                 }
             }
             Action::Register(_) => {
-                if !alive || !s.pg.register(a.token) {
+                if !alive {
                     s.workers[w] = Worker::Idle;
                     return;
+                }
+                if !s.pg.register(a.token) {
+                    s.fenced_by_storage = true;
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                if s.expired.contains(&a.token) {
+                    s.write_after_expiry = true;
                 }
                 a.registered = true;
             }
@@ -455,10 +507,15 @@ impl Cluster {
                 let deadline = self.kill_clock(&a).kill_at().0;
                 // The deadline travels with the write; modelled in the
                 // worker's time frame.
-                let in_time = self.worker_instant(a.rate, s.now) <= deadline;
+                let in_time = self.cfg.kill == KillRule::Never
+                    || self.worker_instant(a.rate, s.now) <= deadline;
                 if !s.pg.commit(a.token, w, in_time) {
+                    s.fenced_by_storage = true;
                     s.workers[w] = Worker::Idle;
                     return;
+                }
+                if s.expired.contains(&a.token) {
+                    s.write_after_expiry = true;
                 }
                 a.committed = true;
             }
@@ -538,6 +595,11 @@ impl Model for Cluster {
                 rates,
                 late: Vec::new(),
                 created: Vec::new(),
+                expired: Vec::new(),
+                write_after_expiry: false,
+                fenced_by_storage: false,
+                late_landed: false,
+                tombstones: 0,
             })
             .collect()
     }
@@ -650,7 +712,10 @@ impl Cluster {
         let mut s = last.clone();
         match &action {
             Action::Tick => s.now += 1,
-            Action::SyncTask => s.op.task = Some(s.api.task.clone()),
+            Action::SyncTask => {
+                s.op.task = Some(s.api.task.clone());
+                s.op.refused = None;
+            }
             Action::SyncLeases => {
                 let now = self.instant(s.now);
                 let mut seen = BTreeMap::new();
@@ -662,6 +727,7 @@ impl Cluster {
                 }
                 s.op.seen = seen;
                 s.op.leases = s.api.leases.clone();
+                s.op.refused = None;
             }
             Action::Reconcile => self.reconcile(&mut s),
             Action::SendWrite => {
@@ -672,10 +738,14 @@ impl Cluster {
                         Write::Create(l) => Some(decode::<TaskLease>(l).name_any()),
                         _ => None,
                     };
-                    let (next, exists) = self.send(&mut s, w);
-                    if let (Some(name), true) = (creating, exists) {
+                    let sent = self.send(&mut s, w.clone());
+                    if let (Some(name), true) = (creating, sent.already_exists) {
                         s.op.expect.remove(&name);
                     }
+                    if !sent.applied {
+                        s.op.refused = Some(w);
+                    }
+                    let next = sent.next;
                     if let Some(Write::Create(l)) = &next {
                         let l: TaskLease = decode(l);
                         s.op.expect.insert(l.name_any(), s.now);
@@ -693,7 +763,9 @@ impl Cluster {
             }
             Action::LateWrite(i) => {
                 let w = s.late.remove(*i);
-                let _ = self.send(&mut s, w);
+                if self.send(&mut s, w).applied {
+                    s.late_landed = true;
+                }
             }
             Action::DeleteLease(name) => {
                 s.deletions += 1;
@@ -784,8 +856,37 @@ impl Cluster {
                 "no accepted storage write carries a token below a registered one",
                 |_, s: &State| !s.pg.stale_write_accepted,
             ),
+            // The property that needs the kill switch: a worker stops (and
+            // its writes carry a deadline) before the operator can expire
+            // its lease, so nothing it writes lands after the expiry.
+            Property::always(
+                "no storage write is accepted for an attempt whose lease expired",
+                |_, s: &State| !s.write_after_expiry,
+            ),
             Property::sometimes("the task succeeds", |_, s: &State| {
                 s.api.task().status.and_then(|st| st.phase) == Some(TaskPhase::Succeeded)
+            }),
+            // Coverage: the situations the safety properties are about are
+            // reached (asserted by the CI bounds that should reach them).
+            Property::sometimes("two workers hold attempts at once", |_, s: &State| {
+                s.workers
+                    .iter()
+                    .filter(|w| matches!(w, Worker::Holding(_)))
+                    .count()
+                    >= 2
+            }),
+            Property::sometimes(
+                "an expired lease's task is offered again",
+                |_, s: &State| !s.expired.is_empty() && s.created.len() >= 2,
+            ),
+            Property::sometimes("storage refuses a stale attempt", |_, s: &State| {
+                s.fenced_by_storage
+            }),
+            Property::sometimes("a crashed operator's request lands late", |_, s: &State| {
+                s.late_landed
+            }),
+            Property::sometimes("a tombstone retires a token", |_, s: &State| {
+                s.tombstones > 0
             }),
         ]
     }
