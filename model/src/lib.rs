@@ -300,6 +300,30 @@ fn worker_name(w: usize) -> String {
     format!("w{w}")
 }
 
+/// Worker `w` claims lease `name` if it is the task's current lease (the
+/// SDK reads the task first); the lease as stored, or `None`.
+fn claim(s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
+    let lease = s.api.lease(name)?;
+    check_current(&s.api.task(), &lease).ok()?;
+    let mut l = lease;
+    l.spec.holder_identity = Some(worker_name(w));
+    l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
+    l.spec.renew_time = l.spec.acquire_time.clone();
+    l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+    s.api.replace_lease(&l).ok()
+}
+
+/// After a refused write: the fresh copy while the lease is still held by
+/// `me` (retry from it), else `None` (the attempt is over).
+fn still_ours(s: &State, a: &Attempt, me: &str) -> Option<String> {
+    s.api
+        .lease(&a.lease)
+        .filter(|f| {
+            phase(f) == Some(LeasePhase::Held) && f.spec.holder_identity.as_deref() == Some(me)
+        })
+        .map(|f| encode(&f))
+}
+
 impl Cluster {
     fn kill_clock(&self, a: &Attempt) -> KillClock {
         let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
@@ -462,15 +486,9 @@ impl Cluster {
                         a.copy = encode(&stored);
                         a.last_ok_sent = s.now;
                     }
-                    Err(Refused::Conflict | Refused::Invalid) => match s.api.lease(&a.lease) {
-                        // Still ours: retry from the fresh copy.
-                        Some(f)
-                            if phase(&f) == Some(LeasePhase::Held)
-                                && f.spec.holder_identity.as_deref() == Some(&me) =>
-                        {
-                            a.copy = encode(&f);
-                        }
-                        _ => {
+                    Err(Refused::Conflict | Refused::Invalid) => match still_ours(s, &a, &me) {
+                        Some(fresh) => a.copy = fresh,
+                        None => {
                             s.workers[w] = Worker::Idle;
                             return;
                         }
@@ -533,14 +551,9 @@ impl Cluster {
                         s.workers[w] = Worker::Idle;
                         return;
                     }
-                    Err(Refused::Conflict) => match s.api.lease(&a.lease) {
-                        Some(f)
-                            if phase(&f) == Some(LeasePhase::Held)
-                                && f.spec.holder_identity.as_deref() == Some(&me) =>
-                        {
-                            a.copy = encode(&f);
-                        }
-                        _ => {
+                    Err(Refused::Conflict) => match still_ours(s, &a, &me) {
+                        Some(fresh) => a.copy = fresh,
+                        None => {
                             s.workers[w] = Worker::Idle;
                             return;
                         }
@@ -772,18 +785,8 @@ impl Cluster {
                 let _ = s.api.delete_lease(name, None);
             }
             Action::ClaimAnswerLost(w, name) => {
-                let lease = s.api.lease(name)?;
-                let task = s.api.task();
-                if check_current(&task, &lease).is_err() {
-                    return None;
-                }
                 s.lost += 1;
-                let mut l = lease.clone();
-                l.spec.holder_identity = Some(worker_name(*w));
-                l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
-                l.spec.renew_time = l.spec.acquire_time.clone();
-                l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
-                s.api.replace_lease(&l).ok()?;
+                claim(&mut s, *w, name)?;
             }
             Action::RenewAnswerLost(w) => {
                 let Worker::Holding(a) = &s.workers[*w] else {
@@ -795,17 +798,7 @@ impl Cluster {
                 s.api.replace_lease(&l).ok()?;
             }
             Action::Claim(w, name) => {
-                let lease = s.api.lease(name)?;
-                let task = s.api.task();
-                if check_current(&task, &lease).is_err() {
-                    return None;
-                }
-                let mut l = lease.clone();
-                l.spec.holder_identity = Some(worker_name(*w));
-                l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
-                l.spec.renew_time = l.spec.acquire_time.clone();
-                l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
-                let stored = s.api.replace_lease(&l).ok()?;
+                let stored = claim(&mut s, *w, name)?;
                 s.workers[*w] = Worker::Holding(Attempt {
                     rate: s.rates[*w],
                     lease: name.clone(),
