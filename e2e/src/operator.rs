@@ -167,4 +167,14 @@ impl Operator {
     pub fn logs(&self) -> String {
         self.process.logs()
     }
+
+    /// This replica's log followed by `workers`' logs: the diagnostics of
+    /// a wait on a task.
+    pub fn logs_with(&self, workers: &[&crate::process::Process]) -> String {
+        let mut out = self.logs();
+        for w in workers {
+            out.push_str(&w.logs());
+        }
+        out
+    }
 }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use batchlease_api::{BatchTask, JsonObject, LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
 use batchlease_e2e::operator::Operator;
-use batchlease_e2e::process::Process;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, TestNamespace, wait_for, worker};
@@ -46,14 +45,6 @@ async fn setup(prefix: &str) -> (TestNamespace, Operator) {
     let op = Operator::start(&ns.name, "op").unwrap();
     op.wait_leading(T).await.unwrap();
     (ns, op)
-}
-
-fn logs(op: &Operator, workers: &[&Process]) -> String {
-    let mut out = op.logs();
-    for w in workers {
-        out.push_str(&w.logs());
-    }
-    out
 }
 
 /// Waits for an Event with `reason` about `object` (Events follow the
@@ -148,12 +139,12 @@ async fn deep_json_in_one_task_stops_nobody() {
 
     for i in 0..3 {
         wait_phase(&ns, &format!("ok-{i}"), TaskPhase::Succeeded, T, || {
-            logs(&op, &[&w])
+            op.logs_with(&[&w])
         })
         .await
         .unwrap();
     }
-    let raw = wait_phase(&ns, "raw", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+    let raw = wait_phase(&ns, "raw", TaskPhase::Succeeded, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     let st = raw.status.unwrap();
@@ -163,12 +154,12 @@ async fn deep_json_in_one_task_stops_nobody() {
     // payload type skips unknown fields without recursion. (A handler that
     // decodes all of it gets a typed InvalidPayload error; unit-tested.)
     wait_phase(&ns, "deep-payload", TaskPhase::Succeeded, T, || {
-        logs(&op, &[&w])
+        op.logs_with(&[&w])
     })
     .await
     .unwrap();
     let dh = wait_phase(&ns, "deep-handler", TaskPhase::DeadLettered, T, || {
-        logs(&op, &[&w])
+        op.logs_with(&[&w])
     })
     .await
     .unwrap();
@@ -188,7 +179,7 @@ async fn deep_json_in_one_task_stops_nobody() {
     }
     for i in 3..6 {
         wait_phase(&ns, &format!("ok-{i}"), TaskPhase::Succeeded, T, || {
-            logs(&op, &[&w2])
+            op.logs_with(&[&w2])
         })
         .await
         .unwrap();
@@ -232,7 +223,7 @@ async fn cpu_bound_handlers_keep_their_leases() {
     }
     for i in 0..n {
         let done = wait_phase(&ns, &format!("spin-{i}"), TaskPhase::Succeeded, T, || {
-            logs(&op, &[&w])
+            op.logs_with(&[&w])
         })
         .await
         .unwrap();
@@ -291,9 +282,11 @@ async fn oversized_results_settle_with_a_clear_reason() {
     )
     .await
     .unwrap();
-    let sdk = wait_phase(&ns, "sdk", TaskPhase::DeadLettered, T, || logs(&op, &[&w]))
-        .await
-        .unwrap();
+    let sdk = wait_phase(&ns, "sdk", TaskPhase::DeadLettered, T, || {
+        op.logs_with(&[&w])
+    })
+    .await
+    .unwrap();
     let st = sdk.status.unwrap();
     let failure = st.last_failure.unwrap();
     assert_eq!(
@@ -347,7 +340,7 @@ async fn tampered_lease_metadata_is_restored() {
     .unwrap();
     assert_eq!(repaired.owner_references()[0].kind, "BatchTask");
     let w = workers::start(&ns.name, "w", &WorkerOpts::default()).unwrap();
-    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     assert_eq!(done.status.unwrap().fencing_token, 1, "the same lease ran");
@@ -455,9 +448,11 @@ spec:
     .await
     .unwrap();
     for (task, reason) in [("cp", "LeaseWriteRefused"), ("result", "CompletionRefused")] {
-        let t = wait_phase(&ns, task, TaskPhase::DeadLettered, T, || logs(&op, &[&w]))
-            .await
-            .unwrap();
+        let t = wait_phase(&ns, task, TaskPhase::DeadLettered, T, || {
+            op.logs_with(&[&w])
+        })
+        .await
+        .unwrap();
         let st = t.status.unwrap();
         let failure = st.last_failure.unwrap();
         assert_eq!(

@@ -50,14 +50,6 @@ async fn demo_job(ns: &TestNamespace, ttl: u64, payload: serde_json::Value) {
     .unwrap();
 }
 
-fn logs(op: &Operator, workers: &[&Process]) -> String {
-    let mut out = op.logs();
-    for w in workers {
-        out.push_str(&w.logs());
-    }
-    out
-}
-
 #[tokio::test]
 async fn fifty_tasks_three_workers_all_succeed_with_their_tokens_in_postgres() {
     let (ns, op, db) = setup("fifty").await;
@@ -84,7 +76,7 @@ async fn fifty_tasks_three_workers_all_succeed_with_their_tokens_in_postgres() {
             &format!("t{i:02}"),
             TaskPhase::Succeeded,
             Duration::from_secs(120),
-            || logs(&op, &refs),
+            || op.logs_with(&refs),
         )
         .await
         .unwrap();
@@ -135,20 +127,20 @@ async fn gc_pause_zombie_is_fenced_by_the_sdk_the_api_server_and_postgres() {
     };
     let zombie = workers::start(&ns.name, "zombie", &zombie_opts).unwrap();
     demo_job(&ns, 5, json!({"steps": 30, "stepMillis": 200})).await;
-    wait_holder(&ns, "job", "zombie", T, || logs(&op, &[&zombie]))
+    wait_holder(&ns, "job", "zombie", T, || op.logs_with(&[&zombie]))
         .await
         .unwrap();
 
     // A stop-the-world pause longer than the TTL.
     zombie.signal("STOP").unwrap();
     wait_lease(&ns, "job-1", LeasePhase::Expired, T, || {
-        logs(&op, &[&zombie])
+        op.logs_with(&[&zombie])
     })
     .await
     .unwrap();
     let rescuer = workers::start(&ns.name, "rescuer", &opts).unwrap();
     wait_phase(&ns, "job", TaskPhase::Succeeded, T, || {
-        logs(&op, &[&zombie, &rescuer])
+        op.logs_with(&[&zombie, &rescuer])
     })
     .await
     .unwrap();
@@ -270,7 +262,7 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
     let cut_off = workers::start(&ns.name, "cutoff", &opts).unwrap();
     let ttl = Duration::from_secs(6);
     demo_job(&ns, 6, json!({"steps": 100, "stepMillis": 200})).await;
-    wait_holder(&ns, "job", "cutoff", T, || logs(&op, &[&cut_off]))
+    wait_holder(&ns, "job", "cutoff", T, || op.logs_with(&[&cut_off]))
         .await
         .unwrap();
     // Wait for one renewal through the proxy, then cut it right after.
@@ -321,7 +313,7 @@ async fn silent_partition_fires_the_kill_switch_within_two_thirds_of_the_ttl() {
         "job",
         TaskPhase::Succeeded,
         Duration::from_secs(90),
-        || logs(&op, &[&cut_off, &rescuer]),
+        || op.logs_with(&[&cut_off, &rescuer]),
     )
     .await
     .unwrap();
@@ -350,7 +342,7 @@ async fn checkpoint_survives_a_killed_attempt() {
     wait_for(
         "checkpoint step >= 3",
         T,
-        || logs(&op, &[&first]),
+        || op.logs_with(&[&first]),
         || async {
             let l = leases.get_opt("job-1").await?;
             let step = l
@@ -365,7 +357,7 @@ async fn checkpoint_survives_a_killed_attempt() {
     first.kill();
     let second = workers::start(&ns.name, "second", &opts).unwrap();
     let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || {
-        logs(&op, &[&second])
+        op.logs_with(&[&second])
     })
     .await
     .unwrap();
@@ -396,13 +388,13 @@ async fn sigterm_drains_releases_interrupted_and_spends_no_retry() {
     .await
     .unwrap();
     wait_phase(&ns, "job", TaskPhase::Running, T, || {
-        logs(&op, &[&draining])
+        op.logs_with(&[&draining])
     })
     .await
     .unwrap();
     draining.signal("TERM").unwrap();
     let l = wait_lease(&ns, "job-1", LeasePhase::Completed, T, || {
-        logs(&op, &[&draining])
+        op.logs_with(&[&draining])
     })
     .await
     .unwrap();
@@ -412,7 +404,7 @@ async fn sigterm_drains_releases_interrupted_and_spends_no_retry() {
     );
     // Offered again at once, retry budget untouched (maxRetries is 0).
     wait_lease(&ns, "job-2", LeasePhase::Offered, T, || {
-        logs(&op, &[&draining])
+        op.logs_with(&[&draining])
     })
     .await
     .unwrap();
@@ -434,9 +426,11 @@ async fn permanent_error_dead_letters_immediately() {
     )
     .await
     .unwrap();
-    let t = wait_phase(&ns, "job", TaskPhase::DeadLettered, T, || logs(&op, &[&w]))
-        .await
-        .unwrap();
+    let t = wait_phase(&ns, "job", TaskPhase::DeadLettered, T, || {
+        op.logs_with(&[&w])
+    })
+    .await
+    .unwrap();
     let st = t.status.unwrap();
     assert_eq!((st.attempts, st.fencing_token), (1, 1));
     assert_eq!(st.last_failure.unwrap().reason, "DemoPermanent");
@@ -455,7 +449,7 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     let (ns, op, db) = setup("delete").await;
     let w = one_slot_worker(&ns, "w");
     demo_job(&ns, 6, json!({"steps": 200, "stepMillis": 100})).await;
-    wait_phase(&ns, "job", TaskPhase::Running, T, || logs(&op, &[&w]))
+    wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     let uid = tasks::uid(&ns, "job").await.unwrap();
@@ -468,7 +462,7 @@ async fn deleting_a_running_task_fires_the_kill_switch_and_collects_its_leases()
     wait_for(
         "leases garbage-collected",
         T,
-        || logs(&op, &[&w]),
+        || op.logs_with(&[&w]),
         || async {
             Ok(leases
                 .list(&Default::default())
@@ -579,7 +573,7 @@ async fn claims_failing_with_api_errors_are_retried_without_new_events() {
         &format!("--serviceaccount={n}:w"),
     ])
     .unwrap();
-    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     ns.finish().await.unwrap();
@@ -612,7 +606,7 @@ async fn a_forged_lease_is_neither_claimed_nor_followed() {
     .unwrap();
     // The operator's create of job-1 meets the forgery: token 1 is retired
     // and job-2 issued; the worker runs job-2 and commits under token 2.
-    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     let st = done.status.unwrap();
@@ -646,7 +640,7 @@ async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_r
     )
     .unwrap();
     demo_job(&ns, 30, json!({"steps": 100, "stepMillis": 100})).await;
-    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+    wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     // Someone else ends the lease under the worker (as the operator's expiry
@@ -696,7 +690,7 @@ async fn a_renewal_that_finds_the_lease_ended_fires_the_kill_switch_after_a_re_r
         "job",
         TaskPhase::Succeeded,
         Duration::from_secs(90),
-        || logs(&op, &[&w]),
+        || op.logs_with(&[&w]),
     )
     .await
     .unwrap();
@@ -723,7 +717,7 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
     // TTL 30 s: the kill switch fires 20 s after the last renewal was sent;
     // each try of a write is bounded by half a renewal period (5 s).
     demo_job(&ns, 30, json!({"steps": 10, "stepMillis": 200})).await;
-    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+    wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     // The API server becomes unreachable for the worker while it works
@@ -759,7 +753,7 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
     .unwrap();
     // The outage ends before the fence runs out: the completion lands.
     proxy.restore();
-    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || logs(&op, &[&w]))
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     let st = done.status.unwrap();
@@ -779,7 +773,7 @@ async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
     // TTL 15 s: the worker's kill switch fires 10 s after its last renewal
     // was sent, the operator would expire the lease 15 s after it saw it.
     demo_job(&ns, 15, json!({"steps": 200, "stepMillis": 100})).await;
-    wait_holder(&ns, "job", "w", T, || logs(&op, &[&w]))
+    wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     // Stalled past its kill time but not past the TTL (the fault: a pause
@@ -789,9 +783,11 @@ async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
     w.signal("CONT").unwrap();
     // It stops its work and hands the lease back as Interrupted instead of
     // leaving it Held until the operator expires it.
-    let l = wait_lease(&ns, "job-1", LeasePhase::Completed, T, || logs(&op, &[&w]))
-        .await
-        .unwrap();
+    let l = wait_lease(&ns, "job-1", LeasePhase::Completed, T, || {
+        op.logs_with(&[&w])
+    })
+    .await
+    .unwrap();
     let st = l.status.unwrap();
     assert_eq!(
         (st.outcome, st.reason.as_deref()),
@@ -806,7 +802,7 @@ async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
         "job",
         TaskPhase::Succeeded,
         Duration::from_secs(90),
-        || logs(&op, &[&w]),
+        || op.logs_with(&[&w]),
     )
     .await
     .unwrap();

@@ -89,7 +89,8 @@ pub struct Config {
 }
 
 impl Config {
-    /// The CI check: two workers, one operator crash, one deletion.
+    /// Two workers, 16 s, one operator crash, one deletion, today's rules
+    /// (the CI tests narrow the bounds from here).
     pub fn quick() -> Self {
         Self {
             workers: 2,

@@ -23,16 +23,10 @@ const SAFETY: [&str; 6] = [
 
 fn config(ticks: u8, crashes: u8, deletions: u8) -> Config {
     Config {
-        workers: 2,
         max_ticks: ticks,
         operator_crashes: crashes,
         lease_deletions: deletions,
-        repair: RepairRule::RetireToken,
-        storage: StorageRule::RegisterFirst,
-        kill: KillRule::Sdk,
-        lost_answers: 0,
-        drift_percent: 0,
-        fair: false,
+        ..Config::quick()
     }
 }
 
