@@ -506,12 +506,9 @@ mod tests {
         l
     }
 
-    async fn run_until_killed(deadline: Option<Duration>) -> (Ended, Duration, bool, bool) {
-        let start = Instant::now();
-        let fence = Fence::new(1, KillClock::new(Duration::from_secs(30), start, deadline));
-        let dropped = Arc::new(AtomicBool::new(false));
-        let cancelled = Arc::new(AtomicBool::new(false));
-        let attempt = Attempt {
+    /// An attempt on a held lease whose API server nobody listens on.
+    fn attempt(fence: Fence) -> Attempt {
+        Attempt {
             api: unreachable_api(),
             identity: "me".into(),
             lease: held_lease(),
@@ -521,7 +518,15 @@ mod tests {
             interrupt: CancellationToken::new(),
             registry: None,
             heartbeat_on: None,
-        };
+        }
+    }
+
+    async fn run_until_killed(deadline: Option<Duration>) -> (Ended, Duration, bool, bool) {
+        let start = Instant::now();
+        let fence = Fence::new(1, KillClock::new(Duration::from_secs(30), start, deadline));
+        let dropped = Arc::new(AtomicBool::new(false));
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let attempt = attempt(fence);
         let (d, c) = (dropped.clone(), cancelled.clone());
         let ended = attempt
             .run(move |ctx: TaskContext| async move {
@@ -616,15 +621,8 @@ mod tests {
             KillClock::new(Duration::from_millis(1500), Instant::now(), None),
         );
         let attempt = Attempt {
-            api: unreachable_api(),
-            identity: "me".into(),
-            lease: held_lease(),
-            task: BatchTask::new("t", BatchTaskSpec::for_queue("q")),
-            fence,
-            metrics: WorkerMetrics::default(),
-            interrupt: CancellationToken::new(),
-            registry: None,
             heartbeat_on: Some((rt, api)),
+            ..attempt(fence)
         };
         let seen = Arc::new(AtomicBool::new(false));
         let s = seen.clone();
@@ -648,17 +646,7 @@ mod tests {
             1,
             KillClock::new(Duration::from_secs(30), Instant::now(), None),
         );
-        let attempt = Attempt {
-            api: unreachable_api(),
-            identity: "me".into(),
-            lease: held_lease(),
-            task: BatchTask::new("t", BatchTaskSpec::for_queue("q")),
-            fence: fence.clone(),
-            metrics: WorkerMetrics::default(),
-            interrupt: CancellationToken::new(),
-            registry: None,
-            heartbeat_on: None,
-        };
+        let attempt = attempt(fence.clone());
         let run =
             attempt.run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>());
         // Drop the attempt mid-way (e.g. its task was aborted).
