@@ -314,6 +314,18 @@ fn claim(s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
     s.api.replace_lease(&l).ok()
 }
 
+/// Records storage's answer to worker `w`'s write under `token` in the
+/// ghosts; a refusal ends the attempt. Returns whether it was accepted.
+fn stored(s: &mut State, w: usize, token: i64, accepted: bool) -> bool {
+    if !accepted {
+        s.fenced_by_storage = true;
+        s.workers[w] = Worker::Idle;
+    } else if s.expired.contains(&token) {
+        s.write_after_expiry = true;
+    }
+    accepted
+}
+
 /// After a refused write: the fresh copy while the lease is still held by
 /// `me` (retry from it), else `None` (the attempt is over).
 fn still_ours(s: &State, a: &Attempt, me: &str) -> Option<String> {
@@ -505,13 +517,9 @@ impl Cluster {
                     s.workers[w] = Worker::Idle;
                     return;
                 }
-                if !s.pg.register(a.token) {
-                    s.fenced_by_storage = true;
-                    s.workers[w] = Worker::Idle;
+                let accepted = s.pg.register(a.token);
+                if !stored(s, w, a.token, accepted) {
                     return;
-                }
-                if s.expired.contains(&a.token) {
-                    s.write_after_expiry = true;
                 }
                 a.registered = true;
             }
@@ -528,13 +536,9 @@ impl Cluster {
                 // worker's time frame.
                 let in_time = self.cfg.kill == KillRule::Never
                     || self.worker_instant(a.rate, s.now) <= deadline;
-                if !s.pg.commit(a.token, w, in_time) {
-                    s.fenced_by_storage = true;
-                    s.workers[w] = Worker::Idle;
+                let accepted = s.pg.commit(a.token, w, in_time);
+                if !stored(s, w, a.token, accepted) {
                     return;
-                }
-                if s.expired.contains(&a.token) {
-                    s.write_after_expiry = true;
                 }
                 a.committed = true;
             }
