@@ -5,6 +5,7 @@
 
 mod batch_task;
 mod current;
+pub mod graph;
 mod json;
 pub mod keys;
 pub mod names;
