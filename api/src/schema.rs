@@ -32,6 +32,12 @@ pub fn conditions(generator: &mut SchemaGenerator) -> Schema {
     })
 }
 
+/// Lowercase RFC 1123 subdomain: dot-separated labels of `[a-z0-9-]`, each
+/// starting and ending with a letter or digit — what the API server accepts
+/// as an object name (`IsDNS1123Subdomain`).
+const DNS_SUBDOMAIN_PATTERN: &str =
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
+
 /// A set of object names (BatchTask names in `dependsOn`).
 ///
 /// `x-kubernetes-list-type: set` makes the API server itself reject
@@ -39,20 +45,80 @@ pub fn conditions(generator: &mut SchemaGenerator) -> Schema {
 /// merge items; a CEL uniqueness rule is quadratic and exceeds the API
 /// server's cost budget by more than 100x at 64 items.
 pub fn depends_on(_: &mut SchemaGenerator) -> Schema {
-    name_set(64, 253)
+    name_set(64, 253, None)
 }
 
 /// A set of resource names (`resources`): at most 32, each usable as a
 /// `coordination.k8s.io` Lease name suffix.
+///
+/// A resource is locked through a Lease whose name contains the resource
+/// name, so a name the API server would refuse in a Lease name ("Ware
+/// House", "DB", "a..b") must be refused here, when the task is created and
+/// the user is looking, not when the operator first tries to take the lock
+/// and the task is stuck. The pattern is the full DNS-subdomain rule rather
+/// than a character class: "a..b" or "a.-b" have only valid characters and
+/// are still not names. It is an OpenAPI `pattern`, not a CEL rule, so it
+/// costs nothing of the CEL budget (32 items × a regex would).
 pub fn resources(_: &mut SchemaGenerator) -> Schema {
-    name_set(32, 200)
+    name_set(32, 200, Some(DNS_SUBDOMAIN_PATTERN))
 }
 
-fn name_set(max_items: u32, max_len: u32) -> Schema {
+fn name_set(max_items: u32, max_len: u32, pattern: Option<&str>) -> Schema {
+    let mut item = serde_json::json!({ "type": "string", "minLength": 1, "maxLength": max_len });
+    if let Some(pattern) = pattern {
+        item["pattern"] = pattern.into();
+    }
     json_schema!({
         "type": "array",
         "maxItems": max_items,
-        "items": { "type": "string", "minLength": 1, "maxLength": max_len },
+        "items": item,
         "x-kubernetes-list-type": "set",
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::cel::Validator;
+    use serde_json::json;
+
+    /// The `resources` item pattern, evaluated with CEL's `matches()` (RE2
+    /// syntax, like the API server's Go regexp) on one string.
+    fn matches(value: &str) -> bool {
+        let schema = resources(&mut SchemaGenerator::default()).to_value();
+        let pattern = schema["items"]["pattern"].as_str().unwrap();
+        let rule = json!({
+            "type": "string",
+            "x-kubernetes-validations": [{"rule": format!("self.matches(r'{pattern}')")}],
+        });
+        Validator::new()
+            .validate(&rule, &json!(value), None)
+            .is_ok()
+    }
+
+    #[test]
+    fn resource_names_are_dns_subdomains() {
+        let cases: &[(&str, bool)] = &[
+            ("db", true),
+            ("ware-house", true),
+            ("db.primary", true),
+            ("a", true),
+            ("0", true),
+            ("r2-d2.eu-west-1", true),
+            ("Ware House", false),
+            ("DB", false),
+            ("ware_house", false),
+            ("-db", false),
+            ("db-", false),
+            (".db", false),
+            ("db.", false),
+            ("a..b", false),
+            ("a.-b", false),
+            ("a-.b", false),
+            ("", false),
+        ];
+        for (name, valid) in cases {
+            assert_eq!(matches(name), *valid, "{name:?}");
+        }
+    }
 }

@@ -321,6 +321,19 @@ fn create_cases() -> Vec<Create> {
             ),
         },
         Create {
+            what: "resource name that cannot be part of a Lease name",
+            kind: ar_task(),
+            bad: bt(
+                "c-res-name-bad",
+                json!({"queue": "q", "resources": ["Ware House"]}),
+            ),
+            expect: "spec.resources[0] in body should match",
+            good: bt(
+                "c-res-name-ok",
+                json!({"queue": "q", "resources": ["ware-house"]}),
+            ),
+        },
+        Create {
             what: "lease holder identity over 253 characters",
             kind: ar_lease(),
             bad: {
