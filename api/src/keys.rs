@@ -15,4 +15,12 @@ pub mod condition {
     pub const SUCCEEDED: &str = "Succeeded";
     /// True while the task is dead-lettered.
     pub const DEAD_LETTERED: &str = "DeadLettered";
+    /// True while a dependency is missing or has not succeeded yet; the
+    /// message names them.
+    pub const WAITING_FOR_DEPENDENCIES: &str = "WaitingForDependencies";
+    /// True while a dependency is dead-lettered or rejected.
+    pub const DEPENDENCY_FAILED: &str = "DependencyFailed";
+    /// True when the task was rejected for being on a dependency cycle; the
+    /// message names the cycle.
+    pub const CYCLE_DETECTED: &str = "CycleDetected";
 }

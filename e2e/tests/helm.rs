@@ -107,6 +107,9 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         ("watch", "batchtasks.batchlease.dev", n),
         ("create", "taskleases.batchlease.dev", n),
         ("create", "events.events.k8s.io", n),
+        // Resource locks live in the operator's own namespace.
+        ("update", "leases.coordination.k8s.io", n),
+        ("create", "leases.coordination.k8s.io", n),
     ];
     let no = [
         ("update", "batchtasks.batchlease.dev", n),
@@ -115,6 +118,9 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         ("create", "pods", n),
         ("list", "taskleases.batchlease.dev", "default"),
         ("delete", "leases.coordination.k8s.io", n),
+        // …and nowhere else: other controllers' leader-election Leases.
+        ("update", "leases.coordination.k8s.io", "kube-system"),
+        ("create", "leases.coordination.k8s.io", "default"),
     ];
     for (verb, res, in_ns) in yes {
         assert!(
@@ -154,6 +160,10 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         !can(n, "worker", "update", "batchtasks.batchlease.dev/status", n),
         "workers never write task status"
     );
+    assert!(
+        can(n, "worker", "create", "batchtasks.batchlease.dev", n),
+        "workers create the children they spawn"
+    );
     let worker_kc = kubectl::service_account_kubeconfig(n, "worker", &dir).unwrap();
     let _db = pg::connect().await.unwrap();
     let opts = WorkerOpts {
@@ -161,10 +171,19 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         ..Default::default()
     };
     let worker = workers::start(n, "sa-worker", &opts).unwrap();
+    // A resource lock and a dependency: every kind of write the operator
+    // makes, on the chart's permissions only.
+    tasks::create(
+        &ns,
+        "first",
+        json!({"queue": "demo", "resources": ["db"], "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
     tasks::create(
         &ns,
         "job",
-        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+        json!({"queue": "demo", "dependsOn": ["first"], "resources": ["db"], "payload": {"steps": 1, "stepMillis": 10}}),
     )
     .await
     .unwrap();

@@ -34,6 +34,7 @@ use batchlease_api::{
     check_current,
 };
 use batchlease_operator::decide::{Decision, Input, Lookup, decide};
+use batchlease_operator::deps::Readiness;
 use batchlease_operator::lease_build::offered_lease;
 use batchlease_operator::observe::{Seen, next_seen};
 use batchlease_worker_sdk::KillClock;
@@ -393,6 +394,8 @@ impl Cluster {
                 wall: wall(s.now, 0),
                 jitter: 0.5,
                 lookup,
+                deps: Readiness::Ready,
+                locks: None,
             })
         };
         let mut decision = decide_with(&leases, lookup);
@@ -409,6 +412,11 @@ impl Cluster {
         }
         s.op.pending = match decision {
             Decision::Wait(_) | Decision::LookUpLease(_) => None,
+            // The model's task needs no resources: decide never asks.
+            Decision::FetchLocks(_)
+            | Decision::TakeLock(_)
+            | Decision::ReleaseLocks { .. }
+            | Decision::LockBlocked { .. } => None,
             Decision::WriteStatus { status, .. } => {
                 let mut t = task.clone();
                 t.status = Some(*status);

@@ -39,7 +39,8 @@ pub struct Config {
         default_value = "batchlease-operator"
     )]
     pub leader_lease_name: String,
-    /// Namespace of that Lease (in a pod: its own namespace).
+    /// Namespace of that Lease and of the resource-lock Leases (in a pod:
+    /// its own namespace).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub leader_lease_namespace: String,
     /// Leader lease duration in seconds.

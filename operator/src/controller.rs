@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::observe::Tracker;
@@ -81,6 +82,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub reporter: Reporter,
     pub leadership: Leadership,
+    /// Namespace of the resource-lock Leases (the operator's own).
+    pub lock_namespace: String,
 }
 
 impl std::fmt::Debug for Shared {
@@ -136,6 +139,11 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         })
         .reflect(lease_writer)
         .touched_objects();
+    // Dependents and resource users of a changed task are woken through
+    // this channel (see graph_index).
+    let (wake_tx, wake_rx) = futures::channel::mpsc::unbounded();
+    let index = Arc::new(GraphIndex::new(wake_tx));
+    let watch_index = index.clone();
     let ctx = Arc::new(Ctx {
         client: shared.client.clone(),
         leases: lease_store,
@@ -145,10 +153,23 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
         leadership: shared.leadership.clone(),
+        tasks: task_store.clone(),
+        index,
+        lock_namespace: shared.lock_namespace.clone(),
+        lock_waits: Default::default(),
+        contention_seen: Default::default(),
     });
     let task_stream = watcher(tasks_api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
-        .inspect_ok(move |event| task_synced(matches!(event, watcher::Event::InitDone)))
+        .inspect_ok(move |event| {
+            task_synced(matches!(event, watcher::Event::InitDone));
+            match event {
+                watcher::Event::Apply(t) | watcher::Event::InitApply(t) => watch_index.apply(t),
+                watcher::Event::Delete(t) => watch_index.delete(t),
+                watcher::Event::Init => watch_index.list_started(),
+                watcher::Event::InitDone => watch_index.list_done(),
+            }
+        })
         .reflect(task_writer)
         .applied_objects();
     let controller = Controller::for_stream(task_stream, task_store.clone())
@@ -162,6 +183,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             )
         })
         .reconcile_all_on(relisted)
+        .reconcile_on(wake_rx)
         .graceful_shutdown_on(async move { stop.cancelled().await });
     let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();

@@ -7,6 +7,7 @@
 //! the process dies between, the next pass sees the state the API server
 //! holds and continues from there.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,15 +15,19 @@ use batchlease_api::{
     AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskLeaseStatus, TaskMode,
     TaskPhase, check_current, names,
 };
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tokio::time::Instant;
 
+use crate::deps::Readiness;
 use crate::lease_build::offered_lease;
+use crate::locks::{self, Slot, Step};
 use crate::observe::Observation;
 use crate::settle::{Transition, settle};
 use crate::status::{self, set_condition};
+use batchlease_api::keys::condition;
 
 /// Leases kept per task besides the current one; older ones are pruned.
 pub const KEEP_LEASES: usize = 3;
@@ -46,6 +51,12 @@ pub struct Input<'a> {
     pub jitter: f64,
     /// What the reconciler knows of the current lease beyond the cache.
     pub lookup: Lookup,
+    /// Whether the task's dependencies let it run ([`crate::deps::assess`];
+    /// `Ready` for a task without any).
+    pub deps: Readiness,
+    /// The locks decide asked for with [`Decision::FetchLocks`], read
+    /// directly from the API server; `None` until then.
+    pub locks: Option<Vec<Slot>>,
 }
 
 /// What is known of a current lease the cache does not show.
@@ -130,9 +141,45 @@ pub enum Decision {
         victims: Vec<(String, Option<String>)>,
         then: Option<Duration>,
     },
+    /// Read the lock Leases of these resources directly, then decide again
+    /// with them in [`Input::locks`].
+    FetchLocks(Vec<String>),
+    /// Take one lock: create the Lease, or replace it (CAS on its
+    /// resourceVersion).
+    TakeLock(Box<Lease>),
+    /// Give back these locks, in this order (a CAS each), then decide again.
+    ReleaseLocks {
+        leases: Vec<Lease>,
+        why: LockRelease,
+    },
+    /// A resource is held by someone else (or an older task waits for it):
+    /// give back `give_back` (reverse order; a CAS each) and wait to be
+    /// woken.
+    LockBlocked {
+        give_back: Vec<Lease>,
+        resource: String,
+        holder: String,
+    },
     /// Nothing to write. Look again after this long, or on the next change.
     Wait(Option<Duration>),
 }
+
+/// Why locks are given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockRelease {
+    /// The attempt that held them ended; `expired`: its lease expired
+    /// before the worker completed it.
+    AttemptEnded { expired: bool },
+    /// The task may not run now (a dependency is missing or failed): it
+    /// must not keep others waiting.
+    NotRunnable,
+}
+
+/// How long a task blocked on a lock waits at most before looking again.
+/// It is woken when the lock is released (see `graph_index`); this only
+/// covers wake-ups nobody sends (an older waiter that stopped waiting
+/// without a phase change).
+pub const LOCK_RECHECK: Duration = Duration::from_secs(10);
 
 /// Why a lease is issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,8 +316,13 @@ fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Deci
     let mut status = current.clone();
     status.observed_redrive = task.spec.redrive;
     status.observed_generation = task.metadata.generation;
-    if current.phase != Some(TaskPhase::DeadLettered) {
-        // Only a dead-lettered task is redriven; remember the request as seen.
+    if !matches!(
+        current.phase,
+        Some(TaskPhase::DeadLettered | TaskPhase::Rejected)
+    ) {
+        // Only a dead-lettered or rejected task is redriven (a rejected one
+        // is checked again: its dependsOn may have been fixed); remember
+        // the request as seen.
         return Decision::WriteStatus {
             status: Box::new(status),
             transition: Transition::RedriveIgnored,
@@ -282,12 +334,22 @@ fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Deci
     status.next_attempt_after = None;
     status.holder = None;
     status.effective_mode = Some(task.spec.mode);
-    set_condition(
-        &mut status,
-        task,
-        wall,
-        status::dead_lettered(false, "Redriven", "spec.redrive was raised"),
-    );
+    let (type_, was) = if current.phase == Some(TaskPhase::Rejected) {
+        (
+            condition::CYCLE_DETECTED,
+            has_condition(current, condition::CYCLE_DETECTED),
+        )
+    } else {
+        (condition::DEAD_LETTERED, true)
+    };
+    if was {
+        set_condition(
+            &mut status,
+            task,
+            wall,
+            status::cond(type_, false, "Redriven", "spec.redrive was raised"),
+        );
+    }
     Decision::WriteStatus {
         status: Box::new(status),
         transition: Transition::Redriven,
@@ -303,6 +365,73 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
             ));
         }
     }
+    let task = input.task;
+    let mut status = current.clone();
+    match &input.deps {
+        Readiness::Ready => {}
+        Readiness::Cycle(cycle) => return reject(input, current, cycle),
+        not_ready => {
+            // A task that may not run holds no locks (it would keep every
+            // other user of its resources waiting for nothing).
+            if !locks::needed(task).is_empty() {
+                match &input.locks {
+                    None => return Decision::FetchLocks(locks::needed(task)),
+                    Some(slots) => {
+                        let held = locks::release_any(slots);
+                        if !held.is_empty() {
+                            return Decision::ReleaseLocks {
+                                leases: held,
+                                why: LockRelease::NotRunnable,
+                            };
+                        }
+                    }
+                }
+            }
+            let failed = matches!(not_ready, Readiness::Failed(_));
+            let msg = not_ready.message();
+            set_condition(
+                &mut status,
+                task,
+                input.wall,
+                status::waiting_for_dependencies(
+                    !failed,
+                    if failed {
+                        "DependencyFailed"
+                    } else {
+                        "DependenciesNotSucceeded"
+                    },
+                    &msg,
+                ),
+            );
+            if failed {
+                set_condition(
+                    &mut status,
+                    task,
+                    input.wall,
+                    status::dependency_failed(true, "DependencyFailed", &msg),
+                );
+            } else if has_condition(&status, condition::DEPENDENCY_FAILED) {
+                set_condition(
+                    &mut status,
+                    task,
+                    input.wall,
+                    status::dependency_failed(false, "DependencyRetrying", &msg),
+                );
+            }
+            if status == *current {
+                return Decision::Wait(None);
+            }
+            status.observed_generation = task.metadata.generation;
+            return Decision::WriteStatus {
+                status: Box::new(status),
+                transition: if failed {
+                    Transition::DependencyFailed
+                } else {
+                    Transition::WaitingForDependencies
+                },
+            };
+        }
+    }
     let reassigned = current
         .history
         .last()
@@ -312,7 +441,90 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
     } else {
         IssueCause::New
     };
-    issue(input, current.clone(), cause)
+    for (type_, reason) in [
+        (condition::WAITING_FOR_DEPENDENCIES, "DependenciesSucceeded"),
+        (condition::DEPENDENCY_FAILED, "DependenciesSucceeded"),
+    ] {
+        if has_condition(&status, type_) {
+            set_condition(
+                &mut status,
+                task,
+                input.wall,
+                status::cond(type_, false, reason, "every dependency succeeded"),
+            );
+        }
+    }
+    with_locks(input, status, cause, true)
+}
+
+fn has_condition(status: &BatchTaskStatus, type_: &str) -> bool {
+    status.conditions.iter().any(|c| c.type_ == type_)
+}
+
+/// The task is on a dependency cycle: it can never run.
+fn reject(
+    input: &Input<'_>,
+    current: &BatchTaskStatus,
+    cycle: &batchlease_api::graph::Cycle,
+) -> Decision {
+    let task = input.task;
+    let mut status = current.clone();
+    status.phase = Some(TaskPhase::Rejected);
+    status.observed_generation = task.metadata.generation;
+    let msg = format!("dependency cycle: {cycle}");
+    set_condition(
+        &mut status,
+        task,
+        input.wall,
+        status::cycle_detected(true, "CycleDetected", &msg),
+    );
+    if has_condition(&status, condition::WAITING_FOR_DEPENDENCIES) {
+        set_condition(
+            &mut status,
+            task,
+            input.wall,
+            status::waiting_for_dependencies(false, "Rejected", &msg),
+        );
+    }
+    Decision::WriteStatus {
+        status: Box::new(status),
+        transition: Transition::CycleDetected {
+            cycle: cycle.to_string(),
+        },
+    }
+}
+
+/// Acquires the task's locks (if it needs any) for the next token, then
+/// issues it. `fair`: queue behind older waiting tasks (not when a lost
+/// lease is replaced: the task holds its locks already).
+fn with_locks(
+    input: &Input<'_>,
+    status: BatchTaskStatus,
+    cause: IssueCause,
+    fair: bool,
+) -> Decision {
+    let task = input.task;
+    let needed = locks::needed(task);
+    if needed.is_empty() {
+        return issue(input, status, cause, BTreeMap::new());
+    }
+    let Some(slots) = &input.locks else {
+        return Decision::FetchLocks(needed);
+    };
+    let want = status.fencing_token + 1;
+    match locks::acquire(task, want, slots, input.wall, fair) {
+        Step::Take(lease) => Decision::TakeLock(lease),
+        Step::Blocked {
+            give_back,
+            resource,
+            holder,
+        } => Decision::LockBlocked {
+            give_back,
+            resource,
+            holder,
+        },
+        Step::Held(tokens) => issue(input, status, cause, tokens),
+    }
 }
 
 /// The current lease is gone. Its token may have been claimed, so it is
@@ -334,11 +546,17 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
             },
         );
     }
-    issue(input, status, IssueCause::Replaced)
+    with_locks(input, status, IssueCause::Replaced, false)
 }
 
-/// Token + 1, `Ready`, and the lease to offer under it.
-fn issue(input: &Input<'_>, mut status: BatchTaskStatus, cause: IssueCause) -> Decision {
+/// Token + 1, `Ready`, and the lease to offer under it, carrying the
+/// fencing tokens of the resource locks taken for it.
+fn issue(
+    input: &Input<'_>,
+    mut status: BatchTaskStatus,
+    cause: IssueCause,
+    resource_tokens: BTreeMap<String, i64>,
+) -> Decision {
     let task = input.task;
     let token = status.fencing_token + 1;
     status.fencing_token = token;
@@ -360,9 +578,11 @@ fn issue(input: &Input<'_>, mut status: BatchTaskStatus, cause: IssueCause) -> D
             &format!("lease with fencing token {token} offered"),
         ),
     );
+    let mut lease = offered_lease(task, token);
+    lease.spec.resource_tokens = resource_tokens;
     Decision::Issue {
         status: Box::new(status),
-        lease: Box::new(offered_lease(task, token)),
+        lease: Box::new(lease),
         cause,
     }
 }
@@ -387,6 +607,24 @@ fn leased(
         LeasePhase::Offered => Decision::Wait(None),
         LeasePhase::Held => held(input, current, phase, lease),
         LeasePhase::Completed | LeasePhase::Expired | LeasePhase::Released => {
+            // The attempt's locks go back before the task settles, so the
+            // phase change that wakes their waiters finds them free.
+            if !lease.spec.resource_tokens.is_empty() {
+                let Some(slots) = &input.locks else {
+                    return Decision::FetchLocks(
+                        lease.spec.resource_tokens.keys().cloned().collect(),
+                    );
+                };
+                let held = locks::release_all(slots, lease.spec.fencing_token);
+                if !held.is_empty() {
+                    return Decision::ReleaseLocks {
+                        leases: held,
+                        why: LockRelease::AttemptEnded {
+                            expired: lease_phase == LeasePhase::Expired,
+                        },
+                    };
+                }
+            }
             let (status, transition) = settle(input.task, current, lease, input.wall, input.jitter);
             Decision::WriteStatus {
                 status: Box::new(status),
@@ -499,3 +737,7 @@ fn prunable(leases: &[Arc<TaskLease>], current: Option<&str>) -> Vec<(String, Op
 #[cfg(test)]
 #[path = "decide_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "decide_graph_tests.rs"]
+mod graph_tests;

@@ -9,12 +9,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 
 const WALL: i64 = 1_800_000_000;
 
-fn wall(offset: i64) -> Timestamp {
+pub(super) fn wall(offset: i64) -> Timestamp {
     Timestamp::from_second(WALL + offset).unwrap()
 }
 
 /// A task fixture with builder methods.
-fn task() -> BatchTask {
+pub(super) fn task() -> BatchTask {
     let mut t = BatchTask::new("job", BatchTaskSpec::for_queue("q"));
     t.metadata.namespace = Some("ns".into());
     t.metadata.uid = Some("uid-job".into());
@@ -22,7 +22,7 @@ fn task() -> BatchTask {
     t
 }
 
-trait TaskFixture {
+pub(super) trait TaskFixture {
     fn phase(self, phase: TaskPhase, token: i64) -> Self;
     fn with(self, f: impl FnOnce(&mut BatchTaskStatus)) -> Self;
     fn spec(self, f: impl FnOnce(&mut BatchTaskSpec)) -> Self;
@@ -49,7 +49,7 @@ impl TaskFixture for BatchTask {
     }
 }
 
-fn lease(token: i64, phase: LeasePhase, holder: Option<&str>) -> Arc<TaskLease> {
+pub(super) fn lease(token: i64, phase: LeasePhase, holder: Option<&str>) -> Arc<TaskLease> {
     let mut l = offered_lease(&task(), token);
     l.metadata.resource_version = Some(format!("rv{token}"));
     l.metadata.creation_timestamp = Some(Time(wall(-100)));
@@ -62,7 +62,7 @@ fn lease(token: i64, phase: LeasePhase, holder: Option<&str>) -> Arc<TaskLease> 
     Arc::new(l)
 }
 
-fn completed(
+pub(super) fn completed(
     token: i64,
     outcome: LeaseOutcome,
     f: impl FnOnce(&mut TaskLeaseStatus),
@@ -74,38 +74,50 @@ fn completed(
     Arc::new(l)
 }
 
-struct Case {
+pub(super) struct Case {
     task: BatchTask,
     leases: Vec<Arc<TaskLease>>,
     /// Seconds since the renewal was observed / since the claim.
     observed: Option<(u64, u64)>,
     jitter: f64,
     lookup: Lookup,
+    deps: Readiness,
+    locks: Option<Vec<Slot>>,
 }
 
 impl Case {
-    fn new(task: BatchTask) -> Self {
+    pub(super) fn new(task: BatchTask) -> Self {
         Self {
             task,
             leases: Vec::new(),
             observed: None,
             jitter: 0.0,
             lookup: Lookup::CacheOnly,
+            deps: Readiness::Ready,
+            locks: None,
         }
     }
-    fn lookup(mut self, lookup: Lookup) -> Self {
+    pub(super) fn deps(mut self, deps: Readiness) -> Self {
+        self.deps = deps;
+        self
+    }
+    pub(super) fn locks(mut self, locks: Vec<Slot>) -> Self {
+        self.locks = Some(locks);
+        self
+    }
+    pub(super) fn lookup(mut self, lookup: Lookup) -> Self {
         self.lookup = lookup;
         self
     }
-    fn leases(mut self, l: Vec<Arc<TaskLease>>) -> Self {
+    pub(super) fn leases(mut self, l: Vec<Arc<TaskLease>>) -> Self {
         self.leases = l;
         self
     }
-    fn observed(mut self, since_renewal: u64, since_claim: u64) -> Self {
+    pub(super) fn observed(mut self, since_renewal: u64, since_claim: u64) -> Self {
         self.observed = Some((since_renewal, since_claim));
         self
     }
-    fn run(&self) -> Decision {
+    pub(super) fn run(&self) -> Decision {
         let now = Instant::now() + Duration::from_secs(10_000);
         let observation = self.observed.map(|(r, c)| Observation {
             last_renewal: now - Duration::from_secs(r),
@@ -119,18 +131,20 @@ impl Case {
             wall: wall(0),
             jitter: self.jitter,
             lookup: self.lookup,
+            deps: self.deps.clone(),
+            locks: self.locks.clone(),
         })
     }
 }
 
-fn status_of(d: &Decision) -> (&BatchTaskStatus, &Transition) {
+pub(super) fn status_of(d: &Decision) -> (&BatchTaskStatus, &Transition) {
     match d {
         Decision::WriteStatus { status, transition } => (status, transition),
         other => panic!("expected a status write, got {other:?}"),
     }
 }
 
-fn into_status(d: Decision) -> (BatchTaskStatus, Transition) {
+pub(super) fn into_status(d: Decision) -> (BatchTaskStatus, Transition) {
     match d {
         Decision::WriteStatus { status, transition } => (*status, transition),
         other => panic!("expected a status write, got {other:?}"),

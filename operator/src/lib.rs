@@ -6,8 +6,10 @@
 
 pub mod backoff;
 pub mod decide;
+pub mod deps;
 pub mod fit;
 pub mod lease_build;
+pub mod locks;
 pub mod observe;
 pub mod settle;
 pub mod status;

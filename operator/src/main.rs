@@ -5,13 +5,14 @@
 mod config;
 mod controller;
 mod expectations;
+mod graph_index;
 mod http;
 mod leader;
 mod metrics;
 mod reconcile;
 mod supervise;
 
-use batchlease_operator::{decide, fit, lease_build, observe, settle};
+use batchlease_operator::{decide, deps, fit, lease_build, locks, observe, settle};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -103,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
             metrics: metrics.clone(),
             reporter: reporter.clone(),
             leadership: leadership.clone(),
+            lock_namespace: cfg.leader_lease_namespace.clone(),
         };
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();

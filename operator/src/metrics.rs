@@ -44,6 +44,10 @@ pub struct Metrics {
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub write_conflicts: Counter,
     pub is_leader: Gauge,
+    pub graph_cycle_detected: Family<QueueLabels, Counter>,
+    pub lock_acquisition_duration: Histogram,
+    pub lock_contention: Family<QueueLabels, Counter>,
+    pub lock_lease_expired_before_release: Family<QueueLabels, Counter>,
     tasks: TaskPhases,
 }
 
@@ -60,6 +64,10 @@ impl Metrics {
             reconcile_errors: Family::default(),
             write_conflicts: Counter::default(),
             is_leader: Gauge::default(),
+            graph_cycle_detected: Family::default(),
+            lock_acquisition_duration: Histogram::new(exponential_buckets(0.005, 2.0, 16)),
+            lock_contention: Family::default(),
+            lock_lease_expired_before_release: Family::default(),
             tasks: TaskPhases::default(),
         };
         let r = registry.sub_registry_with_prefix("batchlease");
@@ -107,6 +115,26 @@ impl Metrics {
             "is_leader",
             "1 while this replica holds the leader lease",
             m.is_leader.clone(),
+        );
+        r.register(
+            "graph_cycle_detected",
+            "Tasks rejected for being on a dependency cycle",
+            m.graph_cycle_detected.clone(),
+        );
+        r.register(
+            "lock_acquisition_duration_seconds",
+            "Time from a task's first attempt to take its resource locks until it held them all",
+            m.lock_acquisition_duration.clone(),
+        );
+        r.register(
+            "lock_contention",
+            "Lock acquisitions blocked by another holder or an older waiting task",
+            m.lock_contention.clone(),
+        );
+        r.register(
+            "lock_lease_expired_before_release",
+            "Resource locks given back because the holder's TaskLease expired before it completed",
+            m.lock_lease_expired_before_release.clone(),
         );
         r.register_collector(Box::new(m.tasks.clone()));
         Arc::new(m)

@@ -1,10 +1,12 @@
 //! The reconciler: read the task and its leases from the caches, call
 //! [`decide`], perform the one conditional write it asks for, report it.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, TaskLease};
+use batchlease_api::{BatchTask, TaskLease, TaskPhase};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -15,9 +17,12 @@ use rand::Rng;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::decide::{Decision, ExpiryReason, Input, IssueCause, Lookup, decide};
+use crate::decide::{Decision, ExpiryReason, Input, IssueCause, LockRelease, Lookup, decide};
+use crate::deps::{self, Readiness};
 use crate::expectations::Expectations;
+use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
+use crate::locks::{self, Slot};
 use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
 use crate::observe::Tracker;
 use crate::settle::Transition;
@@ -69,6 +74,17 @@ pub struct Ctx {
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub leadership: Leadership,
+    /// The task cache (dependencies and lock holders are looked up in it).
+    pub tasks: Store<BatchTask>,
+    pub index: Arc<GraphIndex>,
+    /// Namespace of the resource-lock Leases.
+    pub lock_namespace: String,
+    /// When each task began taking its locks (for the acquisition-time
+    /// histogram).
+    pub lock_waits: std::sync::Mutex<HashMap<(String, String), Instant>>,
+    /// The blocker last reported per task, so a task that waits long for a
+    /// lock publishes one Event per blocker, not one per look.
+    pub contention_seen: std::sync::Mutex<HashMap<(String, String), String>>,
 }
 
 impl std::fmt::Debug for Ctx {
@@ -127,7 +143,17 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             lookup = Lookup::Creating;
         }
     }
-    let decide_with = |leases: &[Arc<TaskLease>], lookup| {
+    let lookup_task = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
+    let pending = task
+        .status
+        .as_ref()
+        .is_some_and(|s| s.phase == Some(TaskPhase::Pending));
+    let readiness = if pending {
+        deps::assess(task, &lookup_task)
+    } else {
+        Readiness::Ready
+    };
+    let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
         decide(&Input {
             task,
             leases,
@@ -136,35 +162,68 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             wall: Timestamp::now(),
             jitter: rand::rng().random::<f64>(),
             lookup,
+            deps: readiness.clone(),
+            locks,
         })
     };
-    let mut decision = decide_with(&leases, lookup);
-    if let Decision::LookUpLease(lease_name) = &decision {
-        // The cache does not show the current lease: ask the API server
-        // before retiring its token (a read; the cache usually just lags).
-        let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
-        let found = api
-            .get_opt(lease_name)
-            .await
-            .map_err(|source| Error::Kube {
-                what: "lease read",
-                source,
-            })?;
-        let lookup = match found {
-            Some(l) if batchlease_api::check_current(task, &l).is_ok() => {
-                leases.push(Arc::new(l));
-                Lookup::CacheOnly
+    let mut slots: Option<Vec<Slot>> = None;
+    let mut looked_up = false;
+    let mut decision;
+    // Reads and lock writes happen in this loop, each followed by a new
+    // decision; the loop ends at the first other decision. Bounded: each
+    // lock is taken or given back at most once per pass.
+    let mut steps = 0;
+    loop {
+        steps += 1;
+        if steps > MAX_STEPS {
+            return Ok(Action::requeue(Duration::from_millis(500)));
+        }
+        decision = decide_with(&leases, lookup, slots.clone());
+        match &decision {
+            Decision::LookUpLease(lease_name) if !looked_up => {
+                looked_up = true;
+                lookup = look_up(ctx, task, lease_name, &mut leases).await?;
             }
-            Some(l) => {
-                let why = batchlease_api::check_current(task, &l)
-                    .err()
-                    .map_or("", |e| e.as_str());
-                warn!(task = %name, namespace = %ns, lease = %lease_name, why, "an object under the current lease's name is not the task's lease; ignoring it");
-                Lookup::Occupied
+            Decision::FetchLocks(resources) => {
+                slots = Some(fetch_locks(ctx, task, resources).await?);
             }
-            None => Lookup::Absent,
-        };
-        decision = decide_with(&leases, lookup);
+            Decision::TakeLock(lease) => {
+                let written = take_lock(ctx, lease).await?;
+                ctx.lock_waits
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .entry((ns.clone(), name.clone()))
+                    .or_insert(now);
+                update_slots(&mut slots, written, task, &lookup_task);
+            }
+            Decision::ReleaseLocks {
+                leases: give_back,
+                why,
+            } => {
+                let why = *why;
+                let give_back = give_back.clone();
+                release_locks(ctx, task, &give_back, &mut slots, &lookup_task).await?;
+                if let LockRelease::AttemptEnded { expired: true } = why {
+                    ctx.metrics
+                        .lock_lease_expired_before_release
+                        .get_or_create(&QueueLabels {
+                            queue: task.spec.queue.clone(),
+                        })
+                        .inc_by(give_back.len() as u64);
+                }
+            }
+            Decision::LockBlocked {
+                give_back,
+                resource,
+                holder,
+            } => {
+                let give_back = give_back.clone();
+                release_locks(ctx, task, &give_back, &mut slots, &lookup_task).await?;
+                blocked(ctx, task, resource, holder).await;
+                return Ok(Action::requeue(crate::decide::LOCK_RECHECK));
+            }
+            _ => break,
+        }
     }
     debug!(task = %name, namespace = %ns, ?decision, "decided");
     let queue = QueueLabels {
@@ -184,6 +243,21 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         } => {
             let token = status.fencing_token;
             write_status(ctx, task, *status).await?;
+            let key = (ns.clone(), name.clone());
+            if let Some(since) = ctx
+                .lock_waits
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&key)
+            {
+                ctx.metrics
+                    .lock_acquisition_duration
+                    .observe(since.elapsed().as_secs_f64());
+            }
+            ctx.contention_seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&key);
             ctx.metrics.leases_issued.get_or_create(&queue).inc();
             if cause != IssueCause::New {
                 ctx.metrics.reassignments.get_or_create(&queue).inc();
@@ -191,11 +265,22 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             create_lease(ctx, &lease).await?;
             info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
             let lease_name = lease.name_any();
+            let locked = if lease.spec.resource_tokens.is_empty() {
+                String::new()
+            } else {
+                let tokens: Vec<String> = lease
+                    .spec
+                    .resource_tokens
+                    .iter()
+                    .map(|(r, t)| format!("{r}={t}"))
+                    .collect();
+                format!(" (resource tokens {})", tokens.join(", "))
+            };
             let (type_, reason, note) = match cause {
                 IssueCause::New => (
                     EventType::Normal,
                     "LeaseIssued",
-                    format!("lease {lease_name} offered with fencing token {token}"),
+                    format!("lease {lease_name} offered with fencing token {token}{locked}"),
                 ),
                 IssueCause::Reassigned => (
                     EventType::Normal,
@@ -232,6 +317,190 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             prune(ctx, &ns, victims).await?;
             Ok(then.map_or_else(Action::await_change, Action::requeue))
         }
+        // Handled in the loop above.
+        Decision::FetchLocks(_)
+        | Decision::TakeLock(_)
+        | Decision::ReleaseLocks { .. }
+        | Decision::LockBlocked { .. } => Ok(Action::requeue(Duration::from_millis(500))),
+    }
+}
+
+/// Lock steps and reads one reconcile may take before it yields.
+const MAX_STEPS: usize = 2 * 32 + 8;
+
+/// Reads the current lease directly (the cache does not show it) and says
+/// what the read found.
+async fn look_up(
+    ctx: &Ctx,
+    task: &BatchTask,
+    lease_name: &str,
+    leases: &mut Vec<Arc<TaskLease>>,
+) -> Result<Lookup, Error> {
+    let ns = task.namespace().unwrap_or_default();
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    let found = api
+        .get_opt(lease_name)
+        .await
+        .map_err(|source| Error::Kube {
+            what: "lease read",
+            source,
+        })?;
+    Ok(match found {
+        Some(l) if batchlease_api::check_current(task, &l).is_ok() => {
+            leases.push(Arc::new(l));
+            Lookup::CacheOnly
+        }
+        Some(l) => {
+            let why = batchlease_api::check_current(task, &l)
+                .err()
+                .map_or("", |e| e.as_str());
+            warn!(task = %task.name_any(), namespace = %ns, lease = %lease_name, why, "an object under the current lease's name is not the task's lease; ignoring it");
+            Lookup::Occupied
+        }
+        None => Lookup::Absent,
+    })
+}
+
+/// Reads the lock Leases of `resources` directly (a quorum read: a lock
+/// decision never rests on a cache that may lag this process's own
+/// writes) and says who holds each, and whether an older task waits for it.
+async fn fetch_locks(
+    ctx: &Ctx,
+    task: &BatchTask,
+    resources: &[String],
+) -> Result<Vec<Slot>, Error> {
+    let ns = task.namespace().unwrap_or_default();
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
+    let lookup = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
+    let wall = Timestamp::now();
+    let me = locks::queue_key(task);
+    let mut slots = Vec::with_capacity(resources.len());
+    for resource in resources {
+        let name = locks::lock_name(&ns, resource);
+        let lease = bounded(ctx, "lock read", async {
+            api.get_opt(&name).await.map_err(|source| Error::Kube {
+                what: "lock read",
+                source,
+            })
+        })
+        .await?;
+        let holder = locks::holder(lease.as_ref(), task, &lookup);
+        let older_waiter = ctx
+            .index
+            .users_of(&ns, resource)
+            .into_iter()
+            .filter(|n| *n != task.name_any())
+            .filter_map(|n| lookup(&n))
+            .filter(|t| locks::queue_key(t) < me && locks::waiting(t, &lookup, wall))
+            .min_by_key(|t| locks::queue_key(t))
+            .map(|t| format!("{ns}/{} (waiting longer)", t.name_any()));
+        slots.push(Slot {
+            resource: resource.clone(),
+            name,
+            lease,
+            holder,
+            older_waiter,
+        });
+    }
+    Ok(slots)
+}
+
+/// Creates (no resourceVersion) or replaces (CAS) a lock Lease.
+async fn take_lock(ctx: &Ctx, lease: &Lease) -> Result<Lease, Error> {
+    ctx.leadership.ensure()?;
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
+    let name = lease.name_any();
+    bounded(ctx, "lock take", async {
+        let written = if lease.metadata.resource_version.is_none() {
+            api.create(&PostParams::default(), lease).await
+        } else {
+            api.replace(&name, &PostParams::default(), lease).await
+        };
+        written.map_err(|e| classify(ctx, e, "lock take"))
+    })
+    .await
+}
+
+/// Gives back locks, in the given order (each a CAS), and wakes the tasks
+/// waiting for them.
+async fn release_locks(
+    ctx: &Ctx,
+    task: &BatchTask,
+    give_back: &[Lease],
+    slots: &mut Option<Vec<Slot>>,
+    lookup: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+) -> Result<(), Error> {
+    if give_back.is_empty() {
+        return Ok(());
+    }
+    let ns = task.namespace().unwrap_or_default();
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
+    let mut freed = Vec::new();
+    for lease in give_back {
+        ctx.leadership.ensure()?;
+        let name = lease.name_any();
+        let written = bounded(ctx, "lock release", async {
+            Ok(api.replace(&name, &PostParams::default(), lease).await)
+        })
+        .await?;
+        match written {
+            Ok(l) => update_slots(slots, l, task, lookup),
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => {
+                ctx.index.wake_users(&ns, &freed);
+                return Err(classify(ctx, e, "lock release"));
+            }
+        }
+        if let Some(r) = slots
+            .iter()
+            .flatten()
+            .find(|s| s.name == name)
+            .map(|s| s.resource.clone())
+        {
+            freed.push(r);
+        }
+    }
+    debug!(task = %task.name_any(), namespace = %ns, resources = ?freed, "locks released");
+    ctx.index.wake_users(&ns, &freed);
+    Ok(())
+}
+
+/// Puts a lock Lease this pass wrote into its slot.
+fn update_slots(
+    slots: &mut Option<Vec<Slot>>,
+    written: Lease,
+    task: &BatchTask,
+    lookup: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+) {
+    let name = written.name_any();
+    if let Some(slot) = slots.iter_mut().flatten().find(|s| s.name == name) {
+        slot.holder = locks::holder(Some(&written), task, lookup);
+        slot.lease = Some(written);
+        slot.older_waiter = None;
+    }
+}
+
+/// A lock acquisition is blocked: metric, and an Event when the blocker is
+/// new for this task.
+async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
+    ctx.metrics
+        .lock_contention
+        .get_or_create(&QueueLabels {
+            queue: task.spec.queue.clone(),
+        })
+        .inc();
+    let key = (task.namespace().unwrap_or_default(), task.name_any());
+    let note = format!("waiting for resource {resource}: held by or promised to {holder}");
+    let new = ctx
+        .contention_seen
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(key, note.clone())
+        .as_ref()
+        != Some(&note);
+    debug!(task = %task.name_any(), resource, holder, "lock contention");
+    if new {
+        publish(ctx, task, EventType::Normal, "WaitingForResource", note).await;
     }
 }
 
@@ -553,6 +822,31 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
                 format!(
                     "gave up after the attempt with token {token}: {reason}; raise spec.redrive to retry"
                 ),
+            )
+        }
+        Transition::WaitingForDependencies => return,
+        Transition::DependencyFailed => (
+            EventType::Warning,
+            "DependencyFailed",
+            task.status
+                .as_ref()
+                .and_then(|s| {
+                    s.conditions
+                        .iter()
+                        .find(|c| c.type_ == batchlease_api::keys::condition::DEPENDENCY_FAILED)
+                })
+                .map(|c| c.message.clone())
+                .unwrap_or_default(),
+        ),
+        Transition::CycleDetected { cycle } => {
+            ctx.metrics
+                .graph_cycle_detected
+                .get_or_create(&QueueLabels { queue })
+                .inc();
+            (
+                EventType::Warning,
+                "CycleDetected",
+                format!("rejected: dependency cycle {cycle}"),
             )
         }
         Transition::Redriven => (

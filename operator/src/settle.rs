@@ -38,6 +38,12 @@ pub enum Transition {
     Redriven,
     /// `spec.redrive` was raised on a task that is not dead-lettered.
     RedriveIgnored,
+    /// The task is on a dependency cycle and was rejected.
+    CycleDetected { cycle: String },
+    /// A dependency is missing or unfinished (condition updated).
+    WaitingForDependencies,
+    /// A dependency is dead-lettered or rejected (condition updated).
+    DependencyFailed,
 }
 
 /// Consecutive `Interrupted` attempts retried at once; from this many on,

@@ -17,7 +17,8 @@ pub struct Cond {
     message: String,
 }
 
-fn cond(type_: &'static str, status: bool, reason: &str, message: &str) -> Cond {
+/// Any condition.
+pub fn cond(type_: &'static str, status: bool, reason: &str, message: &str) -> Cond {
     Cond {
         type_,
         status,
@@ -37,6 +38,19 @@ pub fn succeeded(status: bool, reason: &str, message: &str) -> Cond {
 /// `DeadLettered`.
 pub fn dead_lettered(status: bool, reason: &str, message: &str) -> Cond {
     cond(condition::DEAD_LETTERED, status, reason, message)
+}
+
+/// `WaitingForDependencies`.
+pub fn waiting_for_dependencies(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::WAITING_FOR_DEPENDENCIES, status, reason, message)
+}
+/// `DependencyFailed`.
+pub fn dependency_failed(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::DEPENDENCY_FAILED, status, reason, message)
+}
+/// `CycleDetected`.
+pub fn cycle_detected(status: bool, reason: &str, message: &str) -> Cond {
+    cond(condition::CYCLE_DETECTED, status, reason, message)
 }
 
 /// Sets a condition; `lastTransitionTime` changes only when its status does

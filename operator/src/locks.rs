@@ -1,0 +1,350 @@
+//! Resource locks (design §5), as pure functions: which lock Lease stands
+//! for a resource, who holds it and whether that holder is still alive,
+//! and the next step of acquiring or releasing a task's locks.
+//!
+//! A task in `Exclusive` mode needs each of its `spec.resources` before a
+//! lease is issued. Each resource is a `coordination.k8s.io/v1` Lease in
+//! the operator's namespace, named `<task namespace>.<resource>`: resources
+//! are per namespace, and keeping the locks next to the operator means the
+//! operator needs no write access to Leases in tenants' namespaces (where
+//! other controllers keep their leader-election Leases) and tenants cannot
+//! forge or steal a lock. Acquisition is a compare-and-swap on the Lease's
+//! `resourceVersion` that sets `holderIdentity` to `<namespace>/<task>@<token>`
+//! (the token the lease will be issued under) and bumps
+//! `leaseTransitions`: the resource's own fencing token, handed to the
+//! worker in the TaskLease's `spec.resourceTokens`.
+//!
+//! Locks are taken one at a time in sorted order, all or nothing: on
+//! contention the task gives back what it took, in reverse order, and waits
+//! to be woken. Waiting tasks are served in creation order per resource: a
+//! task does not take a free resource while an older task that could run
+//! now also waits for it, so a task that needs many resources is not
+//! overtaken forever by a stream of tasks that need one of them (the oldest
+//! waiting task is never blocked by a younger one, so it always progresses
+//! once the holders it waits for finish).
+//!
+//! A lock's life follows the holder's TaskLease, not the Lease's own
+//! `renewTime`: the holder's attempt is alive while its task is `Ready` or
+//! `Running` under that token (or `Pending` one token below, while it is
+//! still acquiring). Only those facts are trusted, because each is final
+//! once observed; a judgement from a stale cache errs towards "alive".
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use batchlease_api::{BatchTask, TaskMode, TaskPhase, names};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+
+/// Annotation on a lock Lease: the UID of the holding task (a task deleted
+/// and re-created under the same name is another holder).
+pub const HOLDER_UID: &str = "batchlease.dev/holder-uid";
+/// Label on a lock Lease: the namespace of the tasks it serves.
+pub const LABEL_LOCK_NAMESPACE: &str = "batchlease.dev/lock-namespace";
+/// Label on a lock Lease: the resource (a label value, see
+/// [`names::label_value`]).
+pub const LABEL_RESOURCE: &str = "batchlease.dev/resource";
+/// Label on a lock Lease: who manages it.
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// Its value.
+pub const MANAGED_BY: &str = "batchlease-operator";
+
+/// Name of the Lease that locks `resource` for the tasks of `namespace`:
+/// `<namespace>.<resource>`, shortened with a hash when too long. A
+/// namespace has no '.', so the first '.' separates the two.
+pub fn lock_name(namespace: &str, resource: &str) -> String {
+    let full = format!("{namespace}.{resource}");
+    if full.len() <= names::MAX_NAME_LEN {
+        return full;
+    }
+    let hash = names::short_hash(&full);
+    let keep = names::MAX_NAME_LEN - hash.len() - 1;
+    let mut prefix = full[..keep.min(full.len())].to_owned();
+    while prefix.ends_with(['-', '.']) {
+        prefix.pop();
+    }
+    format!("{prefix}-{hash}")
+}
+
+/// The resources `task` must hold before a lease is issued: none for a
+/// task running speculatively (design §6), else its `resources`, sorted and
+/// deduplicated (the canonical order every task takes them in).
+pub fn needed(task: &BatchTask) -> Vec<String> {
+    let mode = task
+        .status
+        .as_ref()
+        .and_then(|s| s.effective_mode)
+        .unwrap_or(task.spec.mode);
+    if mode == TaskMode::Speculative {
+        return Vec::new();
+    }
+    let mut r = task.spec.resources.clone();
+    r.sort();
+    r.dedup();
+    r
+}
+
+/// `holderIdentity` of `task`'s attempt with fencing `token`.
+pub fn holder_identity(task: &BatchTask, token: i64) -> String {
+    format!(
+        "{}/{}@{token}",
+        task.namespace().unwrap_or_default(),
+        task.name_any()
+    )
+}
+
+/// Who holds a lock, as the task that asks sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// Nobody (no Lease yet, or released).
+    Free,
+    /// The asking task, for its attempt with this token.
+    Ours { token: i64 },
+    /// Another task whose attempt is (or may be) alive.
+    Live(String),
+    /// A holder whose attempt ended, or whose task is gone: the lock may be
+    /// taken over.
+    Dead(String),
+}
+
+/// Parses `<namespace>/<task>@<token>`.
+fn parse_holder(id: &str) -> Option<(&str, &str, i64)> {
+    let (who, token) = id.rsplit_once('@')?;
+    let (ns, name) = who.split_once('/')?;
+    Some((ns, name, token.parse().ok()?))
+}
+
+/// Who holds `lock`, asked by `me`. `lookup` finds a task of `me`'s
+/// namespace by name in the operator's cache.
+pub fn holder(
+    lock: Option<&Lease>,
+    me: &BatchTask,
+    lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>,
+) -> Holder {
+    let Some(id) = lock
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.holder_identity.as_deref())
+        .filter(|s| !s.is_empty())
+    else {
+        return Holder::Free;
+    };
+    let uid = lock.and_then(|l| l.annotations().get(HOLDER_UID).cloned());
+    // An identity we did not write (someone edited the Lease): never taken
+    // over automatically; an administrator deletes or releases it.
+    let Some((ns, name, token)) = parse_holder(id) else {
+        return Holder::Live(id.to_owned());
+    };
+    if ns != me.namespace().unwrap_or_default() {
+        return Holder::Live(id.to_owned());
+    }
+    if name == me.name_any() && uid == me.uid() {
+        return Holder::Ours { token };
+    }
+    let Some(task) = lookup(name) else {
+        return Holder::Dead(id.to_owned());
+    };
+    if uid.is_none() || uid != task.uid() {
+        return Holder::Dead(id.to_owned());
+    }
+    if attempt_alive(&task, token) {
+        Holder::Live(id.to_owned())
+    } else {
+        Holder::Dead(id.to_owned())
+    }
+}
+
+/// Whether `task`'s attempt under `token` may still be running or about to
+/// run. Dead only on facts that stay true once seen: the task moved to a
+/// later token, or settled the attempt (left `Ready`/`Running` at that
+/// token). One token ahead of the task is an acquisition in progress.
+pub fn attempt_alive(task: &BatchTask, token: i64) -> bool {
+    let Some(st) = task.status.as_ref() else {
+        return true;
+    };
+    let phase = st.phase.unwrap_or(TaskPhase::Pending);
+    if token < st.fencing_token {
+        return false;
+    }
+    if token == st.fencing_token {
+        return matches!(phase, TaskPhase::Ready | TaskPhase::Running);
+    }
+    // Ahead of the task: acquiring for its next attempt (or our cache of
+    // the task lags). Alive, unless the task can never run again.
+    !matches!(
+        phase,
+        TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected
+    )
+}
+
+/// One lock as the acquiring task sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    pub resource: String,
+    /// Name of its lock Lease ([`lock_name`]).
+    pub name: String,
+    /// The Lease as read directly from the API server (`None`: absent).
+    pub lease: Option<Lease>,
+    pub holder: Holder,
+    /// An older task that could run now and waits for this resource: this
+    /// task must not take it first.
+    pub older_waiter: Option<String>,
+}
+
+/// The next lock step of a task that wants to be issued `want`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Create (no `resourceVersion`) or replace (CAS) this Lease.
+    Take(Box<Lease>),
+    /// Blocked by `holder` on `resource`: give back `give_back` (what this
+    /// round took, last first; each a CAS) and wait.
+    Blocked {
+        give_back: Vec<Lease>,
+        resource: String,
+        holder: String,
+    },
+    /// Every lock is held: the resource tokens for the lease.
+    Held(BTreeMap<String, i64>),
+}
+
+/// The next step towards holding every slot for `want` (slots sorted by
+/// resource). `fair` applies the creation-order rule; a task that already
+/// holds its locks under an older token of its own (its lease was lost and
+/// is being replaced) takes them over without queueing again.
+pub fn acquire(task: &BatchTask, want: i64, slots: &[Slot], wall: Timestamp, fair: bool) -> Step {
+    for (i, slot) in slots.iter().enumerate() {
+        let blocker = match &slot.holder {
+            Holder::Ours { token } if *token == want => continue,
+            Holder::Ours { .. } => None,
+            Holder::Free | Holder::Dead(_) => {
+                if fair {
+                    slot.older_waiter.clone()
+                } else {
+                    None
+                }
+            }
+            Holder::Live(h) => Some(h.clone()),
+        };
+        let Some(blocker) = blocker else {
+            return Step::Take(Box::new(taken(task, want, slot, wall)));
+        };
+        return Step::Blocked {
+            give_back: release_all(&slots[..i], want),
+            resource: slot.resource.clone(),
+            holder: blocker,
+        };
+    }
+    Step::Held(
+        slots
+            .iter()
+            .map(|s| {
+                let token = s
+                    .lease
+                    .as_ref()
+                    .and_then(|l| l.spec.as_ref())
+                    .and_then(|sp| sp.lease_transitions)
+                    .unwrap_or(0);
+                (s.resource.clone(), i64::from(token))
+            })
+            .collect(),
+    )
+}
+
+/// The locks among `slots` that `task` holds under `token`, released, in
+/// reverse order (an ended attempt gives back what it held).
+pub fn release_all(slots: &[Slot], token: i64) -> Vec<Lease> {
+    slots
+        .iter()
+        .rev()
+        .filter(|s| s.holder == Holder::Ours { token })
+        .filter_map(|s| s.lease.as_ref().map(released))
+        .collect()
+}
+
+/// The locks among `slots` that `task` holds under any token (a task that
+/// may not run now holds nothing).
+pub fn release_any(slots: &[Slot]) -> Vec<Lease> {
+    slots
+        .iter()
+        .rev()
+        .filter(|s| matches!(s.holder, Holder::Ours { .. }))
+        .filter_map(|s| s.lease.as_ref().map(released))
+        .collect()
+}
+
+/// `slot`'s Lease taken by `task` for `want`: a new holder and the next
+/// transition count — the resource's new fencing token.
+fn taken(task: &BatchTask, want: i64, slot: &Slot, wall: Timestamp) -> Lease {
+    let mut lease = slot.lease.clone().unwrap_or_else(|| Lease {
+        metadata: ObjectMeta {
+            name: Some(slot.name.clone()),
+            ..Default::default()
+        },
+        spec: None,
+    });
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(holder_identity(task, want));
+    spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
+    spec.acquire_time = Some(MicroTime(wall));
+    spec.renew_time = Some(MicroTime(wall));
+    spec.lease_duration_seconds = Some(task.spec.lease_duration_seconds);
+    lease
+        .annotations_mut()
+        .insert(HOLDER_UID.into(), task.uid().unwrap_or_default());
+    let ns = task.namespace().unwrap_or_default();
+    let labels = lease.labels_mut();
+    labels.insert(LABEL_LOCK_NAMESPACE.into(), ns);
+    labels.insert(LABEL_RESOURCE.into(), names::label_value(&slot.resource));
+    labels.insert(LABEL_MANAGED_BY.into(), MANAGED_BY.into());
+    lease
+}
+
+/// `lease` with no holder. The transition count stays: it only grows.
+fn released(lease: &Lease) -> Lease {
+    let mut l = lease.clone();
+    if let Some(spec) = l.spec.as_mut() {
+        spec.holder_identity = None;
+        spec.acquire_time = None;
+        spec.renew_time = None;
+    }
+    l.annotations_mut().remove(HOLDER_UID);
+    l
+}
+
+/// Whether `task` waits for resources now: `Pending`, in Exclusive mode,
+/// backoff over, every dependency succeeded. Only such tasks hold back
+/// younger ones (a task blocked on its dependencies must not).
+pub fn waiting(
+    task: &BatchTask,
+    lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>,
+    wall: Timestamp,
+) -> bool {
+    let Some(st) = task.status.as_ref() else {
+        return false;
+    };
+    if task.metadata.deletion_timestamp.is_some()
+        || st.phase != Some(TaskPhase::Pending)
+        || needed(task).is_empty()
+        || st.next_attempt_after.as_ref().is_some_and(|t| t.0 > wall)
+    {
+        return false;
+    }
+    task.spec.depends_on.iter().all(|d| {
+        lookup(d)
+            .and_then(|t| t.status.as_ref().and_then(|s| s.phase))
+            .is_some_and(|p| p == TaskPhase::Succeeded)
+    })
+}
+
+/// The order in which waiting tasks are served: creation time, then name.
+pub fn queue_key(task: &BatchTask) -> (Option<Timestamp>, String) {
+    (
+        task.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        task.name_any(),
+    )
+}
+
+#[cfg(test)]
+#[path = "locks_tests.rs"]
+mod tests;

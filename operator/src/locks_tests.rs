@@ -1,0 +1,332 @@
+use super::*;
+use batchlease_api::{BatchTaskSpec, BatchTaskStatus};
+use std::collections::HashMap;
+
+fn task(name: &str, uid: &str, token: i64, phase: TaskPhase) -> Arc<BatchTask> {
+    let mut spec = BatchTaskSpec::for_queue("q");
+    spec.resources = vec!["r2".into(), "r1".into()];
+    let mut t = BatchTask::new(name, spec);
+    t.metadata.namespace = Some("ns".into());
+    t.metadata.uid = Some(uid.into());
+    t.status = Some(BatchTaskStatus {
+        phase: Some(phase),
+        fencing_token: token,
+        ..Default::default()
+    });
+    Arc::new(t)
+}
+
+fn lock(resource: &str, holder: Option<(&str, &str)>, transitions: i32) -> Lease {
+    let mut l = Lease {
+        metadata: Default::default(),
+        spec: Some(LeaseSpec {
+            holder_identity: holder.map(|(id, _)| id.to_owned()),
+            lease_transitions: Some(transitions),
+            ..Default::default()
+        }),
+    };
+    l.metadata.name = Some(lock_name("ns", resource));
+    l.metadata.resource_version = Some("7".into());
+    if let Some((_, uid)) = holder {
+        l.annotations_mut().insert(HOLDER_UID.into(), uid.into());
+    }
+    l
+}
+
+fn wall() -> Timestamp {
+    Timestamp::from_second(1_000_000).unwrap()
+}
+
+#[test]
+fn holder_table() {
+    use TaskPhase::*;
+    let me = task("me", "u-me", 4, Pending);
+    let world: HashMap<&str, Arc<BatchTask>> = [
+        ("running", task("running", "u-run", 2, Running)),
+        ("settled", task("settled", "u-set", 2, Pending)),
+        ("moved-on", task("moved-on", "u-mo", 5, Ready)),
+        ("acquiring", task("acquiring", "u-acq", 2, Pending)),
+        ("rejected", task("rejected", "u-rej", 2, Rejected)),
+    ]
+    .into_iter()
+    .collect();
+    let lookup = |n: &str| world.get(n).cloned();
+    let cases: Vec<(&str, Option<Lease>, Holder)> = vec![
+        ("no lease", None, Holder::Free),
+        ("released", Some(lock("r1", None, 3)), Holder::Free),
+        (
+            "mine, this incarnation",
+            Some(lock("r1", Some(("ns/me@5", "u-me")), 3)),
+            Holder::Ours { token: 5 },
+        ),
+        (
+            "my name, another incarnation",
+            Some(lock("r1", Some(("ns/me@5", "u-old")), 3)),
+            Holder::Dead("ns/me@5".into()),
+        ),
+        (
+            "a running attempt",
+            Some(lock("r1", Some(("ns/running@2", "u-run")), 3)),
+            Holder::Live("ns/running@2".into()),
+        ),
+        (
+            "a settled attempt",
+            Some(lock("r1", Some(("ns/settled@2", "u-set")), 3)),
+            Holder::Dead("ns/settled@2".into()),
+        ),
+        (
+            "an older token of a task that moved on",
+            Some(lock("r1", Some(("ns/moved-on@4", "u-mo")), 3)),
+            Holder::Dead("ns/moved-on@4".into()),
+        ),
+        (
+            "acquiring for its next attempt",
+            Some(lock("r1", Some(("ns/acquiring@3", "u-acq")), 3)),
+            Holder::Live("ns/acquiring@3".into()),
+        ),
+        (
+            "acquiring, but the task was rejected since",
+            Some(lock("r1", Some(("ns/rejected@3", "u-rej")), 3)),
+            Holder::Dead("ns/rejected@3".into()),
+        ),
+        (
+            "a deleted task",
+            Some(lock("r1", Some(("ns/gone@1", "u-gone")), 3)),
+            Holder::Dead("ns/gone@1".into()),
+        ),
+        (
+            "an identity we never write is never taken over",
+            Some(lock("r1", Some(("someone", "x")), 3)),
+            Holder::Live("someone".into()),
+        ),
+        (
+            "another namespace's identity",
+            Some(lock("r1", Some(("other/running@2", "u-run")), 3)),
+            Holder::Live("other/running@2".into()),
+        ),
+    ];
+    for (what, l, want) in cases {
+        assert_eq!(holder(l.as_ref(), &me, &lookup), want, "{what}");
+    }
+}
+
+fn slot(resource: &str, holder: Holder, lease: Option<Lease>, older: Option<&str>) -> Slot {
+    Slot {
+        resource: resource.into(),
+        name: lock_name("ns", resource),
+        lease,
+        holder,
+        older_waiter: older.map(str::to_owned),
+    }
+}
+
+#[test]
+fn acquire_takes_in_order_and_rolls_back_in_reverse() {
+    let me = task("me", "u-me", 4, TaskPhase::Pending);
+    let mine = |r: &str, t: i32| lock(r, Some(("ns/me@5", "u-me")), t);
+    let ours = Holder::Ours { token: 5 };
+    // Nothing held: take the first (a create: no Lease yet).
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", Holder::Free, None, None),
+            slot("r2", Holder::Free, None, None),
+        ],
+        wall(),
+        true,
+    );
+    let Step::Take(l) = step else {
+        panic!("{step:?}")
+    };
+    let spec = l.spec.clone().unwrap();
+    assert_eq!(l.metadata.name.as_deref(), Some("ns.r1"));
+    assert!(l.metadata.resource_version.is_none(), "a create");
+    assert_eq!(spec.holder_identity.as_deref(), Some("ns/me@5"));
+    assert_eq!(spec.lease_transitions, Some(1));
+    assert_eq!(
+        l.annotations().get(HOLDER_UID).map(String::as_str),
+        Some("u-me")
+    );
+    assert_eq!(
+        l.labels().get(LABEL_RESOURCE).map(String::as_str),
+        Some("r1")
+    );
+    // First held, second free: take the second, bumping its count.
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", ours.clone(), Some(mine("r1", 1)), None),
+            slot(
+                "r2",
+                Holder::Dead("ns/x@1".into()),
+                Some(lock("r2", Some(("ns/x@1", "u-x")), 8)),
+                None,
+            ),
+        ],
+        wall(),
+        true,
+    );
+    let Step::Take(l) = step else {
+        panic!("{step:?}")
+    };
+    assert_eq!(l.spec.unwrap().lease_transitions, Some(9));
+    assert_eq!(l.metadata.resource_version.as_deref(), Some("7"), "a CAS");
+    // Everything held: the tokens.
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", ours.clone(), Some(mine("r1", 1)), None),
+            slot("r2", ours.clone(), Some(mine("r2", 9)), None),
+        ],
+        wall(),
+        true,
+    );
+    assert_eq!(
+        step,
+        Step::Held(BTreeMap::from([("r1".into(), 1), ("r2".into(), 9)]))
+    );
+    // Contention on the third: give back the first two, last first.
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", ours.clone(), Some(mine("r1", 1)), None),
+            slot("r2", ours.clone(), Some(mine("r2", 9)), None),
+            slot(
+                "r3",
+                Holder::Live("ns/y@2".into()),
+                Some(lock("r3", Some(("ns/y@2", "u-y")), 4)),
+                None,
+            ),
+        ],
+        wall(),
+        true,
+    );
+    let Step::Blocked {
+        give_back: back,
+        resource,
+        holder,
+    } = step
+    else {
+        panic!("{step:?}")
+    };
+    assert_eq!((resource.as_str(), holder.as_str()), ("r3", "ns/y@2"));
+    let names: Vec<_> = back.iter().map(|l| l.name_any()).collect();
+    assert_eq!(names, vec!["ns.r2", "ns.r1"]);
+    assert!(
+        back.iter()
+            .all(|l| l.spec.as_ref().unwrap().holder_identity.is_none())
+    );
+    assert_eq!(
+        back[0].spec.as_ref().unwrap().lease_transitions,
+        Some(9),
+        "counts never go back"
+    );
+    // Contention with nothing held: wait.
+    let step = acquire(
+        &me,
+        5,
+        &[slot(
+            "r1",
+            Holder::Live("ns/y@2".into()),
+            Some(lock("r1", Some(("ns/y@2", "u-y")), 4)),
+            None,
+        )],
+        wall(),
+        true,
+    );
+    assert_eq!(
+        step,
+        Step::Blocked {
+            give_back: vec![],
+            resource: "r1".into(),
+            holder: "ns/y@2".into()
+        }
+    );
+}
+
+#[test]
+fn older_waiters_are_served_first_unless_the_lock_is_already_ours() {
+    let me = task("me", "u-me", 4, TaskPhase::Pending);
+    let free_but_queued = [slot(
+        "r1",
+        Holder::Free,
+        Some(lock("r1", None, 3)),
+        Some("older"),
+    )];
+    assert_eq!(
+        acquire(&me, 5, &free_but_queued, wall(), true),
+        Step::Blocked {
+            give_back: vec![],
+            resource: "r1".into(),
+            holder: "older".into()
+        }
+    );
+    // Without the rule (a lost lease being replaced) it is taken.
+    assert!(matches!(
+        acquire(&me, 5, &free_but_queued, wall(), false),
+        Step::Take(_)
+    ));
+    // A lock held under our previous token is taken over at once.
+    let prev = [slot(
+        "r1",
+        Holder::Ours { token: 4 },
+        Some(lock("r1", Some(("ns/me@4", "u-me")), 3)),
+        Some("older"),
+    )];
+    let Step::Take(l) = acquire(&me, 5, &prev, wall(), true) else {
+        panic!()
+    };
+    assert_eq!(l.spec.unwrap().lease_transitions, Some(4));
+}
+
+#[test]
+fn attempt_liveness_table() {
+    use TaskPhase::*;
+    let cases = [
+        (3, Running, 3, true),
+        (3, Ready, 3, true),
+        (3, Pending, 3, false),
+        (3, Succeeded, 3, false),
+        (3, Running, 2, false),
+        (3, Pending, 4, true),
+        (3, Succeeded, 4, false),
+        (3, DeadLettered, 4, false),
+        (3, Pending, 9, true),
+    ];
+    for (task_token, phase, lock_token, want) in cases {
+        let t = task("t", "u", task_token, phase);
+        assert_eq!(
+            attempt_alive(&t, lock_token),
+            want,
+            "task at {task_token} {phase:?}, lock at {lock_token}"
+        );
+    }
+}
+
+#[test]
+fn lock_names_fit_and_stay_distinct() {
+    assert_eq!(lock_name("team-a", "warehouse"), "team-a.warehouse");
+    let long = "r".repeat(200);
+    let a = lock_name(&"n".repeat(63), &long);
+    let b = lock_name(&"n".repeat(63), &format!("{}x", "r".repeat(199)));
+    assert!(a.len() <= 253 && b.len() <= 253);
+    assert_ne!(a, b);
+    assert!(!a.contains(".-") && !a.ends_with('-'));
+}
+
+#[test]
+fn needed_is_sorted_and_empty_when_speculative() {
+    let mut t = (*task("t", "u", 1, TaskPhase::Pending)).clone();
+    t.spec.resources = vec!["b".into(), "a".into()];
+    assert_eq!(needed(&t), vec!["a", "b"]);
+    t.spec.mode = TaskMode::Speculative;
+    t.status.as_mut().unwrap().effective_mode = Some(TaskMode::Speculative);
+    assert!(needed(&t).is_empty());
+    // Quarantined: back to Exclusive, so the locks are needed again.
+    t.status.as_mut().unwrap().effective_mode = Some(TaskMode::Exclusive);
+    assert_eq!(needed(&t), vec!["a", "b"]);
+}
