@@ -211,7 +211,13 @@ impl Inner {
         }
     }
 
-    /// Who to wake when `name` changed from `old` to `new`.
+    /// Who to wake when `name` changed from `old` to `new`: its dependents
+    /// when its phase changed; the waiting users of its resources when it
+    /// may have released a lock (it left `Ready`/`Running`) or its
+    /// resources changed. A task that only *becomes* `Ready` releases
+    /// nothing (it took its locks), and waking every waiting user of its
+    /// resources on each phase change would make each of them re-read its
+    /// locks for nothing.
     fn concerned(
         &self,
         ns: &str,
@@ -221,18 +227,15 @@ impl Inner {
     ) -> BTreeSet<String> {
         let mut wake = BTreeSet::new();
         let phase_changed = old.is_none_or(|o| o.phase != new.phase);
-        if phase_changed {
-            if let Some(ds) = self.dependents.get(&(ns.to_owned(), name.to_owned())) {
-                wake.extend(ds.iter().cloned());
-            }
-            // Resources of the old and the new spec: a task that stopped
-            // needing a resource may have stopped blocking its waiters.
-            let mut resources = new.resources.clone();
-            if let Some(o) = old {
-                resources.extend(o.resources.iter().cloned());
-            }
-            wake.extend(self.pending_users(ns, &resources));
-        } else if old.is_some_and(|o| o.resources != new.resources) {
+        if phase_changed && let Some(ds) = self.dependents.get(&(ns.to_owned(), name.to_owned())) {
+            wake.extend(ds.iter().cloned());
+        }
+        let leased =
+            |p: Option<TaskPhase>| matches!(p, Some(TaskPhase::Ready | TaskPhase::Running));
+        let released = old.is_some_and(|o| leased(o.phase) && !leased(new.phase));
+        if released || old.is_some_and(|o| o.resources != new.resources) {
+            // Old and new resources: a task that stopped needing one may
+            // have stopped blocking its waiters.
             let mut resources = new.resources.clone();
             if let Some(o) = old {
                 resources.extend(o.resources.iter().cloned());
@@ -342,8 +345,14 @@ mod tests {
         idx.apply(&task("other", &[], &["r3"], Some(TaskPhase::Pending)));
         idx.apply(&task("done", &[], &["r1"], Some(TaskPhase::Succeeded)));
         drain(&mut rx);
+        // Becoming Ready releases nothing: nobody to wake.
         idx.apply(&task("big", &[], &["r1", "r2"], Some(TaskPhase::Ready)));
-        assert_eq!(drain(&mut rx), vec!["small"]);
+        assert!(drain(&mut rx).is_empty());
+        idx.apply(&task("big", &[], &["r1", "r2"], Some(TaskPhase::Running)));
+        idx.apply(&task("big", &[], &["r1", "r2"], Some(TaskPhase::Pending)));
+        assert_eq!(drain(&mut rx), vec!["small"], "a settled attempt released");
+        idx.apply(&task("big", &[], &["r1", "r2"], Some(TaskPhase::Ready)));
+        drain(&mut rx);
         idx.wake_users("ns", &["r1".into()]);
         // Only Pending users; "big" is Ready now, "done" finished.
         assert!(drain(&mut rx).is_empty());

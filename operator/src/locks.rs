@@ -209,31 +209,38 @@ pub enum Step {
 }
 
 /// The next step towards holding every slot for `want` (slots sorted by
-/// resource). `fair` applies the creation-order rule; a task that already
-/// holds its locks under an older token of its own (its lease was lost and
-/// is being replaced) takes them over without queueing again.
+/// resource): block if any slot is held by a live attempt of another task
+/// (or, with `fair`, promised to an older waiting task), else take the
+/// first slot not yet ours, else all are held. A task that holds a lock
+/// under an older token of its own (its lease was lost and is being
+/// replaced) takes it over without queueing again.
 pub fn acquire(task: &BatchTask, want: i64, slots: &[Slot], wall: Timestamp, fair: bool) -> Step {
-    for (i, slot) in slots.iter().enumerate() {
-        let blocker = match &slot.holder {
-            Holder::Ours { token } if *token == want => continue,
+    // Every slot was read before this decision: if one blocks, taking the
+    // others first would only be given back (and wake their waiters for
+    // nothing). Block at once; give back what an earlier round took.
+    let blocker = slots.iter().find_map(|slot| {
+        let by = match &slot.holder {
             Holder::Ours { .. } => None,
-            Holder::Free | Holder::Dead(_) => {
-                if fair {
-                    slot.older_waiter.clone()
-                } else {
-                    None
-                }
-            }
+            Holder::Free | Holder::Dead(_) => slot.older_waiter.clone().filter(|_| fair),
             Holder::Live(h) => Some(h.clone()),
         };
-        let Some(blocker) = blocker else {
-            return Step::Take(Box::new(taken(task, want, slot, wall)));
-        };
+        by.map(|by| (slot.resource.clone(), by))
+    });
+    if let Some((resource, holder)) = blocker {
         return Step::Blocked {
-            give_back: release_all(&slots[..i], want),
-            resource: slot.resource.clone(),
-            holder: blocker,
+            give_back: release_all(slots, want),
+            resource,
+            holder,
         };
+    }
+    // Then one at a time, in order: a racing acquirer (another task's
+    // reconcile) loses a CAS on the first lock they both want, never
+    // holds one the other needs while waiting for it.
+    if let Some(slot) = slots
+        .iter()
+        .find(|s| s.holder != Holder::Ours { token: want })
+    {
+        return Step::Take(Box::new(taken(task, want, slot, wall)));
     }
     Step::Held(
         slots

@@ -225,6 +225,31 @@ fn acquire_takes_in_order_and_rolls_back_in_reverse() {
         Some(9),
         "counts never go back"
     );
+    // A later lock is busy: nothing is taken first (it would only be given
+    // back).
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", Holder::Free, None, None),
+            slot(
+                "r2",
+                Holder::Live("ns/y@2".into()),
+                Some(lock("r2", Some(("ns/y@2", "u-y")), 4)),
+                None,
+            ),
+        ],
+        wall(),
+        true,
+    );
+    assert_eq!(
+        step,
+        Step::Blocked {
+            give_back: vec![],
+            resource: "r2".into(),
+            holder: "ns/y@2".into()
+        }
+    );
     // Contention with nothing held: wait.
     let step = acquire(
         &me,

@@ -128,7 +128,7 @@ impl Metrics {
         );
         r.register(
             "lock_contention",
-            "Lock acquisitions blocked by another holder or an older waiting task",
+            "Lock acquisitions blocked, counted once per task and blocker (another holder, or an older waiting task)",
             m.lock_contention.clone(),
         );
         r.register(

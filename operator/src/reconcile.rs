@@ -480,15 +480,9 @@ fn update_slots(
     }
 }
 
-/// A lock acquisition is blocked: metric, and an Event when the blocker is
+/// A lock acquisition is blocked: a metric and an Event when the blocker is
 /// new for this task.
 async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
-    ctx.metrics
-        .lock_contention
-        .get_or_create(&QueueLabels {
-            queue: task.spec.queue.clone(),
-        })
-        .inc();
     let key = (task.namespace().unwrap_or_default(), task.name_any());
     let note = format!("waiting for resource {resource}: held by or promised to {holder}");
     let new = ctx
@@ -500,6 +494,14 @@ async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
         != Some(&note);
     debug!(task = %task.name_any(), resource, holder, "lock contention");
     if new {
+        // Counted once per task and blocker, like the Event: a task looked
+        // at again while the same holder keeps the lock is one contention.
+        ctx.metrics
+            .lock_contention
+            .get_or_create(&QueueLabels {
+                queue: task.spec.queue.clone(),
+            })
+            .inc();
         publish(ctx, task, EventType::Normal, "WaitingForResource", note).await;
     }
 }

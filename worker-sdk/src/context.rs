@@ -1,5 +1,7 @@
 //! What a handler gets: the task's payload, its fencing token, the previous
-//! attempt's checkpoint, a cancellation token, and a way to record progress.
+//! attempt's checkpoint, a cancellation token, and a way to record progress
+//! — plus, through the worker's client, its dependencies' results
+//! ([`crate::dependencies`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -40,11 +42,16 @@ pub trait Registry: Send + Sync {
 }
 
 /// The context of one attempt.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TaskContext {
     pub(crate) task_name: String,
     pub(crate) namespace: String,
     pub(crate) task_uid: String,
+    pub(crate) queue: String,
+    pub(crate) depends_on: Vec<String>,
+    /// The worker's main client (not the heartbeat's: handlers' reads and
+    /// creates must not queue behind, or delay, renewals).
+    pub(crate) client: kube::Client,
     pub(crate) payload: Option<JsonObject>,
     pub(crate) attempt: i32,
     pub(crate) previous_checkpoint: Option<JsonObject>,
@@ -52,6 +59,18 @@ pub struct TaskContext {
     pub(crate) fence: Fence,
     pub(crate) pending_checkpoint: Arc<Mutex<Option<JsonObject>>>,
     pub(crate) earlier_commit: Option<EarlierCommit>,
+}
+
+impl std::fmt::Debug for TaskContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskContext")
+            .field("task_name", &self.task_name)
+            .field("namespace", &self.namespace)
+            .field("task_uid", &self.task_uid)
+            .field("attempt", &self.attempt)
+            .field("token", &self.fence.token())
+            .finish_non_exhaustive()
+    }
 }
 
 impl TaskContext {
@@ -63,6 +82,11 @@ impl TaskContext {
     /// The BatchTask's namespace.
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// The BatchTask's queue.
+    pub fn queue(&self) -> &str {
+        &self.queue
     }
 
     /// The BatchTask's UID: the key of the task's row in fenced storage, so a

@@ -126,6 +126,15 @@ pub enum Error {
         lease: String,
         message: String,
     },
+    /// A dependency of the task is not `Succeeded` (any more): it was
+    /// deleted, re-created or redriven after this attempt was issued.
+    /// `phase` is the phase found, `NotFound` when the task is gone.
+    #[error("dependency {name} is {phase}, not Succeeded")]
+    DependencyNotSucceeded { name: String, phase: &'static str },
+    /// The handler asked for the result of a task that is not in its
+    /// `spec.dependsOn`: only dependencies are known to have succeeded.
+    #[error("{name} is not a dependency of this task")]
+    NotADependency { name: String },
     /// The worker was configured wrongly.
     #[error("invalid worker configuration: {0}")]
     Config(&'static str),
@@ -149,6 +158,8 @@ impl Error {
             Self::TooLarge { .. } => "too_large",
             Self::TooDeep { .. } => "too_deep",
             Self::Invalid { .. } => "invalid",
+            Self::DependencyNotSucceeded { .. } => "dependency_not_succeeded",
+            Self::NotADependency { .. } => "not_a_dependency",
             Self::Config(_) => "config",
         }
     }
@@ -161,6 +172,11 @@ impl From<Error> for TaskError {
         let reason = match &e {
             Error::Revoked { .. } => "Revoked",
             Error::Fenced { .. } => "Fenced",
+            // A dependency that is not Succeeded any more may be again
+            // (re-created, redriven): worth a retry.
+            Error::DependencyNotSucceeded { .. } => "DependencyNotSucceeded",
+            // The same handler would ask the same again.
+            Error::NotADependency { .. } => return permanent("NotADependency", &e),
             // The same handler would produce the same output again: a
             // retry cannot help.
             Error::TooLarge { what: "result", .. } => return permanent("ResultTooLarge", &e),

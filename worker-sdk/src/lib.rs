@@ -23,6 +23,7 @@
 
 mod attempt;
 mod context;
+mod dependencies;
 mod error;
 mod fence;
 mod heartbeat_runtime;
