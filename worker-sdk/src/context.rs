@@ -1,7 +1,8 @@
 //! What a handler gets: the task's payload, its fencing token, the previous
 //! attempt's checkpoint, a cancellation token, and a way to record progress
 //! — plus, through the worker's client, its dependencies' results
-//! ([`crate::dependencies`]).
+//! ([`crate::dependencies`]) and a way to spawn children
+//! ([`crate::spawn`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -84,7 +85,8 @@ impl TaskContext {
         &self.namespace
     }
 
-    /// The BatchTask's queue.
+    /// The BatchTask's queue (children spawned onto the same worker pool
+    /// name it).
     pub fn queue(&self) -> &str {
         &self.queue
     }

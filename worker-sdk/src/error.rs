@@ -135,6 +135,22 @@ pub enum Error {
     /// `spec.dependsOn`: only dependencies are known to have succeeded.
     #[error("{name} is not a dependency of this task")]
     NotADependency { name: String },
+    /// A sub-graph that cannot be spawned as given; nothing was created.
+    #[error("invalid sub-graph: {0}")]
+    InvalidSubgraph(#[from] crate::subgraph::SubgraphError),
+    /// A child's name is taken by an object that is not the child we would
+    /// create: another owner, or another spec (the sub-graph is not a
+    /// deterministic function of the task, or its version was reused).
+    #[error("child {name} already exists with a different {differs}")]
+    SpawnConflict { name: String, differs: String },
+    /// The API server refused to create a child (e.g. 422: its spec is
+    /// invalid; 403: the worker may not create BatchTasks).
+    #[error("the API server refused to create child {name}: {source}")]
+    SpawnRefused {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
     /// The worker was configured wrongly.
     #[error("invalid worker configuration: {0}")]
     Config(&'static str),
@@ -160,6 +176,9 @@ impl Error {
             Self::Invalid { .. } => "invalid",
             Self::DependencyNotSucceeded { .. } => "dependency_not_succeeded",
             Self::NotADependency { .. } => "not_a_dependency",
+            Self::InvalidSubgraph(_) => "invalid_subgraph",
+            Self::SpawnConflict { .. } => "spawn_conflict",
+            Self::SpawnRefused { .. } => "spawn_refused",
             Self::Config(_) => "config",
         }
     }
@@ -177,6 +196,15 @@ impl From<Error> for TaskError {
             Error::DependencyNotSucceeded { .. } => "DependencyNotSucceeded",
             // The same handler would ask the same again.
             Error::NotADependency { .. } => return permanent("NotADependency", &e),
+            Error::InvalidSubgraph(_) => return permanent("InvalidSubgraph", &e),
+            Error::SpawnConflict { .. } => return permanent("SpawnConflict", &e),
+            // An invalid child stays invalid; a forbidden create may be
+            // allowed once RBAC is fixed, a throttled one later.
+            Error::SpawnRefused {
+                source: kube::Error::Api(s),
+                ..
+            } if matches!(s.code, 400 | 422) => return permanent("SpawnRefused", &e),
+            Error::SpawnRefused { .. } => "SpawnRefused",
             // The same handler would produce the same output again: a
             // retry cannot help.
             Error::TooLarge { what: "result", .. } => return permanent("ResultTooLarge", &e),

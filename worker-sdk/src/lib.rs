@@ -31,14 +31,21 @@ mod lease_ops;
 mod metrics;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+mod spawn;
+mod subgraph;
 mod worker;
 
 pub use attempt::Ended;
+// What a handler needs to describe children without depending on the API
+// crate itself.
 pub use batchlease_api::{
-    JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_RESULT_BYTES,
+    BackoffSpec, BatchTaskSpec, JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH,
+    MAX_RESULT_BYTES, TaskMode,
 };
 pub use context::{EarlierCommit, Output, Registry, TaskContext};
 pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};
 pub use metrics::WorkerMetrics;
+pub use spawn::LABEL_PARENT;
+pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
 pub use worker::{Worker, WorkerBuilder};
