@@ -31,10 +31,14 @@ pub struct EarlierCommit {
 /// handler runs (see `postgres::FencedStore`). Registration raises the
 /// stored token to ours, so every later write of an older attempt is
 /// refused; it fails with [`Error::Fenced`] when a newer attempt already
-/// registered (we are the zombie).
+/// registered (we are the zombie). The fence also carries the attempt's
+/// resource tokens ([`Fence::resource_tokens`]): a registry registers them
+/// too, in the same transaction, and fails with [`Error::ResourceFenced`]
+/// when a newer holder of a resource registered first.
 pub trait Registry: Send + Sync {
-    /// Registers `fence`'s token for the task with UID `task_uid`; returns
-    /// the commit of an earlier attempt, if one stuck.
+    /// Registers `fence`'s token (and its resource tokens) for the task
+    /// with UID `task_uid`; returns the commit of an earlier attempt, if
+    /// one stuck.
     fn register<'a>(
         &'a self,
         task_uid: &'a str,
@@ -132,7 +136,10 @@ impl TaskContext {
         self.attempt
     }
 
-    /// Fencing tokens of the task's resource locks.
+    /// Fencing tokens of the task's resource locks (resource name to that
+    /// lock's own token; the locks belong to the task's namespace). The
+    /// fenced store registers and checks them itself; write one next to
+    /// your own rows of a resource to fence them too.
     pub fn resource_tokens(&self) -> &BTreeMap<String, i64> {
         &self.resource_tokens
     }

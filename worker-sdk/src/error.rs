@@ -56,6 +56,17 @@ pub enum Error {
     /// The storage holds a newer fencing token: this attempt is a zombie.
     #[error("fenced: storage already holds token {current}, ours is {token}")]
     Fenced { token: i64, current: i64 },
+    /// The storage holds a newer fencing token for one of the attempt's
+    /// resource locks: another holder of that resource registered after
+    /// us (we are a zombie of that lock). `current` equal to `token` means
+    /// the token was registered by another task: a reused token is refused
+    /// rather than trusted.
+    #[error("fenced on resource {resource}: storage holds its token {current}, ours is {token}")]
+    ResourceFenced {
+        resource: String,
+        token: i64,
+        current: i64,
+    },
     /// An earlier attempt's commit already stuck: the work is done (see
     /// `TaskContext::earlier_commit`); ours was not written.
     #[error("attempt {token} not committed: attempt {earlier} already committed this task")]
@@ -162,6 +173,7 @@ impl Error {
         match self {
             Self::Revoked { .. } => "revoked",
             Self::Fenced { .. } => "fenced",
+            Self::ResourceFenced { .. } => "resource_fenced",
             Self::CommittedEarlier { .. } => "committed_earlier",
             Self::PayloadMismatch { .. } => "payload_mismatch",
             Self::Rejected { .. } => "rejected",
@@ -190,7 +202,7 @@ impl From<Error> for TaskError {
     fn from(e: Error) -> Self {
         let reason = match &e {
             Error::Revoked { .. } => "Revoked",
-            Error::Fenced { .. } => "Fenced",
+            Error::Fenced { .. } | Error::ResourceFenced { .. } => "Fenced",
             // A dependency that is not Succeeded any more may be again
             // (re-created, redriven): worth a retry.
             Error::DependencyNotSucceeded { .. } => "DependencyNotSucceeded",

@@ -9,7 +9,15 @@
 //! and [`Fence::check`] refuses every later commit or completion. The
 //! operator expires a lease only after a full TTL without an observed
 //! renewal, so the worker stops at least TTL/3 before anyone else can start.
+//!
+//! A fence also carries the attempt's **resource tokens** (design §5): for
+//! each resource lock the operator took for the task, that lock's own
+//! fencing token, scoped to the task's namespace. Storage adapters register
+//! and check them next to the task's token, so a fenced store refuses a
+//! zombie's write to a shared resource even when the zombie belongs to
+//! another task.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -99,12 +107,21 @@ impl KillClock {
     }
 }
 
-/// The fence of one attempt: its token, and whether it may still act.
-/// Cheap to clone; hand it to storage adapters.
+/// The fence of one attempt: its token, its resource tokens, and whether
+/// it may still act. Cheap to clone; hand it to storage adapters.
 #[derive(Debug, Clone)]
 pub struct Fence {
     token: i64,
+    resources: Arc<Resources>,
     inner: Arc<Inner>,
+}
+
+/// The resource locks of an attempt. Locks are scoped per namespace:
+/// resource "db" in namespace A is not resource "db" in namespace B.
+#[derive(Debug, Default)]
+struct Resources {
+    namespace: String,
+    tokens: BTreeMap<String, i64>,
 }
 
 #[derive(Debug)]
@@ -119,6 +136,7 @@ impl Fence {
     pub fn new(token: i64, clock: KillClock) -> Self {
         Self {
             token,
+            resources: Arc::default(),
             inner: Arc::new(Inner {
                 killed: CancellationToken::new(),
                 clock: Mutex::new(clock),
@@ -130,6 +148,40 @@ impl Fence {
     /// The fencing token every write of this attempt must carry.
     pub fn token(&self) -> i64 {
         self.token
+    }
+
+    /// The same fence, holding the resource locks `tokens` (resource name
+    /// to that lock's fencing token) in `namespace`. The SDK builds every
+    /// attempt's fence with the lease's `spec.resourceTokens`; fenced
+    /// storage registers and checks them with the task's token.
+    #[must_use]
+    pub fn with_resources(
+        mut self,
+        namespace: impl Into<String>,
+        tokens: BTreeMap<String, i64>,
+    ) -> Self {
+        self.resources = Arc::new(Resources {
+            namespace: namespace.into(),
+            tokens,
+        });
+        self
+    }
+
+    /// Resource name to its lock's fencing token (empty without locks).
+    pub fn resource_tokens(&self) -> &BTreeMap<String, i64> {
+        &self.resources.tokens
+    }
+
+    /// The fencing token of the lock on `resource`, if the attempt holds
+    /// it: what user code writes next to its own rows of that resource
+    /// (`… WHERE fence <= $token`) to fence them itself.
+    pub fn resource_token(&self, resource: &str) -> Option<i64> {
+        self.resources.tokens.get(resource).copied()
+    }
+
+    /// The namespace the resource locks belong to.
+    pub fn resource_namespace(&self) -> &str {
+        &self.resources.namespace
     }
 
     /// Ok while the attempt may still write; checked synchronously against

@@ -42,6 +42,32 @@
 //! carries *our* commit — success if the payload is the same (our own
 //! commit whose acknowledgement was lost) and [`Error::PayloadMismatch`]
 //! otherwise.
+//!
+//! **Resource locks.** An attempt of a task with `spec.resources` carries,
+//! in its fence, each lock's own fencing token ([`Fence::resource_tokens`]).
+//! They are fenced in `resource_fence`, one row per (namespace, resource),
+//! in the same transactions as the task row: registration raises each
+//! resource row to our token (an equal token of the same task is our own
+//! earlier registration; a newer one is [`Error::ResourceFenced`], naming
+//! the resource); a commit locks
+//! the rows (`SELECT … FOR UPDATE`, in resource order) before the caller's
+//! writes, so no newer holder can register while they run, and right
+//! before `COMMIT` stamps them `COMMITTED` where they still carry our
+//! token — else the whole commit rolls back as fenced. The stamp is the
+//! end of the attempt's occupancy of the resource as an audit trigger sees
+//! it (`REGISTERED` → `COMMITTED` per token).
+//!
+//! ```sql
+//! -- register, per resource R with token t (same transaction as the task row)
+//! INSERT INTO resource_fence … VALUES (ns, R, t, task, 'REGISTERED')
+//! ON CONFLICT (namespace, resource) DO UPDATE SET last_token = t, …
+//!  WHERE resource_fence.last_token < t
+//! -- commit: before the caller's writes, then right before COMMIT
+//! SELECT … FROM resource_fence WHERE namespace = ns AND resource = ANY(Rs)
+//!  ORDER BY resource FOR UPDATE
+//! INSERT … 'COMMITTED' ON CONFLICT … DO UPDATE SET status = 'COMMITTED', …
+//!  WHERE last_token < t OR (last_token = t AND task_id = task)
+//! ```
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
@@ -61,7 +87,12 @@ use crate::error::Error;
 use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
 
-/// The table the store writes; create (or upgrade) it with [`migrate`].
+mod resource_fence;
+
+use resource_fence::Step;
+
+/// The tables the store writes (`task_state`, and `resource_fence` for
+/// resource tokens); create (or upgrade) them with [`migrate`].
 pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS task_state (
     task_id            text PRIMARY KEY,
     status             text NOT NULL,
@@ -72,7 +103,16 @@ pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS task_state (
 );
 ALTER TABLE task_state ADD COLUMN IF NOT EXISTS committed_token bigint;
 UPDATE task_state SET committed_token = last_fencing_token
- WHERE status = 'COMPLETED' AND committed_token IS NULL";
+ WHERE status = 'COMPLETED' AND committed_token IS NULL;
+CREATE TABLE IF NOT EXISTS resource_fence (
+    namespace  text NOT NULL,
+    resource   text NOT NULL,
+    last_token bigint NOT NULL,
+    task_id    text NOT NULL,
+    status     text NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (namespace, resource)
+)";
 
 // Both statements also refuse to run past the attempt's deadline ($4, the
 // fence's kill time as wall-clock time): a write whose packets sat in the
@@ -97,8 +137,9 @@ const COMMIT: &str = "INSERT INTO task_state (task_id, status, payload, last_fen
 const READ: &str =
     "SELECT last_fencing_token, committed_token, payload FROM task_state WHERE task_id = $1";
 
-/// Creates the `task_state` table if it does not exist (and adds the
-/// `committed_token` column to a table of an older version).
+/// Creates the `task_state` and `resource_fence` tables if they do not
+/// exist (and adds the `committed_token` column to a table of an older
+/// version).
 pub async fn migrate(client: &Client) -> Result<(), Error> {
     client
         .batch_execute(MIGRATION)
@@ -156,10 +197,13 @@ fn limits(fence: &Fence) -> String {
 /// Counts a refused write (by the fence, or by the storage) and passes the
 /// error on.
 fn refused(metrics: &WorkerMetrics, e: Error) -> Error {
-    if matches!(e, Error::Revoked { .. } | Error::Fenced { .. }) {
+    if matches!(
+        e,
+        Error::Revoked { .. } | Error::Fenced { .. } | Error::ResourceFenced { .. }
+    ) {
         metrics.fenced_commit_rejected.inc();
     }
-    if matches!(e, Error::Fenced { .. }) {
+    if matches!(e, Error::Fenced { .. } | Error::ResourceFenced { .. }) {
         metrics.refused_by_storage.inc();
     }
     e
@@ -218,9 +262,12 @@ impl FencedStore {
         &self.client
     }
 
-    /// Registers `fence`'s token for task `task_uid` (design §4). Returns
-    /// the commit of an earlier attempt if one stuck; [`Error::Fenced`] if
-    /// a newer attempt registered first. Registering twice is harmless.
+    /// Registers `fence`'s token for task `task_uid` (design §4), and its
+    /// resource tokens in the same transaction. Returns the commit of an
+    /// earlier attempt if one stuck; [`Error::Fenced`] if a newer attempt
+    /// registered first, [`Error::ResourceFenced`] if a newer holder of one
+    /// of the resources did (nothing is registered then). Registering twice
+    /// is harmless.
     pub async fn register(
         &mut self,
         fence: &Fence,
@@ -270,6 +317,14 @@ impl FencedStore {
                 })
             }
         };
+        let resources = resource_fence::write(&tx, Step::Register, fence, task_uid, until)
+            .await
+            .map_err(pg("resource register"))?;
+        if let Err(refusal) = resources {
+            let _ = tx.rollback().await;
+            let e = resource_fence::error_of(refusal, late(token));
+            return Err(refused(&self.metrics, e));
+        }
         tx.commit().await.map_err(pg("commit"))?;
         Ok(earlier)
     }
@@ -288,6 +343,32 @@ impl FencedStore {
     /// Commits `payload` and runs `writes` in the same transaction, after the
     /// fence let us through (the fenced row stays locked until commit); the
     /// fence is checked once more right before `COMMIT`.
+    ///
+    /// With resource tokens in the fence, `writes` run while the resource
+    /// rows are locked and checked to carry our tokens, and the rows are
+    /// stamped `COMMITTED` right before `COMMIT` (refused: everything rolls
+    /// back, [`Error::ResourceFenced`]). So writes to data guarded by a
+    /// resource are fenced by its lock just by running here. To fence rows
+    /// of your own by a resource's token as well (the classic fencing-token
+    /// column), write [`Fence::resource_token`] with them:
+    ///
+    /// ```no_run
+    /// # async fn f(db: &mut batchlease_worker_sdk::postgres::FencedStore,
+    /// #            fence: &batchlease_worker_sdk::Fence) -> Result<(), batchlease_worker_sdk::Error> {
+    /// let token = fence.resource_token("ledger").unwrap_or_default();
+    /// db.commit_with(fence, "task-uid", &serde_json::json!({"ok": true}), move |tx| {
+    ///     Box::pin(async move {
+    ///         tx.execute(
+    ///             "UPDATE ledger SET balance = balance - 10, fence = $1 WHERE id = 7 AND fence <= $1",
+    ///             &[&token],
+    ///         )
+    ///         .await?;
+    ///         Ok(())
+    ///     })
+    /// })
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn commit_with<W>(
         &mut self,
         fence: &Fence,
@@ -333,12 +414,31 @@ impl FencedStore {
                 None => Err(refused(&self.metrics, Error::Fenced { token, current })),
             };
         }
+        // The caller's writes run under the resource rows' locks: no newer
+        // holder of a resource registers until we commit or roll back.
+        let locked = resource_fence::lock(&tx, fence, task_uid)
+            .await
+            .map_err(pg("resource lock"))?;
+        if let Err(refusal) = locked {
+            let _ = tx.rollback().await;
+            let e = resource_fence::error_of(refusal, late(token));
+            return Err(refused(&self.metrics, e));
+        }
         if let Err(source) = writes(&tx).await {
             let _ = tx.rollback().await;
             return Err(Error::Postgres {
                 what: "user writes",
                 source,
             });
+        }
+        // Right before COMMIT: the occupancy of each resource ends here.
+        let stamped = resource_fence::write(&tx, Step::Stamp, fence, task_uid, until)
+            .await
+            .map_err(pg("resource stamp"))?;
+        if let Err(refusal) = stamped {
+            let _ = tx.rollback().await;
+            let e = resource_fence::error_of(refusal, late(token));
+            return Err(refused(&self.metrics, e));
         }
         // The last word before COMMIT.
         if let Err(e) = fence.check() {

@@ -454,9 +454,14 @@ impl AttemptStart {
             .active_deadline_seconds
             .and_then(|d| u64::try_from(d).ok())
             .map(Duration::from_secs);
+        // Resource locks belong to the task's namespace (the lease's too).
         let fence = Fence::new(
             held.spec.fencing_token,
             KillClock::new(ttl, claim_sent, deadline),
+        )
+        .with_resources(
+            task.namespace().unwrap_or_default(),
+            held.spec.resource_tokens.clone(),
         );
         Attempt {
             api: self.leases,
