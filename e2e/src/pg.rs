@@ -8,9 +8,9 @@ use crate::workers::pg_url;
 
 static SCHEMA: OnceCell<()> = OnceCell::const_new();
 
-/// A connection to the test PostgreSQL with `task_state` (created by the
-/// SDK's migration, before any worker races to create it) and an audit
-/// trigger recording every write to it.
+/// A connection to the test PostgreSQL with `task_state` and
+/// `resource_fence` (created by the SDK's migration, before any worker
+/// races to create them) and audit triggers recording every write to them.
 pub async fn connect() -> anyhow::Result<Client> {
     let (client, conn) = tokio_postgres::connect(&pg_url()?, NoTls).await?;
     tokio::spawn(conn);
@@ -24,6 +24,7 @@ pub async fn connect() -> anyhow::Result<Client> {
             client
                 .batch_execute(batchlease_worker_sdk::postgres::MIGRATION)
                 .await?;
+            client.batch_execute(RESOURCE_AUDIT).await?;
             client
                 .batch_execute(
                     "CREATE TABLE IF NOT EXISTS task_state_audit (
@@ -54,6 +55,63 @@ pub async fn connect() -> anyhow::Result<Client> {
         })
         .await?;
     Ok(client)
+}
+
+/// Every insert or update of `resource_fence`, as it happened: the
+/// registration (`REGISTERED`) and the commit stamp (`COMMITTED`) of each
+/// resource token, so a test reconstructs who occupied a resource when.
+/// `seq` orders rows written within one clock tick.
+const RESOURCE_AUDIT: &str = "CREATE TABLE IF NOT EXISTS resource_fence_audit (
+         seq bigserial, namespace text NOT NULL, resource text NOT NULL, token bigint NOT NULL,
+         task_id text NOT NULL, status text NOT NULL,
+         at timestamptz NOT NULL DEFAULT clock_timestamp());
+     CREATE OR REPLACE FUNCTION resource_fence_audit_fn() RETURNS trigger AS $$
+     BEGIN
+       INSERT INTO resource_fence_audit (namespace, resource, token, task_id, status)
+       VALUES (NEW.namespace, NEW.resource, NEW.last_token, NEW.task_id, NEW.status);
+       RETURN NEW;
+     END $$ LANGUAGE plpgsql;
+     DROP TRIGGER IF EXISTS resource_fence_audit_tr ON resource_fence;
+     CREATE TRIGGER resource_fence_audit_tr AFTER INSERT OR UPDATE ON resource_fence
+       FOR EACH ROW EXECUTE FUNCTION resource_fence_audit_fn();";
+
+/// One write to `resource_fence`, from its audit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceWrite {
+    pub token: i64,
+    /// The UID of the task whose attempt wrote it.
+    pub task_id: String,
+    /// `REGISTERED` or `COMMITTED`.
+    pub status: String,
+    /// The database's clock when the write happened.
+    pub at: std::time::SystemTime,
+}
+
+/// Every write to resource `resource` of `namespace`, oldest first. An
+/// attempt occupied the resource from its token's `REGISTERED` to its
+/// `COMMITTED` (or, if it never committed, to the next token's
+/// `REGISTERED`).
+pub async fn resource_audit(
+    client: &Client,
+    namespace: &str,
+    resource: &str,
+) -> anyhow::Result<Vec<ResourceWrite>> {
+    let rows = client
+        .query(
+            "SELECT token, task_id, status, at FROM resource_fence_audit
+              WHERE namespace = $1 AND resource = $2 ORDER BY at, seq",
+            &[&namespace, &resource],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| ResourceWrite {
+            token: r.get(0),
+            task_id: r.get(1),
+            status: r.get(2),
+            at: r.get(3),
+        })
+        .collect())
 }
 
 /// The committed result of the task with UID `task_uid`: (committing
