@@ -8,7 +8,27 @@
 //! handler), `"deepLevels": n` records a checkpoint and returns a result
 //! nested n objects deep, `"resultBytes": n` returns a result of n bytes,
 //! `"tag": s` adds `"tag": s` to every checkpoint and to the result.
+//!
+//! For tests of task graphs:
+//! - `"spawn": {"children": n, "version": "v1", "stallAfter": k, "chain":
+//!   false}` spawns n children through `ctx.spawn` (each runs the demo with
+//!   `{"steps": 1, "stepMillis": 50}` on the parent's queue; with `chain`,
+//!   child i depends on child i-1) and lists their names in the result as
+//!   `"children"`. With `stallAfter` k < n, the first attempt
+//!   (`ctx.attempt() == 1`; a drained attempt does not count, so the next
+//!   one stalls again) creates only children 0..k and then waits until
+//!   its kill switch fires — a test SIGKILLs the worker mid-expansion; a
+//!   later attempt spawns all n, finding 0..k already there.
+//! - `"readDependencies": true` adds `"dependencies": {name: result}` to
+//!   the result, read through `ctx.dependency_results()`.
+//!
+//! Every result carries `"seen": <the task's name>`, so a downstream task
+//! that reads it proves the data passed forward. Resource tokens (tasks
+//! with `spec.resources`) are registered and checked by the fenced store
+//! with the task's token; the committed row lists them as
+//! `"resourceTokens"`.
 
+mod expand;
 mod pg_url;
 
 use std::sync::Arc;
@@ -82,6 +102,12 @@ struct Payload {
     /// it to make the API server refuse a write that is still ours).
     #[serde(default)]
     tag: Option<String>,
+    /// Children to spawn (see the module docs).
+    #[serde(default)]
+    spawn: Option<expand::Spawn>,
+    /// Put the dependencies' results into the result.
+    #[serde(default)]
+    read_dependencies: bool,
 }
 
 /// `v` with `"tag": tag` added, if there is one.
@@ -209,9 +235,19 @@ async fn work(
             "already committed by an earlier attempt"
         );
         return Ok(Output::json(
-            json!({"committedBy": earlier.token, "result": earlier.payload}),
+            json!({"committedBy": earlier.token, "result": earlier.payload, "seen": ctx.task_name()}),
         ));
     }
+    // Before the steps: a dependency that is gone fails the attempt before
+    // any work, and children exist before the parent can succeed.
+    let dependencies = match p.read_dependencies {
+        true => Some(ctx.dependency_results().await?),
+        false => None,
+    };
+    let children = match &p.spawn {
+        Some(knob) => Some(expand::spawn(&ctx, knob).await?),
+        None => None,
+    };
     // A deep checkpoint (deepLevels) is not one this demo resumes from.
     let from = if p.deep_levels > 0 {
         0
@@ -231,6 +267,7 @@ async fn work(
     info!(
         task = ctx.task_name(),
         token = ctx.fencing_token(),
+        resource_tokens = ?ctx.resource_tokens(),
         from,
         steps = p.steps,
         "working"
@@ -253,7 +290,10 @@ async fn work(
     if rand::rng().random::<f64>() < p.failure_rate {
         return Err(TaskError::retryable("simulated flaky failure").with_reason("DemoFlaky"));
     }
-    let row = json!({"worker": identity, "token": ctx.fencing_token(), "steps": p.steps, "resumedFrom": from});
+    let mut row = json!({"worker": identity, "token": ctx.fencing_token(), "steps": p.steps, "resumedFrom": from});
+    if !ctx.resource_tokens().is_empty() {
+        row["resourceTokens"] = json!(ctx.resource_tokens());
+    }
     let committed = match store.get().await {
         Ok(mut db) => db.commit(ctx.fence(), ctx.task_uid(), &row).await,
         Err(e) => Err(e),
@@ -279,10 +319,14 @@ async fn work(
         let filler = "x".repeat(p.result_bytes);
         return Ok(Output::json(json!({"worker": identity, "filler": filler})));
     }
-    Ok(Output::json(tagged(
-        json!({"worker": identity, "resumedFrom": from}),
-        &p.tag,
-    )))
+    let mut result = json!({"worker": identity, "resumedFrom": from, "seen": ctx.task_name()});
+    if let Some(children) = children {
+        result["children"] = json!(children);
+    }
+    if let Some(dependencies) = dependencies {
+        result["dependencies"] = json!(dependencies);
+    }
+    Ok(Output::json(tagged(result, &p.tag)))
 }
 
 /// `/metrics` in the Prometheus text format.
