@@ -7,14 +7,47 @@
 
 use std::sync::Arc;
 
+use std::collections::BTreeMap;
+
 use batchlease_worker_sdk::postgres::{FencedPool, migrate};
-use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder, WorkerMetrics};
+use batchlease_worker_sdk::{
+    BatchTaskSpec, Child, JsonObject, Output, Subgraph, TaskContext, TaskError, WorkerBuilder,
+    WorkerMetrics,
+};
 use serde::Deserialize;
 use serde_json::json;
 
 #[derive(Deserialize)]
 struct Job {
     rows: u64,
+}
+
+/// What an `extract` task returns (docs/sdk.md, *Task graphs*).
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct Extract {
+    rows: u64,
+}
+
+/// A pipeline step (docs/sdk.md, *Task graphs*): reads its dependencies'
+/// results, then expands into children.
+#[allow(dead_code)]
+async fn pipeline_step(ctx: TaskContext) -> Result<Output, TaskError> {
+    // [snippet]
+    let inputs: BTreeMap<String, Option<JsonObject>> = ctx.dependency_results().await?;
+    let rows: Option<Extract> = ctx.dependency_result::<Extract>("extract").await?;
+    // [/snippet]
+    let _ = (inputs, rows);
+    // [snippet]
+    let mut graph = Subgraph::new("v1");
+    let extract = graph.push(Child::new(BatchTaskSpec::for_queue("etl")));
+    let load = graph.push(Child::new(BatchTaskSpec::for_queue("etl")).after(extract));
+    let mut report = BatchTaskSpec::for_queue("etl");
+    report.depends_on = vec!["daily-config".into()]; // an existing task
+    graph.push(Child::new(report).after(load)); // dependsOn: daily-config, <load>
+    let names = ctx.spawn(&graph).await?;
+    // [/snippet]
+    Ok(Output::json(json!({ "children": names })))
 }
 
 async fn shutdown_signal() {

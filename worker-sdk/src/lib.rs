@@ -4,6 +4,12 @@
 //! attempt's fencing token so a zombie's late write is refused — by the API
 //! server and by your storage.
 //!
+//! In task graphs a handler reads the results of its `dependsOn` tasks
+//! ([`TaskContext::dependency_results`]) and expands itself into children
+//! idempotently ([`TaskContext::spawn`], [`Subgraph`]); the fenced store
+//! checks the tokens of the task's resource locks along with its own
+//! ([`Fence::resource_tokens`], `postgres`).
+//!
 //! ```no_run
 //! # async fn demo(config: kube::Config) -> Result<(), batchlease_worker_sdk::Error> {
 //! use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
