@@ -14,7 +14,7 @@
 //!   models: compare-and-swap on resourceVersion and the CRDs' rules; the
 //!   fenced table's registration and commit rules of design §4.
 //!
-//! Time is abstract ticks of one second; any actor may take no step for
+//! Time is abstract ticks of two seconds; any actor may take no step for
 //! any number of ticks (a pause, a partition, a GC stall). The operator may
 //! crash (losing its cache, observations and an issue's second write, which
 //! may still land later as a delayed request), its caches of the task and
@@ -22,28 +22,24 @@
 //! else. See `docs/model.md`.
 
 pub mod api_server;
+pub mod operator;
 pub mod storage;
+pub mod worker;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
-use api_server::{ApiServer, Refused, decode, encode};
-use batchlease_api::{
-    BackoffSpec, BatchTask, BatchTaskSpec, LeaseOutcome, LeasePhase, TaskLease, TaskPhase,
-    check_current,
-};
-use batchlease_operator::decide::{Decision, Input, Lookup, decide};
-use batchlease_operator::deps::Readiness;
-use batchlease_operator::lease_build::offered_lease;
-use batchlease_operator::observe::{Seen, next_seen};
-use batchlease_worker_sdk::KillClock;
+use api_server::{ApiServer, decode, encode};
+use batchlease_api::{BackoffSpec, BatchTask, BatchTaskSpec, LeasePhase, TaskLease, TaskPhase};
+use batchlease_operator::observe::next_seen;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
+use operator::{Operator, Write};
 use stateright::{Model, Property};
 use storage::{Storage, StorageRule};
 use tokio::time::Instant;
+use worker::{Attempt, Worker, claim};
 
 /// How the operator replaces a current lease that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -155,73 +151,6 @@ fn wall(tick: u8, micros: u32) -> Timestamp {
     .unwrap_or(base)
 }
 
-/// What the operator holds in memory; all of it is lost in a crash.
-#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
-pub struct Operator {
-    /// Its cache of the task and of the leases (two watches: they lag
-    /// independently).
-    pub task: Option<String>,
-    pub leases: BTreeMap<String, String>,
-    pub seen: BTreeMap<String, Seen>,
-    /// Lease creates sent, and when (reconcile.rs's expectations).
-    pub expect: BTreeMap<String, u8>,
-    /// The write this pass decided, not applied yet (a request on its
-    /// way): the next reconcile waits for it, a crash leaves it in flight.
-    pub pending: Option<Write>,
-    /// The last request the API server refused: deciding it again before
-    /// the caches change is no step (a retry loop is not progress).
-    pub refused: Option<Write>,
-}
-
-/// What became of a request.
-#[derive(Debug, Default)]
-struct Sent {
-    applied: bool,
-    /// An issue's lease create, after its status write.
-    next: Option<Write>,
-    already_exists: bool,
-}
-
-/// One request of the operator to the API server.
-#[derive(Clone, Debug, Hash, PartialEq, Eq)]
-pub enum Write {
-    /// `PUT …/status` (task JSON); an issue's lease create follows it.
-    Status {
-        task: String,
-        then_create: Option<String>,
-    },
-    /// `PUT` of a lease (expiry).
-    Lease(String),
-    /// `POST` of a lease.
-    Create(String),
-    /// `DELETE` of a lease with a resourceVersion precondition.
-    Delete(String, Option<String>),
-}
-
-/// One worker.
-#[derive(Clone, Debug, Hash, PartialEq, Eq)]
-pub enum Worker {
-    Idle,
-    Holding(Attempt),
-}
-
-/// A claimed attempt.
-#[derive(Clone, Debug, Hash, PartialEq, Eq)]
-pub struct Attempt {
-    /// The worker's clock rate, percent.
-    pub rate: u8,
-    pub lease: String,
-    pub token: i64,
-    /// The worker's last copy of the lease (JSON).
-    pub copy: String,
-    pub claim_sent: u8,
-    pub last_ok_sent: u8,
-    pub registered: bool,
-    /// Passed its fence check for the commit; the write may land later.
-    pub checked: bool,
-    pub committed: bool,
-}
-
 /// The whole cluster.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct State {
@@ -296,291 +225,6 @@ fn the_task() -> BatchTask {
     t.metadata.uid = Some("task-uid".into());
     t.metadata.generation = Some(1);
     t
-}
-
-fn worker_name(w: usize) -> String {
-    format!("w{w}")
-}
-
-/// Worker `w` claims lease `name` if it is the task's current lease (the
-/// SDK reads the task first); the lease as stored, or `None`.
-fn claim(s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
-    let lease = s.api.lease(name)?;
-    check_current(&s.api.task(), &lease).ok()?;
-    let mut l = lease;
-    l.spec.holder_identity = Some(worker_name(w));
-    l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
-    l.spec.renew_time = l.spec.acquire_time.clone();
-    l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
-    s.api.replace_lease(&l).ok()
-}
-
-/// Records storage's answer to worker `w`'s write under `token` in the
-/// ghosts; a refusal ends the attempt. Returns whether it was accepted.
-fn stored(s: &mut State, w: usize, token: i64, accepted: bool) -> bool {
-    if !accepted {
-        s.fenced_by_storage = true;
-        s.workers[w] = Worker::Idle;
-    } else if s.expired.contains(&token) {
-        s.write_after_expiry = true;
-    }
-    accepted
-}
-
-/// After a refused write: the fresh copy while the lease is still held by
-/// `me` (retry from it), else `None` (the attempt is over).
-fn still_ours(s: &State, a: &Attempt, me: &str) -> Option<String> {
-    s.api
-        .lease(&a.lease)
-        .filter(|f| {
-            phase(f) == Some(LeasePhase::Held) && f.spec.holder_identity.as_deref() == Some(me)
-        })
-        .map(|f| encode(&f))
-}
-
-impl Cluster {
-    fn kill_clock(&self, a: &Attempt) -> KillClock {
-        let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
-        // The worker's own monotonic clock.
-        let mut c = KillClock::new(ttl, self.worker_instant(a.rate, a.claim_sent), None);
-        c.renewed(self.worker_instant(a.rate, a.last_ok_sent));
-        c
-    }
-
-    /// The SDK's fence: alive strictly before the kill switch fires.
-    fn alive(&self, a: &Attempt, now: u8) -> bool {
-        self.cfg.kill == KillRule::Never
-            || self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
-    }
-
-    /// One reconcile pass, as `reconcile.rs` does it, on the operator's
-    /// caches; returns the new state (unchanged when it decides to wait).
-    fn reconcile(&self, s: &mut State) {
-        let Some(task_json) = s.op.task.clone() else {
-            return;
-        };
-        let task: BatchTask = decode(&task_json);
-        let uid = task.uid().unwrap_or_default();
-        let mut leases: Vec<Arc<TaskLease>> =
-            s.op.leases
-                .values()
-                .map(|l| Arc::new(decode::<TaskLease>(l)))
-                .filter(|l| l.spec.task_uid == uid)
-                .collect();
-        let current = task.status.as_ref().and_then(|st| st.current_lease.clone());
-        let observation = current
-            .as_deref()
-            .and_then(|c| s.op.seen.get(c))
-            .map(|seen| seen.observation);
-        let mut lookup = Lookup::CacheOnly;
-        if let Some(cur) = current.as_deref() {
-            if leases.iter().any(|l| l.name_any() == cur) {
-                s.op.expect.remove(cur);
-            } else if s
-                .op
-                .expect
-                .get(cur)
-                .is_some_and(|at| u64::from(s.now.saturating_sub(*at)) * TICK_SECONDS < 10)
-            {
-                lookup = Lookup::Creating;
-            }
-        }
-        let decide_with = |leases: &[Arc<TaskLease>], lookup| {
-            decide(&Input {
-                task: &task,
-                leases,
-                observation,
-                now: self.instant(s.now),
-                wall: wall(s.now, 0),
-                jitter: 0.5,
-                lookup,
-                deps: Readiness::Ready,
-                locks: None,
-            })
-        };
-        let mut decision = decide_with(&leases, lookup);
-        if let Decision::LookUpLease(name) = &decision {
-            let lookup = match s.api.lease(name) {
-                Some(l) if check_current(&task, &l).is_ok() => {
-                    leases.push(Arc::new(l));
-                    Lookup::CacheOnly
-                }
-                Some(_) => Lookup::Occupied,
-                None => Lookup::Absent,
-            };
-            decision = decide_with(&leases, lookup);
-        }
-        s.op.pending = match decision {
-            Decision::Wait(_) | Decision::LookUpLease(_) => None,
-            // The model's task needs no resources: decide never asks.
-            Decision::FetchLocks(_)
-            | Decision::TakeLock(_)
-            | Decision::ReleaseLocks { .. }
-            | Decision::LockBlocked { .. } => None,
-            Decision::WriteStatus { status, .. } => {
-                let mut t = task.clone();
-                t.status = Some(*status);
-                Some(Write::Status {
-                    task: encode(&t),
-                    then_create: None,
-                })
-            }
-            Decision::Issue { status, lease, .. } => {
-                let mut t = task.clone();
-                t.status = Some(*status);
-                Some(Write::Status {
-                    task: encode(&t),
-                    then_create: Some(encode(&*lease)),
-                })
-            }
-            Decision::RetireToken(tombstone) => {
-                s.op.expect.insert(tombstone.name_any(), s.now);
-                Some(Write::Create(match self.cfg.repair {
-                    RepairRule::RetireToken => encode(&*tombstone),
-                    RepairRule::SameToken => {
-                        let token = task.status.as_ref().map_or(0, |st| st.fencing_token);
-                        encode(&offered_lease(&task, token))
-                    }
-                }))
-            }
-            Decision::Expire { lease, .. } => Some(Write::Lease(encode(&*lease))),
-            // One delete per pass is enough for the model (it keeps few leases).
-            Decision::Prune { victims, .. } => victims
-                .into_iter()
-                .next()
-                .map(|(name, rv)| Write::Delete(name, rv)),
-        };
-        if s.op.pending.is_some() && s.op.pending == s.op.refused {
-            s.op.pending = None;
-        }
-    }
-
-    /// Applies one operator request.
-    fn send(&self, s: &mut State, write: Write) -> Sent {
-        let mut sent = Sent::default();
-        match write {
-            Write::Status { task, then_create } => {
-                let t: BatchTask = decode(&task);
-                if s.api.replace_status(&t).is_ok() {
-                    sent.applied = true;
-                    sent.next = then_create.map(Write::Create);
-                }
-            }
-            Write::Lease(l) => {
-                if let Ok(stored) = s.api.replace_lease(&decode(&l)) {
-                    sent.applied = true;
-                    if phase(&stored) == Some(LeasePhase::Expired) {
-                        s.expired.push(stored.spec.fencing_token);
-                    }
-                }
-            }
-            Write::Create(l) => {
-                let l: TaskLease = decode(&l);
-                let tombstone =
-                    l.status.as_ref().and_then(|st| st.reason.as_deref()) == Some("TokenRetired");
-                match s.api.create_lease(&l) {
-                    Ok(_) if tombstone => s.tombstones += 1,
-                    Ok(_) => s.created.push(l.spec.fencing_token),
-                    Err(_) => sent.already_exists = true,
-                }
-                sent.applied = !sent.already_exists;
-            }
-            Write::Delete(name, rv) => {
-                sent.applied = s.api.delete_lease(&name, rv.as_deref()).is_ok();
-            }
-        }
-        sent
-    }
-
-    fn worker_step(&self, s: &mut State, w: usize, action: &Action) {
-        let me = worker_name(w);
-        let Worker::Holding(mut a) = s.workers[w].clone() else {
-            return;
-        };
-        let alive = self.alive(&a, s.now);
-        match action {
-            Action::Renew(_) => {
-                let mut l: TaskLease = decode(&a.copy);
-                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
-                match s.api.replace_lease(&l) {
-                    Ok(stored) => {
-                        a.copy = encode(&stored);
-                        a.last_ok_sent = s.now;
-                    }
-                    Err(Refused::Conflict | Refused::Invalid) => match still_ours(s, &a, &me) {
-                        Some(fresh) => a.copy = fresh,
-                        None => {
-                            s.workers[w] = Worker::Idle;
-                            return;
-                        }
-                    },
-                    Err(_) => {
-                        s.workers[w] = Worker::Idle;
-                        return;
-                    }
-                }
-            }
-            Action::Register(_) => {
-                if !alive {
-                    s.workers[w] = Worker::Idle;
-                    return;
-                }
-                let accepted = s.pg.register(a.token);
-                if !stored(s, w, a.token, accepted) {
-                    return;
-                }
-                a.registered = true;
-            }
-            Action::CheckFence(_) => {
-                if !alive {
-                    s.workers[w] = Worker::Idle;
-                    return;
-                }
-                a.checked = true;
-            }
-            Action::CommitLands(_) => {
-                let deadline = self.kill_clock(&a).kill_at().0;
-                // The deadline travels with the write; modelled in the
-                // worker's time frame.
-                let in_time = self.cfg.kill == KillRule::Never
-                    || self.worker_instant(a.rate, s.now) <= deadline;
-                let accepted = s.pg.commit(a.token, w, in_time);
-                if !stored(s, w, a.token, accepted) {
-                    return;
-                }
-                a.committed = true;
-            }
-            Action::Complete(_) => {
-                if !alive {
-                    s.workers[w] = Worker::Idle;
-                    return;
-                }
-                let mut l: TaskLease = decode(&a.copy);
-                let st = l.status.get_or_insert_with(Default::default);
-                st.phase = Some(LeasePhase::Completed);
-                st.outcome = Some(LeaseOutcome::Succeeded);
-                match s.api.replace_lease(&l) {
-                    Ok(_) => {
-                        s.workers[w] = Worker::Idle;
-                        return;
-                    }
-                    Err(Refused::Conflict) => match still_ours(s, &a, &me) {
-                        Some(fresh) => a.copy = fresh,
-                        None => {
-                            s.workers[w] = Worker::Idle;
-                            return;
-                        }
-                    },
-                    Err(_) => {
-                        s.workers[w] = Worker::Idle;
-                        return;
-                    }
-                }
-            }
-            _ => {}
-        }
-        s.workers[w] = Worker::Holding(a);
-    }
 }
 
 impl Model for Cluster {

@@ -1,0 +1,184 @@
+//! The workers: a claim after the SDK's `check_current`, renewals, the
+//! kill switch (the SDK's `KillClock`), registration, the fence check, a
+//! commit that lands later, and completion.
+
+use std::time::Duration;
+
+use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease, check_current};
+use batchlease_worker_sdk::KillClock;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+use crate::api_server::{Refused, decode, encode};
+use crate::{Action, Cluster, KillRule, State, TTL_SECONDS, phase, wall};
+
+/// One worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub enum Worker {
+    Idle,
+    Holding(Attempt),
+}
+
+/// A claimed attempt.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Attempt {
+    /// The worker's clock rate, percent.
+    pub rate: u8,
+    pub lease: String,
+    pub token: i64,
+    /// The worker's last copy of the lease (JSON).
+    pub copy: String,
+    pub claim_sent: u8,
+    pub last_ok_sent: u8,
+    pub registered: bool,
+    /// Passed its fence check for the commit; the write may land later.
+    pub checked: bool,
+    pub committed: bool,
+}
+
+pub(crate) fn worker_name(w: usize) -> String {
+    format!("w{w}")
+}
+
+/// Worker `w` claims lease `name` if it is the task's current lease (the
+/// SDK reads the task first); the lease as stored, or `None`.
+pub(crate) fn claim(s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
+    let lease = s.api.lease(name)?;
+    check_current(&s.api.task(), &lease).ok()?;
+    let mut l = lease;
+    l.spec.holder_identity = Some(worker_name(w));
+    l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
+    l.spec.renew_time = l.spec.acquire_time.clone();
+    l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+    s.api.replace_lease(&l).ok()
+}
+
+/// Records storage's answer to worker `w`'s write under `token` in the
+/// ghosts; a refusal ends the attempt. Returns whether it was accepted.
+fn stored(s: &mut State, w: usize, token: i64, accepted: bool) -> bool {
+    if !accepted {
+        s.fenced_by_storage = true;
+        s.workers[w] = Worker::Idle;
+    } else if s.expired.contains(&token) {
+        s.write_after_expiry = true;
+    }
+    accepted
+}
+
+/// After a refused write: the fresh copy while the lease is still held by
+/// `me` (retry from it), else `None` (the attempt is over).
+fn still_ours(s: &State, a: &Attempt, me: &str) -> Option<String> {
+    s.api
+        .lease(&a.lease)
+        .filter(|f| {
+            phase(f) == Some(LeasePhase::Held) && f.spec.holder_identity.as_deref() == Some(me)
+        })
+        .map(|f| encode(&f))
+}
+
+impl Cluster {
+    fn kill_clock(&self, a: &Attempt) -> KillClock {
+        let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
+        // The worker's own monotonic clock.
+        let mut c = KillClock::new(ttl, self.worker_instant(a.rate, a.claim_sent), None);
+        c.renewed(self.worker_instant(a.rate, a.last_ok_sent));
+        c
+    }
+
+    /// The SDK's fence: alive strictly before the kill switch fires.
+    pub(crate) fn alive(&self, a: &Attempt, now: u8) -> bool {
+        self.cfg.kill == KillRule::Never
+            || self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
+    }
+
+    /// One reconcile pass, as `reconcile.rs` does it, on the operator's
+    /// caches; returns the new state (unchanged when it decides to wait).
+    pub(crate) fn worker_step(&self, s: &mut State, w: usize, action: &Action) {
+        let me = worker_name(w);
+        let Worker::Holding(mut a) = s.workers[w].clone() else {
+            return;
+        };
+        let alive = self.alive(&a, s.now);
+        match action {
+            Action::Renew(_) => {
+                let mut l: TaskLease = decode(&a.copy);
+                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                match s.api.replace_lease(&l) {
+                    Ok(stored) => {
+                        a.copy = encode(&stored);
+                        a.last_ok_sent = s.now;
+                    }
+                    Err(Refused::Conflict | Refused::Invalid) => match still_ours(s, &a, &me) {
+                        Some(fresh) => a.copy = fresh,
+                        None => {
+                            s.workers[w] = Worker::Idle;
+                            return;
+                        }
+                    },
+                    Err(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                }
+            }
+            Action::Register(_) => {
+                if !alive {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                let accepted = s.pg.register(a.token);
+                if !stored(s, w, a.token, accepted) {
+                    return;
+                }
+                a.registered = true;
+            }
+            Action::CheckFence(_) => {
+                if !alive {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                a.checked = true;
+            }
+            Action::CommitLands(_) => {
+                let deadline = self.kill_clock(&a).kill_at().0;
+                // The deadline travels with the write; modelled in the
+                // worker's time frame.
+                let in_time = self.cfg.kill == KillRule::Never
+                    || self.worker_instant(a.rate, s.now) <= deadline;
+                let accepted = s.pg.commit(a.token, w, in_time);
+                if !stored(s, w, a.token, accepted) {
+                    return;
+                }
+                a.committed = true;
+            }
+            Action::Complete(_) => {
+                if !alive {
+                    s.workers[w] = Worker::Idle;
+                    return;
+                }
+                let mut l: TaskLease = decode(&a.copy);
+                let st = l.status.get_or_insert_with(Default::default);
+                st.phase = Some(LeasePhase::Completed);
+                st.outcome = Some(LeaseOutcome::Succeeded);
+                match s.api.replace_lease(&l) {
+                    Ok(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                    Err(Refused::Conflict) => match still_ours(s, &a, &me) {
+                        Some(fresh) => a.copy = fresh,
+                        None => {
+                            s.workers[w] = Worker::Idle;
+                            return;
+                        }
+                    },
+                    Err(_) => {
+                        s.workers[w] = Worker::Idle;
+                        return;
+                    }
+                }
+            }
+            _ => {}
+        }
+        s.workers[w] = Worker::Holding(a);
+    }
+}
