@@ -13,6 +13,7 @@
 //!   task held by the worker that wrote it, and landed before that lease was
 //!   seen `Expired`; at most one attempt's commit per task (exactly-once
 //!   effect); every registration carries a token some lease of the task had;
+//! - task graphs and resource locks: see [`crate::history_graph`];
 //! - optionally, every task ends `Succeeded`, `DeadLettered` or `Rejected`.
 //!
 //! A watch error is itself a violation (the record would have a gap),
@@ -136,6 +137,8 @@ impl History {
             );
         }
         out.extend(check_leases(&leases));
+        out.extend(crate::history_graph::check_graph(&tasks));
+        out.extend(crate::history_graph::check_lock_leases(&leases));
         let uids: BTreeSet<String> = tasks
             .iter()
             .filter_map(|r| match &r.change {
@@ -146,6 +149,8 @@ impl History {
         if std::env::var_os("BATCHLEASE_PG_URL").is_some() && !uids.is_empty() {
             let writes = storage_writes(&uids).await?;
             out.extend(check_storage(&leases, &writes));
+            let resources = resource_writes(&uids).await?;
+            out.extend(crate::history_graph::check_occupancy(&resources));
         }
         if opts.all_final {
             out.extend(check_final(&tasks));
@@ -413,6 +418,31 @@ async fn storage_writes(uids: &BTreeSet<String>) -> anyhow::Result<Vec<StorageWr
             status: r.get(2),
             worker: r.get(3),
             at: r.get(4),
+        })
+        .collect())
+}
+
+/// The resource fence's audit rows written by these tasks' attempts.
+async fn resource_writes(
+    uids: &BTreeSet<String>,
+) -> anyhow::Result<Vec<crate::history_graph::ResourceWrite>> {
+    let db = crate::pg::connect().await?;
+    let ids: Vec<String> = uids.iter().cloned().collect();
+    let rows = db
+        .query(
+            "SELECT namespace || '/' || resource, token, coalesce(status, ''),
+                    extract(epoch from at)::float8
+               FROM resource_fence_audit WHERE task_id = ANY($1) ORDER BY at",
+            &[&ids],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| crate::history_graph::ResourceWrite {
+            resource: r.get(0),
+            token: r.get(1),
+            status: r.get(2),
+            at: r.get(3),
         })
         .collect())
 }

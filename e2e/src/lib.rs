@@ -13,6 +13,7 @@ pub mod audit;
 pub mod cluster;
 pub mod controlplane;
 pub mod history;
+pub mod history_graph;
 pub mod identity;
 pub mod kubectl;
 pub mod operator;
