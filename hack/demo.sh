@@ -43,6 +43,7 @@ kubectl wait -n demo --for=jsonpath='{.status.phase}'=Succeeded --timeout=180s b
 echo
 kubectl get batchtasks -n demo
 kubectl get taskleases -n demo
+kubectl get leases -n demo -l batchlease.dev/lock-namespace=demo   # resource locks (examples/pipeline.yaml)
 echo
 psql "$BATCHLEASE_PG_URL" -c 'SELECT task_id, last_fencing_token AS token, payload->>'"'"'worker'"'"' AS worker FROM task_state ORDER BY task_id'
 log "In another shell:"
