@@ -2,7 +2,8 @@
 # Benchmarks (not part of CI): raw API-server write throughput vs. end-to-end
 # task throughput side by side, and one operator with many tasks. Release
 # builds, a fresh local control plane and PostgreSQL. Flags go to the bench:
-#   hack/bench.sh --raw=2000 --tasks=500 --scale=10000 --concurrency=16
+#   hack/bench.sh --raw=2000 --tasks=500 --scale=10000 --concurrency=16 --dag=1000 --locked=200
+# (a phase with 0 is skipped)
 # Results: e2e/bench/RESULTS.md (append the printed block by hand, with the
 # command and the date).
 set -euo pipefail
