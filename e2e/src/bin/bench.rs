@@ -303,7 +303,7 @@ async fn graphs(
     emit(
         report,
         &format!(
-            "graph: {n} tasks in {} layers of {width} (2 dependencies each): {dag:.1} tasks/s;              {n} independent tasks, same run: {flat:.1} tasks/s (ratio {:.2})\n",
+            "graph: {n} tasks in {} layers of {width} (2 dependencies each): {dag:.1} tasks/s; {n} independent tasks, same run: {flat:.1} tasks/s (ratio {:.2})\n",
             n.div_ceil(width),
             dag / flat
         ),
