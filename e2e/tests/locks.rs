@@ -157,21 +157,24 @@ async fn forty_tasks_over_six_resources_never_share_one_and_all_finish() {
 async fn a_task_needing_all_six_resources_is_not_starved_by_a_stream_of_small_ones() {
     let (ns, op) = setup("starve").await;
     let w = start_workers(&ns, 4, 2);
-    // A stream of single-resource tasks, on every resource in turn, faster
-    // than a free moment on all six at once would come by chance.
+    // A stream of single-resource tasks, on every resource in turn: one
+    // every 150 ms, 0.8 s of work each, so each resource gets a new task
+    // every 0.9 s while the last one still runs: every resource stays busy
+    // with a queue behind it, and a moment in which all six are free at
+    // once never comes by chance.
     let stop = tokio_util::sync::CancellationToken::new();
     let feeder = {
         let (api, stop) = (ns.api::<BatchTask>(), stop.clone());
         tokio::spawn(async move {
             let mut n = 0usize;
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut tick = tokio::time::interval(Duration::from_millis(150));
             while !stop.is_cancelled() {
                 tick.tick().await;
                 let task: BatchTask = serde_json::from_value(json!({
                     "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
                     "metadata": {"name": format!("s{n:04}")},
                     "spec": {"queue": "demo", "resources": [RESOURCES[n % 6]],
-                             "payload": {"steps": 5, "stepMillis": 100}},
+                             "payload": {"steps": 8, "stepMillis": 100}},
                 }))
                 .unwrap();
                 api.create(&Default::default(), &task).await.unwrap();
@@ -180,39 +183,45 @@ async fn a_task_needing_all_six_resources_is_not_starved_by_a_stream_of_small_on
             n
         })
     };
-    // Let the stream fill every resource, then the big task arrives.
+    // Let the stream fill every resource and queue up behind them, then
+    // the big task arrives: it must wait for the queued ones older than it,
+    // while younger ones keep coming.
     wait_for(
-        "small tasks running on every resource",
+        "all six resources busy, 8 small tasks queued",
         T,
         || logs(&op, &w),
         || {
             let api = ns.api::<BatchTask>();
             async move {
-                let running = api
-                    .list(&Default::default())
-                    .await?
-                    .into_iter()
-                    .filter(|t| tasks::phase_of(t) == Some(TaskPhase::Running))
-                    .count();
-                Ok((running >= 4).then_some(()))
+                let list = api.list(&Default::default()).await?;
+                let count = |p| {
+                    list.iter()
+                        .filter(|t| tasks::phase_of(t) == Some(p))
+                        .count()
+                };
+                Ok(
+                    (count(TaskPhase::Running) >= 6 && count(TaskPhase::Pending) >= 8)
+                        .then_some(()),
+                )
             }
         },
     )
     .await
     .unwrap();
     let created = Instant::now();
-    tasks::create(
+    let big = tasks::create(
         &ns,
         "all-six",
         json!({"queue": "demo", "resources": RESOURCES, "payload": {"steps": 2, "stepMillis": 100}}),
     )
     .await
     .unwrap();
-    // The stated bound: the tasks older than it (at most a few seconds'
-    // worth of the stream) finish, then it runs. 30 s is generous on two
-    // loaded cores; without creation-order service it would wait for a
+    let created_at = big.metadata.creation_timestamp.clone();
+    // The stated bound: the small tasks older than it finish (a backlog of
+    // a few per resource, 0.8 s each), then it runs: 45 s is generous on
+    // two loaded cores. Without creation-order service it would wait for a
     // moment in which all six happen to be free at once.
-    let bound = Duration::from_secs(30);
+    let bound = Duration::from_secs(45);
     wait_phase(&ns, "all-six", TaskPhase::Succeeded, bound, || {
         logs(&op, &w)
     })
@@ -223,6 +232,18 @@ async fn a_task_needing_all_six_resources_is_not_starved_by_a_stream_of_small_on
     stop.cancel();
     let fed = feeder.await.unwrap();
     assert!(still_feeding, "the stream must outlast the big task");
+    let younger = ns
+        .api::<BatchTask>()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|t| t.metadata.creation_timestamp > created_at)
+        .count();
+    assert!(
+        younger >= 6,
+        "small tasks kept arriving while it waited: {younger}"
+    );
     eprintln!("all-six finished {took:?} after creation, among {fed} small tasks");
     // Small tasks created after it did not overtake it: none of them got a
     // lease before it did (creation times have one-second resolution: only
