@@ -36,6 +36,16 @@ use serde::{Deserialize, Serialize};
         .message("spec.dependsOn must not contain the task's own name")
         .field_path(".spec.dependsOn")
         .reason(Reason::FieldValueInvalid),
+    // Immutable: a task holding locks for the resources it listed must give
+    // back exactly those; an edit mid-acquisition would strand a lock.
+    // On the root, so adding or removing the whole list is caught too (a
+    // transition rule on the field does not run when it is absent).
+    validation = Rule::new(
+        "has(self.spec.resources) == has(oldSelf.spec.resources) && (!has(self.spec.resources) || self.spec.resources == oldSelf.spec.resources)"
+    )
+    .message("spec.resources is immutable: re-create the task to change them")
+    .field_path(".spec.resources")
+    .reason(Reason::FieldValueForbidden),
     validation = Rule::new(
         "!has(oldSelf.status) || !has(oldSelf.status.fencingToken) || (has(self.status) && has(self.status.fencingToken) && self.status.fencingToken >= oldSelf.status.fencingToken)"
     )
@@ -94,7 +104,7 @@ pub struct BatchTaskSpec {
     pub depends_on: Vec<String>,
 
     /// Named shared resources this task needs exclusively (Exclusive mode;
-    /// a set: duplicates are rejected).
+    /// a set: duplicates are rejected). Immutable.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "schema::resources")]
     pub resources: Vec<String>,

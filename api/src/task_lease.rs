@@ -76,6 +76,12 @@ use serde::{Deserialize, Serialize};
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new(
+    "has(self.resourceTokens) == has(oldSelf.resourceTokens) && (!has(self.resourceTokens) || self.resourceTokens == oldSelf.resourceTokens)"
+)
+.message("resourceTokens are immutable: they are the resource locks' fencing tokens of this attempt")
+.field_path(".resourceTokens")
+.reason(Reason::FieldValueForbidden))]
+#[x_kube(validation = Rule::new(
     "!has(oldSelf.holderIdentity) || oldSelf.holderIdentity == '' || (has(self.holderIdentity) && self.holderIdentity == oldSelf.holderIdentity)"
 )
 .message("holderIdentity may be set once and never changed")
@@ -119,6 +125,7 @@ pub struct TaskLeaseSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renew_time: Option<MicroTime>,
     /// Fencing token of each resource lock taken for this attempt.
+    /// Immutable: a holder raising one would fence the resource for good.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub resource_tokens: BTreeMap<String, i64>,
 }

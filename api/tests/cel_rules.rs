@@ -242,6 +242,83 @@ fn cases() -> Vec<Case> {
             Some("may not be removed"),
         ),
         (
+            "resources edited",
+            "batchtasks",
+            task("a", json!({"queue": "q", "resources": ["db"]}), None),
+            Some(task(
+                "a",
+                json!({"queue": "q", "resources": ["db", "wh"]}),
+                None,
+            )),
+            Some("spec.resources is immutable"),
+        ),
+        (
+            "resources added",
+            "batchtasks",
+            task("a", json!({"queue": "q", "resources": ["db"]}), None),
+            Some(task("a", json!({"queue": "q"}), None)),
+            Some("spec.resources is immutable"),
+        ),
+        (
+            "resources removed",
+            "batchtasks",
+            task("a", json!({"queue": "q"}), None),
+            Some(task("a", json!({"queue": "q", "resources": ["db"]}), None)),
+            Some("spec.resources is immutable"),
+        ),
+        (
+            "resources unchanged, dependsOn edited",
+            "batchtasks",
+            task(
+                "a",
+                json!({"queue": "q", "resources": ["db"], "dependsOn": ["x"]}),
+                None,
+            ),
+            Some(task("a", json!({"queue": "q", "resources": ["db"]}), None)),
+            None,
+        ),
+        (
+            "resource tokens raised by a holder",
+            "taskleases",
+            {
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["spec"]["resourceTokens"] = json!({"db": i64::MAX});
+                l
+            },
+            Some({
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["spec"]["resourceTokens"] = json!({"db": 3});
+                l
+            }),
+            Some("resourceTokens are immutable"),
+        ),
+        (
+            "resource tokens dropped",
+            "taskleases",
+            lease(Some("w1"), "Held", 1),
+            Some({
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["spec"]["resourceTokens"] = json!({"db": 3});
+                l
+            }),
+            Some("resourceTokens are immutable"),
+        ),
+        (
+            "resource tokens kept on a renewal",
+            "taskleases",
+            {
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["spec"]["resourceTokens"] = json!({"db": 3});
+                l
+            },
+            Some({
+                let mut l = lease(Some("w1"), "Held", 1);
+                l["spec"]["resourceTokens"] = json!({"db": 3});
+                l
+            }),
+            None,
+        ),
+        (
             "status removed",
             "taskleases",
             {

@@ -507,6 +507,37 @@ fn update_cases() -> Vec<Update> {
             good: |o| o["spec"]["payload"] = json!({"n": 2}),
         },
         Update {
+            what: "task resources edited (a lock could be stranded)",
+            kind: ar_task(),
+            base: task("u-resources", json!({"queue": "q", "resources": ["db"]})),
+            status: false,
+            bad: |o| o["spec"]["resources"] = json!(["db", "wh"]),
+            expect: "spec.resources is immutable",
+            good: |o| o["spec"]["dependsOn"] = json!(["x"]),
+        },
+        Update {
+            what: "task resources added",
+            kind: ar_task(),
+            base: task("u-resources-add", json!({"queue": "q"})),
+            status: false,
+            bad: |o| o["spec"]["resources"] = json!(["db"]),
+            expect: "spec.resources is immutable",
+            good: |o| o["spec"]["payload"] = json!({"n": 2}),
+        },
+        Update {
+            what: "lease resource tokens raised",
+            kind: ar_lease(),
+            base: {
+                let mut l = lease("u-lease-rt", None, "Offered");
+                l["spec"]["resourceTokens"] = json!({"db": 3});
+                l
+            },
+            status: false,
+            bad: |o| o["spec"]["resourceTokens"] = json!({"db": i64::MAX}),
+            expect: "resourceTokens are immutable",
+            good: |o| o["metadata"]["labels"] = json!({"x": "y"}),
+        },
+        Update {
             what: "lease queue changed",
             kind: ar_lease(),
             base: lease("u-lease-queue", None, "Offered"),

@@ -118,7 +118,16 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     // reflector swaps a list into the cache only at its end, so the
     // reconciles its objects triggered may have read the cache before.
     let (relisted_tx, relisted) = futures::channel::mpsc::unbounded::<()>();
+    // The task watch's relists too (e.g. after the API server restarted):
+    // tasks created or changed while the watch was down get a pass.
+    let task_relisted_tx = relisted_tx.clone();
     let task_synced = shared.synced.register();
+    // Dependents and resource users of a changed task are woken through
+    // this channel (see graph_index).
+    let (wake_tx, wake_rx) = futures::channel::mpsc::unbounded();
+    let index = Arc::new(GraphIndex::new(wake_tx));
+    let watch_index = index.clone();
+    let lease_index = index.clone();
     // Observations are stamped as the watch delivers each event, before the
     // reconcile it triggers runs.
     let lease_stream = watcher(leases_api, watcher::Config::default())
@@ -132,18 +141,22 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             let now = Instant::now();
             match event {
                 watcher::Event::Apply(l) | watcher::Event::InitApply(l) => tracker.observe(l, now),
-                watcher::Event::Delete(l) => tracker.forget(l),
+                watcher::Event::Delete(l) => {
+                    tracker.forget(l);
+                    // A deleted task's lock is held until its lease is gone
+                    // (see locks::holder): then its waiters may go.
+                    if !l.spec.resource_tokens.is_empty() {
+                        let resources: Vec<String> =
+                            l.spec.resource_tokens.keys().cloned().collect();
+                        lease_index.wake_users(&l.namespace().unwrap_or_default(), &resources);
+                    }
+                }
                 watcher::Event::Init => tracker.list_started(),
                 watcher::Event::InitDone => tracker.list_done(),
             }
         })
         .reflect(lease_writer)
         .touched_objects();
-    // Dependents and resource users of a changed task are woken through
-    // this channel (see graph_index).
-    let (wake_tx, wake_rx) = futures::channel::mpsc::unbounded();
-    let index = Arc::new(GraphIndex::new(wake_tx));
-    let watch_index = index.clone();
     let ctx = Arc::new(Ctx {
         client: shared.client.clone(),
         leases: lease_store,
@@ -156,21 +169,24 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         tasks: task_store.clone(),
         index,
         lock_namespace: shared.lock_namespace.clone(),
-        lock_waits: Default::default(),
-        contention_seen: Default::default(),
     });
+    // The index is fed after the store: a woken task reads the change that
+    // woke it.
     let task_stream = watcher(tasks_api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
+        .reflect(task_writer)
         .inspect_ok(move |event| {
             task_synced(matches!(event, watcher::Event::InitDone));
             match event {
                 watcher::Event::Apply(t) | watcher::Event::InitApply(t) => watch_index.apply(t),
                 watcher::Event::Delete(t) => watch_index.delete(t),
                 watcher::Event::Init => watch_index.list_started(),
-                watcher::Event::InitDone => watch_index.list_done(),
+                watcher::Event::InitDone => {
+                    watch_index.list_done();
+                    let _ = task_relisted_tx.unbounded_send(());
+                }
             }
         })
-        .reflect(task_writer)
         .applied_objects();
     let controller = Controller::for_stream(task_stream, task_store.clone())
         // Leases map to their task by the immutable spec.taskName, not by

@@ -471,7 +471,8 @@ fn reject(
     let mut status = current.clone();
     status.phase = Some(TaskPhase::Rejected);
     status.observed_generation = task.metadata.generation;
-    let msg = format!("dependency cycle: {cycle}");
+    let shown = crate::deps::describe(cycle, task.metadata.name.as_deref());
+    let msg = format!("dependency cycle: {shown}");
     set_condition(
         &mut status,
         task,
@@ -488,9 +489,7 @@ fn reject(
     }
     Decision::WriteStatus {
         status: Box::new(status),
-        transition: Transition::CycleDetected {
-            cycle: cycle.to_string(),
-        },
+        transition: Transition::CycleDetected { cycle: shown },
     }
 }
 

@@ -55,9 +55,34 @@ impl Readiness {
                 "{} cannot succeed (dead-lettered or rejected); redrive it to run this task",
                 list(names)
             ),
-            Self::Cycle(c) => format!("dependency cycle: {c}"),
+            Self::Cycle(c) => format!("dependency cycle: {}", describe(c, None)),
         }
     }
+}
+
+/// Tasks of a cycle named in full in a message; a longer cycle is shown
+/// from `from` (the task the message is about) with its middle elided, so
+/// a status or an Event (1 kB) never grows with the cycle.
+const CYCLE_SHOWN: usize = 10;
+
+/// `a → b → c → a`, or for a long cycle `x → y → … → w → x (N tasks)`
+/// starting at `from`.
+pub fn describe(cycle: &Cycle, from: Option<&str>) -> String {
+    let n = cycle.path.len();
+    if n <= CYCLE_SHOWN {
+        return cycle.to_string();
+    }
+    let start = from
+        .and_then(|f| cycle.path.iter().position(|p| p == f))
+        .unwrap_or(0);
+    let at = |i: usize| cycle.path[(start + i) % n].as_str();
+    let head: Vec<&str> = (0..CYCLE_SHOWN - 2).map(at).collect();
+    format!(
+        "{} → … → {} → {} ({n} tasks)",
+        head.join(" → "),
+        at(n - 1),
+        at(0)
+    )
 }
 
 fn list(names: &[String]) -> String {
@@ -81,9 +106,16 @@ fn phase_of(t: &BatchTask) -> Option<TaskPhase> {
 /// Whether `task` may run as far as its dependencies go. `lookup` finds a
 /// task of the same namespace by name (the operator's cache).
 ///
-/// A cycle is looked for only when some dependency has not succeeded: a
-/// task whose dependencies all succeeded cannot be waiting on a cycle.
-pub fn assess(task: &BatchTask, lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>) -> Readiness {
+/// A cycle is looked for only when some dependency has not succeeded (a
+/// task whose dependencies all succeeded cannot be waiting on a cycle) and
+/// `check_cycles` says the graph may have changed since the task was last
+/// found on none (the caller remembers; a walk of a large closure on
+/// every look would cost every namespace its reconciles).
+pub fn assess(
+    task: &BatchTask,
+    lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>,
+    check_cycles: bool,
+) -> Readiness {
     let mut missing = Vec::new();
     let mut unfinished = Vec::new();
     let mut failed = Vec::new();
@@ -98,7 +130,7 @@ pub fn assess(task: &BatchTask, lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>)
     if missing.is_empty() && unfinished.is_empty() && failed.is_empty() {
         return Readiness::Ready;
     }
-    if let Some(cycle) = find_cycle(task, lookup) {
+    if check_cycles && let Some(cycle) = find_cycle(task, lookup) {
         return Readiness::Cycle(cycle);
     }
     if !failed.is_empty() {
@@ -115,6 +147,9 @@ pub fn assess(task: &BatchTask, lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>)
 /// or not. Succeeded tasks are left out: an edge to a task that succeeded
 /// is satisfied and blocks nobody, so only a cycle that can never make
 /// progress counts (editing a finished task's `dependsOn` rejects no one).
+/// `Ready` and `Running` tasks are left out too: they are past their
+/// dependencies and may yet succeed; if one comes back to `Pending`, its
+/// dependents are woken and look again.
 pub fn find_cycle(
     task: &BatchTask,
     lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>,
@@ -131,7 +166,10 @@ pub fn find_cycle(
             continue;
         }
         let Some(t) = lookup(&name) else { continue };
-        if phase_of(&t) == Some(TaskPhase::Succeeded) {
+        if matches!(
+            phase_of(&t),
+            Some(TaskPhase::Succeeded | TaskPhase::Ready | TaskPhase::Running)
+        ) {
             continue;
         }
         queue.extend(t.spec.depends_on.iter().cloned());
@@ -273,6 +311,15 @@ mod tests {
                 Readiness::Ready,
             ),
             (
+                "a cycle through a running task is no cycle (it may succeed)",
+                vec![t("a", &["b"], Some(Running)), t("b", &["a"], Some(Pending))],
+                "b",
+                Readiness::Waiting {
+                    missing: vec![],
+                    unfinished: strings(&["a"]),
+                },
+            ),
+            (
                 "a cycle closed through a missing task is no cycle yet",
                 vec![t("a", &["b"], Some(Pending)), t("b", &["c"], Some(Pending))],
                 "a",
@@ -285,7 +332,7 @@ mod tests {
         for (what, tasks, who, want) in cases {
             let w = world(&tasks);
             let lookup = |n: &str| w.get(n).cloned();
-            let got = assess(&w[who], &lookup);
+            let got = assess(&w[who], &lookup, true);
             assert_eq!(got, want, "{what}");
         }
     }
@@ -320,9 +367,20 @@ mod tests {
         tasks.push(t("t0", &[&last], Some(TaskPhase::Pending)));
         let w = world(&tasks);
         let lookup = |name: &str| w.get(name).cloned();
-        match assess(&w["t5"], &lookup) {
-            Readiness::Cycle(c) => assert_eq!(c.path.len(), n),
+        match assess(&w["t5"], &lookup, true) {
+            Readiness::Cycle(c) => {
+                assert_eq!(c.path.len(), n);
+                let shown = describe(&c, Some("t5"));
+                assert!(shown.starts_with("t5 → t4 → t3"), "{shown}");
+                assert!(shown.ends_with("→ t6 → t5 (20000 tasks)"), "{shown}");
+                assert!(shown.len() < 200, "{shown}");
+            }
             other => panic!("{other:?}"),
         }
+        // Not asked to check: it only waits.
+        assert!(matches!(
+            assess(&w["t5"], &lookup, false),
+            Readiness::Waiting { .. }
+        ));
     }
 }

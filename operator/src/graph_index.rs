@@ -9,9 +9,16 @@
 //! (a dependency may not exist yet: creating it wakes its dependents) and
 //! the tasks that need each resource.
 //!
-//! It is fed by the task watch, before the reflector store is updated, and
-//! every event that changes a phase, a `dependsOn` or a `resources` list
-//! sends the affected tasks to the controller's wake-up channel.
+//! It is fed by the task watch *after* the reflector store is updated (a
+//! woken task must read the change that woke it), and every event that
+//! changes a phase, a `dependsOn` or a `resources` list sends the affected
+//! tasks to the controller's wake-up channel. During a relist the store
+//! swaps in the new list only at its end, so wake-ups are held until then.
+//!
+//! It also keeps what the reconciler remembers per task between passes
+//! (when it began taking locks, the last blocker it reported, the graph
+//! generation at which the task was last found on no cycle), so all of it
+//! is forgotten with the task.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -20,6 +27,7 @@ use batchlease_api::{BatchTask, TaskPhase};
 use futures::channel::mpsc::UnboundedSender;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
+use tokio::time::Instant;
 
 /// `(namespace, name)`.
 type Key = (String, String);
@@ -33,14 +41,39 @@ struct Entry {
     seen: u64,
 }
 
+/// What the reconciler remembers of a task between passes.
+#[derive(Debug, Default, Clone)]
+struct Scratch {
+    lock_wait_since: Option<Instant>,
+    blocker: Option<String>,
+    no_cycle_at: Option<u64>,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     tasks: HashMap<Key, Entry>,
     /// dependency (namespace, name) → names of the tasks that depend on it.
     dependents: HashMap<Key, BTreeSet<String>>,
-    /// (namespace, resource) → names of the tasks that need it.
+    /// (namespace, resource) → names of the unfinished tasks that need it.
     users: HashMap<Key, BTreeSet<String>>,
+    /// Relist generation.
     generation: u64,
+    /// Bumped whenever a cycle may have appeared: a task added, a
+    /// `dependsOn` changed, a task back from a phase the cycle check leaves
+    /// out. A task found on no cycle at this value need not be checked
+    /// again until it changes.
+    edges: u64,
+    scratch: HashMap<Key, Scratch>,
+    /// Wake-ups held during a relist (namespace, name).
+    held: Option<BTreeSet<Key>>,
+}
+
+/// Phases the cycle check leaves out of the graph (see `deps::find_cycle`).
+fn outside_cycles(p: Option<TaskPhase>) -> bool {
+    matches!(
+        p,
+        Some(TaskPhase::Succeeded | TaskPhase::Ready | TaskPhase::Running)
+    )
 }
 
 /// The reverse-dependency and resource index, plus the wake-up channel.
@@ -95,6 +128,23 @@ impl GraphIndex {
                 }
                 inner.link(&ns, &name, &new);
                 wake.extend(inner.concerned(&ns, &name, old.as_ref(), &new));
+                let may_close_a_cycle = old.as_ref().is_none_or(|o| {
+                    o.depends_on != new.depends_on
+                        || (outside_cycles(o.phase) && !outside_cycles(new.phase))
+                });
+                if may_close_a_cycle {
+                    inner.edges += 1;
+                }
+                if old
+                    .as_ref()
+                    .is_some_and(|o| o.phase == Some(TaskPhase::Pending) && new.phase != o.phase)
+                {
+                    // A new wait is a new story: report its blocker again.
+                    if let Some(sc) = inner.scratch.get_mut(&key) {
+                        sc.blocker = None;
+                        sc.lock_wait_since = None;
+                    }
+                }
             }
             inner.tasks.insert(
                 key,
@@ -106,6 +156,59 @@ impl GraphIndex {
             wake
         };
         self.send(&ns, wake);
+    }
+
+    /// The graph generation (see `Inner::edges`).
+    pub fn edges(&self) -> u64 {
+        self.lock().edges
+    }
+
+    /// Whether the task was found on no cycle at generation `edges`.
+    pub fn known_acyclic(&self, ns: &str, name: &str, edges: u64) -> bool {
+        self.lock()
+            .scratch
+            .get(&(ns.to_owned(), name.to_owned()))
+            .is_some_and(|s| s.no_cycle_at == Some(edges))
+    }
+
+    /// Remembers that the task is on no cycle at generation `edges`.
+    pub fn mark_acyclic(&self, ns: &str, name: &str, edges: u64) {
+        self.scratch(ns, name, |s| s.no_cycle_at = Some(edges));
+    }
+
+    /// When the task began taking its locks (set once per wait).
+    pub fn lock_wait_started(&self, ns: &str, name: &str, now: Instant) {
+        self.scratch(ns, name, |s| {
+            s.lock_wait_since.get_or_insert(now);
+        });
+    }
+
+    /// Ends the task's wait for locks; when it began.
+    pub fn lock_wait_done(&self, ns: &str, name: &str) -> Option<Instant> {
+        let mut inner = self.lock();
+        let sc = inner.scratch.get_mut(&(ns.to_owned(), name.to_owned()))?;
+        sc.blocker = None;
+        sc.lock_wait_since.take()
+    }
+
+    /// Records the task's blocker; true when it differs from the last one.
+    pub fn new_blocker(&self, ns: &str, name: &str, blocker: &str) -> bool {
+        let mut new = false;
+        self.scratch(ns, name, |s| {
+            new = s.blocker.as_deref() != Some(blocker);
+            s.blocker = Some(blocker.to_owned());
+        });
+        new
+    }
+
+    /// Only for tasks the index knows: a deleted task's scratch is gone
+    /// with it, and never comes back.
+    fn scratch(&self, ns: &str, name: &str, f: impl FnOnce(&mut Scratch)) {
+        let mut inner = self.lock();
+        let key = (ns.to_owned(), name.to_owned());
+        if inner.tasks.contains_key(&key) {
+            f(inner.scratch.entry(key).or_default());
+        }
     }
 
     /// A task was deleted: its dependents and resource users are woken
@@ -120,7 +223,9 @@ impl GraphIndex {
     /// A relist begins: entries not seen again before [`Self::list_done`]
     /// were deleted while the watch was down.
     pub fn list_started(&self) {
-        self.lock().generation += 1;
+        let mut inner = self.lock();
+        inner.generation += 1;
+        inner.held.get_or_insert_with(BTreeSet::new);
     }
 
     /// A relist ended: forget (and wake the dependents of) what it did not
@@ -146,6 +251,10 @@ impl GraphIndex {
         for ((ns, _), wake) in gone {
             self.send(&ns, wake);
         }
+        let held = self.lock().held.take().unwrap_or_default();
+        for (ns, name) in held {
+            let _ = self.wake.unbounded_send(ObjectRef::new(&name).within(&ns));
+        }
     }
 
     /// Names of the tasks in `namespace` that need `resource`.
@@ -168,6 +277,16 @@ impl GraphIndex {
     }
 
     fn send(&self, namespace: &str, names: BTreeSet<String>) {
+        if names.is_empty() {
+            return;
+        }
+        {
+            let mut inner = self.lock();
+            if let Some(held) = inner.held.as_mut() {
+                held.extend(names.into_iter().map(|n| (namespace.to_owned(), n)));
+                return;
+            }
+        }
         for name in names {
             // The receiver lives as long as the controller; a closed
             // channel means it is shutting down.
@@ -186,11 +305,15 @@ impl Inner {
                 .or_default()
                 .insert(name.to_owned());
         }
-        for r in &e.resources {
-            self.users
-                .entry((ns.to_owned(), r.clone()))
-                .or_default()
-                .insert(name.to_owned());
+        // A finished task holds no lock and waits for none: leaving it out
+        // keeps each resource's user list to the tasks that matter.
+        if !e.phase.is_some_and(TaskPhase::is_terminal) {
+            for r in &e.resources {
+                self.users
+                    .entry((ns.to_owned(), r.clone()))
+                    .or_default()
+                    .insert(name.to_owned());
+            }
         }
     }
 
@@ -266,6 +389,7 @@ impl Inner {
     }
 
     fn remove(&mut self, ns: &str, name: &str) -> BTreeSet<String> {
+        self.scratch.remove(&(ns.to_owned(), name.to_owned()));
         let Some(old) = self.tasks.remove(&(ns.to_owned(), name.to_owned())) else {
             return BTreeSet::new();
         };
@@ -360,7 +484,8 @@ mod tests {
         assert_eq!(drain(&mut rx), vec!["other", "small"]);
         assert_eq!(
             idx.users_of("ns", "r1"),
-            BTreeSet::from(["big".to_string(), "done".to_string()])
+            BTreeSet::from(["big".to_string()]),
+            "a finished task is no user any more"
         );
     }
 
@@ -379,5 +504,84 @@ mod tests {
         idx.apply(&task("b", &["a"], &[], Some(TaskPhase::Pending)));
         idx.list_done();
         assert!(drain(&mut rx).is_empty());
+    }
+
+    #[test]
+    fn the_cycle_memo_is_invalidated_only_by_changes_that_may_close_a_cycle() {
+        let (tx, _rx) = unbounded();
+        let idx = GraphIndex::new(tx);
+        idx.apply(&task("a", &["b"], &[], Some(TaskPhase::Pending)));
+        let e = idx.edges();
+        idx.mark_acyclic("ns", "a", e);
+        assert!(idx.known_acyclic("ns", "a", idx.edges()));
+        // Phase changes that cannot close a cycle keep it.
+        idx.apply(&task("b", &[], &[], Some(TaskPhase::Running)));
+        let e = idx.edges();
+        idx.mark_acyclic("ns", "a", e);
+        idx.apply(&task("b", &[], &[], Some(TaskPhase::Succeeded)));
+        assert!(idx.known_acyclic("ns", "a", idx.edges()));
+        // A new task, an edited dependsOn, or a task back from Running may.
+        idx.apply(&task("c", &["a"], &[], None));
+        assert!(!idx.known_acyclic("ns", "a", idx.edges()));
+        let e = idx.edges();
+        idx.mark_acyclic("ns", "a", e);
+        idx.apply(&task("c", &["a", "b"], &[], None));
+        assert!(!idx.known_acyclic("ns", "a", idx.edges()));
+        idx.apply(&task("d", &[], &[], Some(TaskPhase::Running)));
+        let e = idx.edges();
+        idx.mark_acyclic("ns", "a", e);
+        idx.apply(&task("d", &[], &[], Some(TaskPhase::Pending)));
+        assert!(!idx.known_acyclic("ns", "a", idx.edges()));
+        // Forgotten with the task.
+        let e = idx.edges();
+        idx.mark_acyclic("ns", "a", e);
+        idx.delete(&task("a", &["b"], &[], Some(TaskPhase::Pending)));
+        assert!(!idx.known_acyclic("ns", "a", idx.edges()));
+        idx.mark_acyclic("ns", "a", e);
+        assert!(
+            !idx.known_acyclic("ns", "a", e),
+            "no scratch for unknown tasks"
+        );
+    }
+
+    #[test]
+    fn wake_ups_wait_for_the_end_of_a_relist() {
+        let (tx, mut rx) = unbounded();
+        let idx = GraphIndex::new(tx);
+        idx.apply(&task("b", &["a"], &[], Some(TaskPhase::Pending)));
+        drain(&mut rx);
+        idx.list_started();
+        idx.apply(&task("b", &["a"], &[], Some(TaskPhase::Pending)));
+        idx.apply(&task("a", &[], &[], Some(TaskPhase::Succeeded)));
+        assert!(
+            drain(&mut rx).is_empty(),
+            "the store shows the list only at its end"
+        );
+        idx.list_done();
+        assert_eq!(drain(&mut rx), vec!["b"]);
+    }
+
+    #[test]
+    fn blockers_and_lock_waits_are_remembered_per_wait() {
+        let (tx, _rx) = unbounded();
+        let idx = GraphIndex::new(tx);
+        let t0 = Instant::now();
+        idx.apply(&task("a", &[], &["r"], Some(TaskPhase::Pending)));
+        assert!(idx.new_blocker("ns", "a", "x"));
+        assert!(!idx.new_blocker("ns", "a", "x"));
+        assert!(idx.new_blocker("ns", "a", "y"));
+        idx.lock_wait_started("ns", "a", t0);
+        idx.lock_wait_started("ns", "a", t0 + std::time::Duration::from_secs(1));
+        assert_eq!(
+            idx.lock_wait_done("ns", "a"),
+            Some(t0),
+            "the first start counts"
+        );
+        assert_eq!(idx.lock_wait_done("ns", "a"), None);
+        // Leaving Pending starts a new story.
+        assert!(idx.new_blocker("ns", "a", "x"));
+        idx.apply(&task("a", &[], &["r"], Some(TaskPhase::Ready)));
+        idx.apply(&task("a", &[], &["r"], Some(TaskPhase::Pending)));
+        assert!(idx.new_blocker("ns", "a", "x"));
     }
 }

@@ -60,8 +60,14 @@ pub fn lock_name(namespace: &str, resource: &str) -> String {
         return full;
     }
     let hash = names::short_hash(&full);
-    let keep = names::MAX_NAME_LEN - hash.len() - 1;
-    let mut prefix = full[..keep.min(full.len())].to_owned();
+    let mut keep = (names::MAX_NAME_LEN - hash.len() - 1).min(full.len());
+    // Byte slicing must land on a character boundary: a resource name the
+    // CRD of an older release let through may be non-ASCII (it then fails
+    // as a Lease name, for its own task only — it must not panic).
+    while !full.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let mut prefix = full[..keep].to_owned();
     while prefix.ends_with(['-', '.']) {
         prefix.pop();
     }
@@ -116,13 +122,52 @@ fn parse_holder(id: &str) -> Option<(&str, &str, i64)> {
     Some((ns, name, token.parse().ok()?))
 }
 
-/// Who holds `lock`, asked by `me`. `lookup` finds a task of `me`'s
-/// namespace by name in the operator's cache.
-pub fn holder(
-    lock: Option<&Lease>,
-    me: &BatchTask,
-    lookup: &dyn Fn(&str) -> Option<Arc<BatchTask>>,
-) -> Holder {
+/// What the operator's caches say of other tasks and their leases.
+pub struct Lookups<'a> {
+    /// A task of the asking task's namespace, by name.
+    pub task: &'a (dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+    /// Whether a TaskLease of task `(name, uid)` under `token` is live
+    /// (`Offered` or `Held`): a deleted task's attempt runs on until the
+    /// garbage collector deletes its lease.
+    pub lease_live: &'a (dyn Fn(&str, &str, i64) -> bool + Sync),
+}
+
+impl std::fmt::Debug for Lookups<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lookups").finish_non_exhaustive()
+    }
+}
+
+/// Whether `lease` is one of our locks for `namespace`: created by the
+/// operator, for that namespace. Any other Lease under a lock's name (the
+/// operator's namespace may hold other Leases) is never written.
+fn is_lock(lease: &Lease, namespace: &str) -> bool {
+    let labels = lease.labels();
+    labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(MANAGED_BY)
+        && labels.get(LABEL_LOCK_NAMESPACE).map(String::as_str) == Some(namespace)
+}
+
+/// Who holds `lock`, asked by `me`.
+pub fn holder(lock: Option<&Lease>, me: &BatchTask, look: &Lookups<'_>) -> Holder {
+    let ns_of_me = me.namespace().unwrap_or_default();
+    if let Some(l) = lock
+        && !is_lock(l, &ns_of_me)
+    {
+        return Holder::Live(format!(
+            "a Lease not managed by batchlease ({})",
+            l.name_any()
+        ));
+    }
+    if lock
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.lease_transitions)
+        .is_some_and(|t| t == i32::MAX)
+    {
+        // The token cannot grow any more: never hand it out again.
+        return Holder::Live(
+            "nobody: the lock's token is exhausted (leaseTransitions at its maximum)".into(),
+        );
+    }
     let Some(id) = lock
         .and_then(|l| l.spec.as_ref())
         .and_then(|s| s.holder_identity.as_deref())
@@ -136,18 +181,25 @@ pub fn holder(
     let Some((ns, name, token)) = parse_holder(id) else {
         return Holder::Live(id.to_owned());
     };
-    if ns != me.namespace().unwrap_or_default() {
+    if ns != ns_of_me {
         return Holder::Live(id.to_owned());
     }
     if name == me.name_any() && uid == me.uid() {
         return Holder::Ours { token };
     }
-    let Some(task) = lookup(name) else {
-        return Holder::Dead(id.to_owned());
+    let task = (look.task)(name).filter(|t| uid.is_some() && uid == t.uid());
+    let Some(task) = task else {
+        // Deleted (or re-created under the same name): its attempt is over
+        // once its lease is gone.
+        let live = uid
+            .as_deref()
+            .is_some_and(|u| (look.lease_live)(name, u, token));
+        return if live {
+            Holder::Live(id.to_owned())
+        } else {
+            Holder::Dead(id.to_owned())
+        };
     };
-    if uid.is_none() || uid != task.uid() {
-        return Holder::Dead(id.to_owned());
-    }
     if attempt_alive(&task, token) {
         Holder::Live(id.to_owned())
     } else {

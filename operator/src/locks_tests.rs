@@ -27,6 +27,10 @@ fn lock(resource: &str, holder: Option<(&str, &str)>, transitions: i32) -> Lease
     };
     l.metadata.name = Some(lock_name("ns", resource));
     l.metadata.resource_version = Some("7".into());
+    l.labels_mut()
+        .insert(LABEL_MANAGED_BY.into(), MANAGED_BY.into());
+    l.labels_mut()
+        .insert(LABEL_LOCK_NAMESPACE.into(), "ns".into());
     if let Some((_, uid)) = holder {
         l.annotations_mut().insert(HOLDER_UID.into(), uid.into());
     }
@@ -51,7 +55,34 @@ fn holder_table() {
     .into_iter()
     .collect();
     let lookup = |n: &str| world.get(n).cloned();
+    // Deleted task "gone-running": its lease under token 1 is still Held.
+    let lease_live = |n: &str, u: &str, t: i64| (n, u, t) == ("gone-running", "u-gr", 1);
+    let look = Lookups {
+        task: &lookup,
+        lease_live: &lease_live,
+    };
+    let mut foreign = lock("r1", None, 3);
+    foreign.labels_mut().clear();
+    let mut exhausted = lock("r1", None, i32::MAX);
+    exhausted.metadata.name = Some("ns.r1".into());
     let cases: Vec<(&str, Option<Lease>, Holder)> = vec![
+        (
+            "a Lease we did not create under a lock's name",
+            Some(foreign),
+            Holder::Live("a Lease not managed by batchlease (ns.r1)".into()),
+        ),
+        (
+            "a token that cannot grow",
+            Some(exhausted),
+            Holder::Live(
+                "nobody: the lock's token is exhausted (leaseTransitions at its maximum)".into(),
+            ),
+        ),
+        (
+            "a deleted task whose lease still runs",
+            Some(lock("r1", Some(("ns/gone-running@1", "u-gr")), 3)),
+            Holder::Live("ns/gone-running@1".into()),
+        ),
         ("no lease", None, Holder::Free),
         ("released", Some(lock("r1", None, 3)), Holder::Free),
         (
@@ -106,7 +137,7 @@ fn holder_table() {
         ),
     ];
     for (what, l, want) in cases {
-        assert_eq!(holder(l.as_ref(), &me, &lookup), want, "{what}");
+        assert_eq!(holder(l.as_ref(), &me, &look), want, "{what}");
     }
 }
 
@@ -341,6 +372,9 @@ fn lock_names_fit_and_stay_distinct() {
     assert!(a.len() <= 253 && b.len() <= 253);
     assert_ne!(a, b);
     assert!(!a.contains(".-") && !a.ends_with('-'));
+    // Not a panic on a multi-byte character at the cut.
+    let wide = lock_name("ab", &"é".repeat(200));
+    assert!(wide.len() <= 253);
 }
 
 #[test]

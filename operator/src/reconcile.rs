@@ -1,7 +1,6 @@
 //! The reconciler: read the task and its leases from the caches, call
 //! [`decide`], perform the one conditional write it asks for, report it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,12 +78,6 @@ pub struct Ctx {
     pub index: Arc<GraphIndex>,
     /// Namespace of the resource-lock Leases.
     pub lock_namespace: String,
-    /// When each task began taking its locks (for the acquisition-time
-    /// histogram).
-    pub lock_waits: std::sync::Mutex<HashMap<(String, String), Instant>>,
-    /// The blocker last reported per task, so a task that waits long for a
-    /// lock publishes one Event per blocker, not one per look.
-    pub contention_seen: std::sync::Mutex<HashMap<(String, String), String>>,
 }
 
 impl std::fmt::Debug for Ctx {
@@ -144,12 +137,23 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         }
     }
     let lookup_task = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
+    let lease_live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let look = locks::Lookups {
+        task: &lookup_task,
+        lease_live: &lease_live,
+    };
     let pending = task
         .status
         .as_ref()
         .is_some_and(|s| s.phase == Some(TaskPhase::Pending));
     let readiness = if pending {
-        deps::assess(task, &lookup_task)
+        let edges = ctx.index.edges();
+        let check = !ctx.index.known_acyclic(&ns, &name, edges);
+        let r = deps::assess(task, &lookup_task, check);
+        if check && !matches!(r, Readiness::Cycle(_)) {
+            ctx.index.mark_acyclic(&ns, &name, edges);
+        }
+        r
     } else {
         Readiness::Ready
     };
@@ -189,12 +193,8 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             }
             Decision::TakeLock(lease) => {
                 let written = take_lock(ctx, lease).await?;
-                ctx.lock_waits
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .entry((ns.clone(), name.clone()))
-                    .or_insert(now);
-                update_slots(&mut slots, written, task, &lookup_task);
+                ctx.index.lock_wait_started(&ns, &name, now);
+                update_slots(&mut slots, written, task, &look);
             }
             Decision::ReleaseLocks {
                 leases: give_back,
@@ -202,7 +202,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             } => {
                 let why = *why;
                 let give_back = give_back.clone();
-                release_locks(ctx, task, &give_back, &mut slots, &lookup_task).await?;
+                release_locks(ctx, task, &give_back, &mut slots, &look).await?;
                 if let LockRelease::AttemptEnded { expired: true } = why {
                     ctx.metrics
                         .lock_lease_expired_before_release
@@ -218,7 +218,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 holder,
             } => {
                 let give_back = give_back.clone();
-                release_locks(ctx, task, &give_back, &mut slots, &lookup_task).await?;
+                release_locks(ctx, task, &give_back, &mut slots, &look).await?;
                 blocked(ctx, task, resource, holder).await;
                 return Ok(Action::requeue(crate::decide::LOCK_RECHECK));
             }
@@ -242,22 +242,15 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             cause,
         } => {
             let token = status.fencing_token;
+            // Taken before the write: the watch event of the write ends the
+            // wait in the index as soon as it arrives.
+            let lock_wait = ctx.index.lock_wait_done(&ns, &name);
             write_status(ctx, task, *status).await?;
-            let key = (ns.clone(), name.clone());
-            if let Some(since) = ctx
-                .lock_waits
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&key)
-            {
+            if let Some(since) = lock_wait {
                 ctx.metrics
                     .lock_acquisition_duration
                     .observe(since.elapsed().as_secs_f64());
             }
-            ctx.contention_seen
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&key);
             ctx.metrics.leases_issued.get_or_create(&queue).inc();
             if cause != IssueCause::New {
                 ctx.metrics.reassignments.get_or_create(&queue).inc();
@@ -372,6 +365,11 @@ async fn fetch_locks(
     let ns = task.namespace().unwrap_or_default();
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
     let lookup = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
+    let live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let look = locks::Lookups {
+        task: &lookup,
+        lease_live: &live,
+    };
     let wall = Timestamp::now();
     let me = locks::queue_key(task);
     let mut slots = Vec::with_capacity(resources.len());
@@ -384,7 +382,7 @@ async fn fetch_locks(
             })
         })
         .await?;
-        let holder = locks::holder(lease.as_ref(), task, &lookup);
+        let holder = locks::holder(lease.as_ref(), task, &look);
         let older_waiter = ctx
             .index
             .users_of(&ns, resource)
@@ -403,6 +401,23 @@ async fn fetch_locks(
         });
     }
     Ok(slots)
+}
+
+/// Whether the lease cache shows task `(name, uid)`'s lease of `token`
+/// live (`Offered` or `Held`).
+fn lease_live(ctx: &Ctx, ns: &str, name: &str, uid: &str, token: i64) -> bool {
+    let lease_name = batchlease_api::names::lease_name(name, token);
+    ctx.leases
+        .get(&ObjectRef::new(&lease_name).within(ns))
+        .is_some_and(|l| {
+            l.spec.task_uid == uid
+                && l.spec.fencing_token == token
+                && matches!(
+                    l.status.as_ref().and_then(|s| s.phase),
+                    Some(batchlease_api::LeasePhase::Offered | batchlease_api::LeasePhase::Held)
+                        | None
+                )
+        })
 }
 
 /// Creates (no resourceVersion) or replaces (CAS) a lock Lease.
@@ -428,7 +443,7 @@ async fn release_locks(
     task: &BatchTask,
     give_back: &[Lease],
     slots: &mut Option<Vec<Slot>>,
-    lookup: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+    look: &locks::Lookups<'_>,
 ) -> Result<(), Error> {
     if give_back.is_empty() {
         return Ok(());
@@ -444,7 +459,7 @@ async fn release_locks(
         })
         .await?;
         match written {
-            Ok(l) => update_slots(slots, l, task, lookup),
+            Ok(l) => update_slots(slots, l, task, look),
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => {
                 ctx.index.wake_users(&ns, &freed);
@@ -470,11 +485,11 @@ fn update_slots(
     slots: &mut Option<Vec<Slot>>,
     written: Lease,
     task: &BatchTask,
-    lookup: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+    look: &locks::Lookups<'_>,
 ) {
     let name = written.name_any();
     if let Some(slot) = slots.iter_mut().flatten().find(|s| s.name == name) {
-        slot.holder = locks::holder(Some(&written), task, lookup);
+        slot.holder = locks::holder(Some(&written), task, look);
         slot.lease = Some(written);
         slot.older_waiter = None;
     }
@@ -483,15 +498,12 @@ fn update_slots(
 /// A lock acquisition is blocked: a metric and an Event when the blocker is
 /// new for this task.
 async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
-    let key = (task.namespace().unwrap_or_default(), task.name_any());
     let note = format!("waiting for resource {resource}: held by or promised to {holder}");
-    let new = ctx
-        .contention_seen
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .insert(key, note.clone())
-        .as_ref()
-        != Some(&note);
+    let new = ctx.index.new_blocker(
+        &task.namespace().unwrap_or_default(),
+        &task.name_any(),
+        &note,
+    );
     debug!(task = %task.name_any(), resource, holder, "lock contention");
     if new {
         // Counted once per task and blocker, like the Event: a task looked
@@ -869,7 +881,7 @@ async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, no
     let event = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(clip(note, MAX_NOTE_BYTES)),
         action: reason.into(),
         secondary: None,
     };
@@ -877,6 +889,23 @@ async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, no
         // Events are best effort: the status already says what happened.
         warn!(error = %e, task = %task.name_any(), "publishing event failed");
     }
+}
+
+/// events.k8s.io/v1 refuses a `note` over 1 kB.
+const MAX_NOTE_BYTES: usize = 1000;
+
+/// `s` cut to at most `max` bytes on a character boundary, marked with "…".
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max - '…'.len_utf8();
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.truncate(end);
+    s.push('…');
+    s
 }
 
 /// What to do after a failed reconcile.
