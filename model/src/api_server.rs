@@ -1,8 +1,10 @@
-//! The API server of the model: a linearizable store of one BatchTask and
-//! its TaskLeases, with `resourceVersion` compare-and-swap and the CRDs'
+//! The API server of the model: a linearizable store of the BatchTasks
+//! and their TaskLeases, with `resourceVersion` compare-and-swap and the CRDs'
 //! rules that matter to the protocol (final leases frozen, a held lease
 //! never offered again, holder set once, Completed only from Held, phase
-//! never removed, the task's token never decreasing).
+//! never removed, the task's token never decreasing), and of the
+//! `coordination.k8s.io/v1` Leases that lock resources, in the operator's
+//! namespace (create fails if one exists, update is a compare-and-swap).
 //!
 //! Objects are kept as their JSON text: real `BatchTask`/`TaskLease`
 //! values go in and come out (so the operator's real `decide` reads what
@@ -11,7 +13,11 @@
 use std::collections::BTreeMap;
 
 use batchlease_api::{BatchTask, LeasePhase, TaskLease};
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
+
+/// The operator's namespace, where the lock Leases live.
+pub const LOCK_NAMESPACE: &str = "batchlease-system";
 
 /// Why a write was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,12 +35,19 @@ pub enum Refused {
 /// The store.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct ApiServer {
-    /// The last resourceVersion handed out.
-    pub rv: u32,
-    pub task: String,
+    /// Per object (`task/…`, `lease/…`, `lock/…`), the last
+    /// resourceVersion handed out. Per object, not one counter for the
+    /// whole store as etcd's revision is: clients only ever compare the
+    /// versions of one object, so writes to different objects commute and
+    /// their order does not make states distinct. Never reset, so an
+    /// object created again under a name gets versions its earlier
+    /// incarnation never had.
+    pub versions: BTreeMap<String, u32>,
+    /// The tasks, in creation order.
+    pub tasks: Vec<String>,
     pub leases: BTreeMap<String, String>,
-    /// Lease UIDs handed out.
-    pub uids: u32,
+    /// Lock Leases by name (all in [`LOCK_NAMESPACE`]).
+    pub locks: BTreeMap<String, String>,
 }
 
 pub fn decode<T: serde::de::DeserializeOwned>(json: &str) -> T {
@@ -80,19 +93,33 @@ fn lease_update_allowed(old: &TaskLease, new: &TaskLease) -> bool {
 }
 
 impl ApiServer {
-    pub fn new(task: &BatchTask) -> Self {
-        let mut t = task.clone();
-        t.metadata.resource_version = Some("1".into());
+    /// A store holding `tasks`, each stored once (resourceVersions from 1).
+    pub fn new(tasks: Vec<BatchTask>) -> Self {
+        let mut versions = BTreeMap::new();
+        let tasks = tasks
+            .into_iter()
+            .map(|mut t| {
+                versions.insert(format!("task/{}", t.name_any()), 1);
+                t.metadata.resource_version = Some("1".into());
+                encode(&t)
+            })
+            .collect();
         Self {
-            rv: 1,
-            task: encode(&t),
+            versions,
+            tasks,
             leases: BTreeMap::new(),
-            uids: 0,
+            locks: BTreeMap::new(),
         }
     }
 
-    pub fn task(&self) -> BatchTask {
-        decode(&self.task)
+    /// Task `i` as stored (panics on an index the model never makes).
+    pub fn task(&self, i: usize) -> BatchTask {
+        decode(&self.tasks[i])
+    }
+
+    /// The index of the task named `name`.
+    pub fn task_index(&self, name: &str) -> Option<usize> {
+        (0..self.tasks.len()).find(|i| crate::task_name(*i) == name)
     }
 
     pub fn lease(&self, name: &str) -> Option<TaskLease> {
@@ -103,14 +130,26 @@ impl ApiServer {
         self.leases.values().map(|l| decode(l)).collect()
     }
 
-    fn next_rv(&mut self) -> String {
-        self.rv += 1;
-        self.rv.to_string()
+    fn next_rv(&mut self, key: &str) -> String {
+        let v = self.versions.entry(key.to_owned()).or_default();
+        *v += 1;
+        v.to_string()
+    }
+
+    /// How many versions lease `name` had (in any incarnation): a writer
+    /// uses it to make its timestamps unique per write, as real
+    /// microsecond timestamps are.
+    pub fn lease_writes(&self, name: &str) -> u32 {
+        self.versions
+            .get(&format!("lease/{name}"))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// `PUT …/status` carrying the writer's resourceVersion.
     pub fn replace_status(&mut self, new: &BatchTask) -> Result<(), Refused> {
-        let cur = self.task();
+        let i = self.task_index(&new.name_any()).ok_or(Refused::NotFound)?;
+        let cur = self.task(i);
         if cur.metadata.resource_version != new.metadata.resource_version {
             return Err(Refused::Conflict);
         }
@@ -121,8 +160,8 @@ impl ApiServer {
         }
         let mut stored = cur;
         stored.status = new.status.clone();
-        stored.metadata.resource_version = Some(self.next_rv());
-        self.task = encode(&stored);
+        stored.metadata.resource_version = Some(self.next_rv(&format!("task/{}", new.name_any())));
+        self.tasks[i] = encode(&stored);
         Ok(())
     }
 
@@ -133,9 +172,9 @@ impl ApiServer {
             return Err(Refused::AlreadyExists);
         }
         let mut stored = new.clone();
-        self.uids += 1;
-        stored.metadata.uid = Some(format!("lease-uid-{}", self.uids));
-        stored.metadata.resource_version = Some(self.next_rv());
+        let rv = self.next_rv(&format!("lease/{name}"));
+        stored.metadata.uid = Some(format!("lease-uid-{name}-{rv}"));
+        stored.metadata.resource_version = Some(rv);
         self.leases.insert(name, encode(&stored));
         Ok(stored)
     }
@@ -152,7 +191,7 @@ impl ApiServer {
         }
         let mut stored = new.clone();
         stored.metadata.uid = cur.metadata.uid;
-        stored.metadata.resource_version = Some(self.next_rv());
+        stored.metadata.resource_version = Some(self.next_rv(&format!("lease/{name}")));
         self.leases.insert(name, encode(&stored));
         Ok(stored)
     }
@@ -164,7 +203,38 @@ impl ApiServer {
             return Err(Refused::Conflict);
         }
         self.leases.remove(name);
-        self.rv += 1;
         Ok(())
+    }
+
+    /// The lock Lease `name`, read directly.
+    pub fn lock(&self, name: &str) -> Option<Lease> {
+        self.locks.get(name).map(|l| decode(l))
+    }
+
+    /// `POST` of a lock Lease.
+    pub fn create_lock(&mut self, new: &Lease) -> Result<Lease, Refused> {
+        let name = new.name_any();
+        if self.locks.contains_key(&name) {
+            return Err(Refused::AlreadyExists);
+        }
+        let mut stored = new.clone();
+        stored.metadata.namespace = Some(LOCK_NAMESPACE.into());
+        stored.metadata.resource_version = Some(self.next_rv(&format!("lock/{name}")));
+        self.locks.insert(name, encode(&stored));
+        Ok(stored)
+    }
+
+    /// `PUT` of a lock Lease carrying the writer's resourceVersion.
+    pub fn replace_lock(&mut self, new: &Lease) -> Result<Lease, Refused> {
+        let name = new.name_any();
+        let cur = self.lock(&name).ok_or(Refused::NotFound)?;
+        if cur.metadata.resource_version != new.metadata.resource_version {
+            return Err(Refused::Conflict);
+        }
+        let mut stored = new.clone();
+        stored.metadata.namespace = Some(LOCK_NAMESPACE.into());
+        stored.metadata.resource_version = Some(self.next_rv(&format!("lock/{name}")));
+        self.locks.insert(name, encode(&stored));
+        Ok(stored)
     }
 }

@@ -1,28 +1,35 @@
-//! The lease protocol, model-checked: one task's life in a small cluster,
-//! every interleaving enumerated by [stateright].
+//! The lease protocol, model-checked: the lives of one or two tasks in a
+//! small cluster (two sharing a resource lock), every interleaving
+//! enumerated by [stateright].
 //!
 //! What is real and what is modelled:
 //! - the operator's decision is the production `decide()` (with `settle`,
 //!   `offered_lease`, `next_seen` for observations) from the operator's
 //!   library, fed real `BatchTask`/`TaskLease` objects; the reconciler
-//!   around it (cache lookups, expectations, the direct read, one write per
-//!   pass) is mirrored from `operator/src/reconcile.rs` in a few lines;
+//!   around it (cache lookups, expectations, the direct reads, one write
+//!   per step) is mirrored from `operator/src/reconcile.rs` in a few lines;
+//! - resource locks ([`locks`]): the real `locks::holder`, `waiting` and
+//!   `queue_key` judge the lock Leases the operator reads directly, on its
+//!   cached tasks; `decide` takes, releases and gives back;
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
 //! - the API server ([`api_server`]) and PostgreSQL ([`storage`]) are
-//!   models: compare-and-swap on resourceVersion and the CRDs' rules; the
-//!   fenced table's registration and commit rules of design §4.
+//!   models: compare-and-swap on resourceVersion and the CRDs' rules (and
+//!   the lock Leases); the fenced tables' registration and commit rules of
+//!   design §4 and §5.
 //!
 //! Time is abstract ticks of two seconds; any actor may take no step for
 //! any number of ticks (a pause, a partition, a GC stall). The operator may
-//! crash (losing its cache, observations and an issue's second write, which
-//! may still land later as a delayed request), its caches of the task and
-//! of the leases lag independently, and a lease may be deleted by someone
-//! else. See `docs/model.md`.
+//! crash (losing its cache, observations and a pass that waited for a
+//! write's answer, while the write may still land later), its caches of the
+//! tasks and of the leases lag independently, and a lease may be deleted by
+//! someone else. See `docs/model.md`.
 
 pub mod api_server;
+pub mod locks;
 pub mod operator;
+mod properties;
 pub mod storage;
 pub mod worker;
 
@@ -32,14 +39,14 @@ use std::time::Duration;
 use api_server::{ApiServer, decode, encode};
 use batchlease_api::{BackoffSpec, BatchTask, BatchTaskSpec, LeasePhase, TaskLease, TaskPhase};
 use batchlease_operator::observe::next_seen;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
+use locks::{LockGhosts, LockRule};
 use operator::{Operator, Write};
 use stateright::{Model, Property};
 use storage::{Storage, StorageRule};
 use tokio::time::Instant;
-use worker::{Attempt, Worker, claim};
+use worker::{Attempt, Worker};
 
 /// How the operator replaces a current lease that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,8 +72,10 @@ pub enum KillRule {
 /// What a run explores.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Tasks, created in this order (distinct creation times).
+    pub tasks: usize,
     pub workers: usize,
-    /// Time runs from 0 to this many ticks (seconds).
+    /// Time runs from 0 to this many ticks (of [`TICK_SECONDS`]).
     pub max_ticks: u8,
     pub operator_crashes: u8,
     /// Times someone else deletes a lease.
@@ -79,6 +88,25 @@ pub struct Config {
     /// Workers' clocks run this many percent fast or slow (each worker
     /// one or the other, all combinations explored); 0: exact clocks.
     pub drift_percent: u8,
+    /// Every task is Exclusive and needs the resource [`locks::RESOURCE`]:
+    /// the lock passes between them.
+    pub resource: bool,
+    pub lock_rule: LockRule,
+    /// The run starts with every task initialized (`Pending`, by the
+    /// operator's own first pass) and the operator's task cache synced.
+    /// Left out: a younger task taking a lock before the oldest is
+    /// initialized (from then on the creation-order rule serves the
+    /// oldest first).
+    pub start_pending: bool,
+    /// Each worker serves one task's queue (worker `w` task `w % tasks`;
+    /// each task has a queue of its own) instead of every worker all.
+    pub dedicated_workers: bool,
+    /// The wall clocks stand still (the monotonic clocks, which time
+    /// expiry and the kill switch, run on): written timestamps then carry
+    /// no tick, so states that differ only in when a status or a lock was
+    /// written are one. No backoff ever ends, so a failed attempt is never
+    /// retried — within 6 s (3 ticks) none is anyway (see `docs/model.md`).
+    pub frozen_wall: bool,
     /// Liveness mode: time passes only when no other step changes
     /// anything (every live actor acts before the clock moves: the
     /// fairness under which "the task finishes" must hold).
@@ -90,6 +118,12 @@ impl Config {
     /// (the CI tests narrow the bounds from here).
     pub fn quick() -> Self {
         Self {
+            tasks: 1,
+            resource: false,
+            lock_rule: LockRule::Sound,
+            frozen_wall: false,
+            dedicated_workers: false,
+            start_pending: false,
             workers: 2,
             max_ticks: 8,
             operator_crashes: 1,
@@ -134,6 +168,18 @@ impl Cluster {
         self.base + Duration::from_secs(u64::from(tick) * TICK_SECONDS)
     }
 
+    /// Whether worker `w` takes leases of `lease`'s queue.
+    fn serves(&self, w: usize, lease: &TaskLease) -> bool {
+        !self.cfg.dedicated_workers
+            || self.cfg.tasks == 0
+            || lease.spec.task_name == task_name(w % self.cfg.tasks)
+    }
+
+    /// Wall-clock time at `tick` (see [`Config::frozen_wall`]).
+    fn wall(&self, tick: u8, micros: u32) -> Timestamp {
+        wall(if self.cfg.frozen_wall { 0 } else { tick }, micros)
+    }
+
     /// What a worker whose clock runs at `rate` percent reads at `tick`.
     fn worker_instant(&self, rate: u8, tick: u8) -> Instant {
         self.base + Duration::from_millis(u64::from(tick) * TICK_SECONDS * 10 * u64::from(rate))
@@ -166,10 +212,11 @@ pub struct State {
     pub rates: Vec<u8>,
     /// Requests of an operator that then crashed: they may still land.
     pub late: Vec<Write>,
-    /// Ghost: tokens of the leases created (not tombstones), in order.
-    pub created: Vec<i64>,
-    /// Ghost: tokens whose lease was set Expired.
-    pub expired: Vec<i64>,
+    /// Ghost, per task: tokens of the leases created (not tombstones), in
+    /// order.
+    pub created: Vec<Vec<i64>>,
+    /// Ghost, per task: tokens whose lease was set Expired.
+    pub expired: Vec<Vec<i64>>,
     /// Ghost: a storage write of an attempt was accepted after its lease
     /// was expired.
     pub write_after_expiry: bool,
@@ -178,17 +225,23 @@ pub struct State {
     pub fenced_by_storage: bool,
     pub late_landed: bool,
     pub tombstones: u8,
+    /// Ghosts of the lock properties.
+    pub locks: LockGhosts,
 }
 
 /// A step.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub enum Action {
     Tick,
+    /// The task cache catches up (one watch for all tasks: the cache is
+    /// always the API server's state at some earlier moment).
     SyncTask,
     SyncLeases,
-    Reconcile,
-    /// The operator's pending request reaches the API server.
-    SendWrite,
+    /// A reconcile pass of task `i`.
+    Reconcile(usize),
+    /// The request of task `i`'s pass reaches the API server (passes of
+    /// different tasks run concurrently, as the controller runs them).
+    SendWrite(usize),
     CrashOperator,
     /// A crashed operator's request lands late.
     LateWrite(usize),
@@ -211,8 +264,23 @@ fn phase(l: &TaskLease) -> Option<LeasePhase> {
     l.status.as_ref().and_then(|s| s.phase)
 }
 
-fn the_task() -> BatchTask {
-    let mut spec = BatchTaskSpec::for_queue("q");
+/// Name of task `i`: `t`, `u`, `v`, …
+pub fn task_name(i: usize) -> String {
+    let c = u8::try_from(i).map_or('?', |i| char::from(b't'.saturating_add(i)));
+    c.to_string()
+}
+
+/// Task `i` as created: each a second after the one before (the creation
+/// order serves waiting tasks in turn, see `operator/src/locks.rs`).
+fn new_task(cfg: &Config, i: usize) -> BatchTask {
+    let mut spec = BatchTaskSpec::for_queue(if cfg.dedicated_workers {
+        format!("q-{}", task_name(i))
+    } else {
+        "q".into()
+    });
+    if cfg.resource {
+        spec.resources = vec![locks::RESOURCE.into()];
+    }
     spec.lease_duration_seconds = TTL_SECONDS;
     spec.max_retries = 1;
     spec.backoff = BackoffSpec {
@@ -220,9 +288,17 @@ fn the_task() -> BatchTask {
         max_seconds: 1,
         multiplier: 1,
     };
-    let mut t = BatchTask::new("t", spec);
+    let mut t = BatchTask::new(&task_name(i), spec);
     t.metadata.namespace = Some("ns".into());
-    t.metadata.uid = Some("task-uid".into());
+    t.metadata.uid = Some(if i == 0 {
+        "task-uid".into()
+    } else {
+        format!("task-uid-{i}")
+    });
+    let created = wall(0, 0)
+        .checked_sub(Duration::from_secs(60 - u64::try_from(i).unwrap_or(0)))
+        .unwrap_or(Timestamp::UNIX_EPOCH);
+    t.metadata.creation_timestamp = Some(Time(created));
     t.metadata.generation = Some(1);
     t
 }
@@ -251,27 +327,30 @@ impl Model for Cluster {
                 })
                 .collect();
         }
-        all_rates
-            .into_iter()
-            .map(|rates| State {
-                now: 0,
-                api: ApiServer::new(&the_task()),
-                op: Operator::default(),
-                workers: vec![Worker::Idle; self.cfg.workers],
-                pg: Storage::new(self.cfg.storage),
-                crashes: 0,
-                deletions: 0,
-                lost: 0,
-                rates,
-                late: Vec::new(),
-                created: Vec::new(),
-                expired: Vec::new(),
-                write_after_expiry: false,
-                fenced_by_storage: false,
-                late_landed: false,
-                tombstones: 0,
-            })
-            .collect()
+        let states = all_rates.into_iter().map(|rates| State {
+            now: 0,
+            api: ApiServer::new(
+                (0..self.cfg.tasks)
+                    .map(|i| new_task(&self.cfg, i))
+                    .collect(),
+            ),
+            op: Operator::default(),
+            workers: vec![Worker::Idle; self.cfg.workers],
+            pg: Storage::new(self.cfg.storage, self.cfg.tasks),
+            crashes: 0,
+            deletions: 0,
+            lost: 0,
+            rates,
+            late: Vec::new(),
+            created: vec![Vec::new(); self.cfg.tasks],
+            expired: vec![Vec::new(); self.cfg.tasks],
+            write_after_expiry: false,
+            fenced_by_storage: false,
+            late_landed: false,
+            tombstones: 0,
+            locks: LockGhosts::default(),
+        });
+        states.map(|s| self.started(s)).collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
@@ -293,11 +372,13 @@ impl Model for Cluster {
         let mut p = self.safety();
         if self.cfg.fair {
             p.push(Property::eventually("the task finishes", |_, s: &State| {
-                s.api
-                    .task()
-                    .status
-                    .and_then(|st| st.phase)
-                    .is_some_and(TaskPhase::is_terminal)
+                (0..s.api.tasks.len()).all(|i| {
+                    s.api
+                        .task(i)
+                        .status
+                        .and_then(|st| st.phase)
+                        .is_some_and(TaskPhase::is_terminal)
+                })
             }));
         }
         p
@@ -305,6 +386,20 @@ impl Model for Cluster {
 }
 
 impl Cluster {
+    /// `s`, or with [`Config::start_pending`] the state after the
+    /// operator's first pass of every task landed and its cache caught up.
+    fn started(&self, mut s: State) -> State {
+        if self.cfg.start_pending {
+            for i in 0..s.api.tasks.len() {
+                s.op.tasks = Some(s.api.tasks.clone());
+                self.reconcile(&mut s, i);
+                self.send_pending(&mut s, i);
+            }
+            s.op.tasks = Some(s.api.tasks.clone());
+        }
+        s
+    }
+
     /// No step but a tick changes anything.
     fn quiescent(&self, s: &State) -> bool {
         let mut steps = Vec::new();
@@ -314,17 +409,21 @@ impl Cluster {
 
     /// Every step but a tick that `s` allows.
     fn steps(&self, s: &State, actions: &mut Vec<Action>) {
-        if s.op.task.as_ref() != Some(&s.api.task) {
+        if s.op.tasks.as_ref() != Some(&s.api.tasks) {
             actions.push(Action::SyncTask);
         }
         if s.op.leases != s.api.leases {
             actions.push(Action::SyncLeases);
         }
-        if s.op.task.is_some() && s.op.pending.is_none() {
-            actions.push(Action::Reconcile);
+        if s.op.tasks.is_some() {
+            for i in 0..s.api.tasks.len() {
+                if !s.op.pending.contains_key(&i) {
+                    actions.push(Action::Reconcile(i));
+                }
+            }
         }
-        if s.op.pending.is_some() {
-            actions.push(Action::SendWrite);
+        for i in s.op.pending.keys() {
+            actions.push(Action::SendWrite(*i));
         }
         if s.crashes < self.cfg.operator_crashes && s.op != Operator::default() {
             actions.push(Action::CrashOperator);
@@ -345,7 +444,7 @@ impl Cluster {
                 Worker::Idle => {
                     for (name, l) in &s.api.leases {
                         let l: TaskLease = decode(l);
-                        if phase(&l) == Some(LeasePhase::Offered) {
+                        if phase(&l) == Some(LeasePhase::Offered) && self.serves(w, &l) {
                             actions.push(Action::Claim(w, name.clone()));
                             if s.lost < self.cfg.lost_answers {
                                 actions.push(Action::ClaimAnswerLost(w, name.clone()));
@@ -383,8 +482,8 @@ impl Cluster {
         match &action {
             Action::Tick => s.now += 1,
             Action::SyncTask => {
-                s.op.task = Some(s.api.task.clone());
-                s.op.refused = None;
+                s.op.tasks = Some(s.api.tasks.clone());
+                s.op.refused.clear();
             }
             Action::SyncLeases => {
                 let now = self.instant(s.now);
@@ -397,38 +496,15 @@ impl Cluster {
                 }
                 s.op.seen = seen;
                 s.op.leases = s.api.leases.clone();
-                s.op.refused = None;
+                s.op.refused.clear();
             }
-            Action::Reconcile => self.reconcile(&mut s),
-            Action::SendWrite => {
-                if let Some(w) = s.op.pending.take() {
-                    // reconcile.rs: every create is expected first; one
-                    // that meets an existing object is not.
-                    let creating = match &w {
-                        Write::Create(l) => Some(decode::<TaskLease>(l).name_any()),
-                        _ => None,
-                    };
-                    let sent = self.send(&mut s, w.clone());
-                    if let (Some(name), true) = (creating, sent.already_exists) {
-                        s.op.expect.remove(&name);
-                    }
-                    if !sent.applied {
-                        s.op.refused = Some(w);
-                    }
-                    let next = sent.next;
-                    if let Some(Write::Create(l)) = &next {
-                        let l: TaskLease = decode(l);
-                        s.op.expect.insert(l.name_any(), s.now);
-                    }
-                    s.op.pending = next;
-                }
-            }
+            Action::Reconcile(i) => self.reconcile(&mut s, *i),
+            Action::SendWrite(i) => self.send_pending(&mut s, *i),
             Action::CrashOperator => {
                 s.crashes += 1;
-                if let Some(w) = s.op.pending.take() {
-                    // Already sent: it may still land.
-                    s.late.push(w);
-                }
+                // Already sent: they may still land.
+                let pending = std::mem::take(&mut s.op.pending);
+                s.late.extend(pending.into_values().map(Write::in_flight));
                 s.op = Operator::default();
             }
             Action::LateWrite(i) => {
@@ -443,21 +519,24 @@ impl Cluster {
             }
             Action::ClaimAnswerLost(w, name) => {
                 s.lost += 1;
-                claim(&mut s, *w, name)?;
+                self.claim(&mut s, *w, name)?;
             }
             Action::RenewAnswerLost(w) => {
                 let Worker::Holding(a) = &s.workers[*w] else {
                     return None;
                 };
                 let mut l: TaskLease = decode(&a.copy);
-                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                l.spec.renew_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(&a.lease))));
                 s.lost += 1;
                 s.api.replace_lease(&l).ok()?;
             }
             Action::Claim(w, name) => {
-                let stored = claim(&mut s, *w, name)?;
+                let stored = self.claim(&mut s, *w, name)?;
+                let task = s.api.task_index(&stored.spec.task_name)?;
                 s.workers[*w] = Worker::Holding(Attempt {
                     rate: s.rates[*w],
+                    task,
+                    resource_tokens: stored.spec.resource_tokens.clone(),
                     lease: name.clone(),
                     token: stored.spec.fencing_token,
                     copy: encode(&stored),
@@ -477,67 +556,5 @@ impl Cluster {
         // A step that changes nothing is no step: paths then end where
         // nothing can happen any more, which `eventually` needs.
         (s != *last).then_some(s)
-    }
-
-    fn safety(&self) -> Vec<Property<Self>> {
-        vec![
-            Property::always(
-                "at most one attempt's effect is committed",
-                |_, s: &State| s.pg.accepted.len() <= 1,
-            ),
-            Property::always("a token is used by at most one lease", |_, s: &State| {
-                let mut seen = s.created.clone();
-                seen.sort_unstable();
-                seen.windows(2).all(|w| w[0] != w[1])
-            }),
-            Property::always(
-                "tokens of created leases strictly increase",
-                |_, s: &State| s.created.windows(2).all(|w| w[0] < w[1]),
-            ),
-            Property::always("never two Held leases", |_, s: &State| {
-                s.api
-                    .all_leases()
-                    .iter()
-                    .filter(|l| phase(l) == Some(LeasePhase::Held))
-                    .count()
-                    <= 1
-            }),
-            Property::always(
-                "no accepted storage write carries a token below a registered one",
-                |_, s: &State| !s.pg.stale_write_accepted,
-            ),
-            // The property that needs the kill switch: a worker stops (and
-            // its writes carry a deadline) before the operator can expire
-            // its lease, so nothing it writes lands after the expiry.
-            Property::always(
-                "no storage write is accepted for an attempt whose lease expired",
-                |_, s: &State| !s.write_after_expiry,
-            ),
-            Property::sometimes("the task succeeds", |_, s: &State| {
-                s.api.task().status.and_then(|st| st.phase) == Some(TaskPhase::Succeeded)
-            }),
-            // Coverage: the situations the safety properties are about are
-            // reached (asserted by the CI bounds that should reach them).
-            Property::sometimes("two workers hold attempts at once", |_, s: &State| {
-                s.workers
-                    .iter()
-                    .filter(|w| matches!(w, Worker::Holding(_)))
-                    .count()
-                    >= 2
-            }),
-            Property::sometimes(
-                "an expired lease's task is offered again",
-                |_, s: &State| !s.expired.is_empty() && s.created.len() >= 2,
-            ),
-            Property::sometimes("storage refuses a stale attempt", |_, s: &State| {
-                s.fenced_by_storage
-            }),
-            Property::sometimes("a crashed operator's request lands late", |_, s: &State| {
-                s.late_landed
-            }),
-            Property::sometimes("a tombstone retires a token", |_, s: &State| {
-                s.tombstones > 0
-            }),
-        ]
     }
 }

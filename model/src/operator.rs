@@ -1,7 +1,8 @@
 //! The operator: two caches that lag the API server, the reconciler's
 //! pass around the real `decide()` (mirrored from
 //! `operator/src/reconcile.rs`), and its requests, which land in a
-//! separate step.
+//! separate step. Passes of different tasks run concurrently (the
+//! controller runs them so), one pass per task at a time.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -10,28 +11,34 @@ use batchlease_api::{BatchTask, LeasePhase, TaskLease, check_current};
 use batchlease_operator::decide::{Decision, Input, Lookup, decide};
 use batchlease_operator::deps::Readiness;
 use batchlease_operator::lease_build::offered_lease;
+use batchlease_operator::locks::Slot;
 use batchlease_operator::observe::Seen;
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 
-use crate::api_server::{decode, encode};
-use crate::{Cluster, RepairRule, State, TICK_SECONDS, phase, wall};
+use crate::api_server::{Refused, decode, encode};
+use crate::locks::{self, Pass};
+use crate::{Cluster, RepairRule, State, TICK_SECONDS, phase};
 
 /// What the operator holds in memory; all of it is lost in a crash.
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
 pub struct Operator {
-    /// Its cache of the task and of the leases (two watches: they lag
-    /// independently).
-    pub task: Option<String>,
+    /// Its cache of the tasks and of the leases (two watches: they lag
+    /// independently; `None` until the first sync).
+    pub tasks: Option<Vec<String>>,
     pub leases: BTreeMap<String, String>,
     pub seen: BTreeMap<String, Seen>,
     /// Lease creates sent, and when (reconcile.rs's expectations).
     pub expect: BTreeMap<String, u8>,
-    /// The write this pass decided, not applied yet (a request on its
-    /// way): the next reconcile waits for it, a crash leaves it in flight.
-    pub pending: Option<Write>,
-    /// The last request the API server refused: deciding it again before
-    /// the caches change is no step (a retry loop is not progress).
-    pub refused: Option<Write>,
+    /// Per task, the write its pass decided, not applied yet (a request on
+    /// its way): the task's next reconcile waits for it (the controller
+    /// never runs two passes of one task at once), a crash leaves it in
+    /// flight.
+    pub pending: BTreeMap<usize, Write>,
+    /// Per task, the last request the API server refused: deciding it
+    /// again before the caches change is no step (a retry loop is not
+    /// progress).
+    pub refused: BTreeMap<usize, Write>,
 }
 
 /// What became of a request.
@@ -41,6 +48,10 @@ pub(crate) struct Sent {
     /// An issue's lease create, after its status write.
     pub(crate) next: Option<Write>,
     pub(crate) already_exists: bool,
+    /// A lock Lease as written (the write's answer).
+    pub(crate) lock: Option<Lease>,
+    /// A lock to give back was not found (reconcile.rs skips it).
+    pub(crate) not_found: bool,
 }
 
 /// One request of the operator to the API server.
@@ -57,11 +68,47 @@ pub enum Write {
     Create(String),
     /// `DELETE` of a lease with a resourceVersion precondition.
     Delete(String, Option<String>),
+    /// `POST` (no resourceVersion) or `PUT` (a CAS) of a lock Lease
+    /// (JSON); when it lands, `pass` goes on from its answer.
+    TakeLock {
+        lease: String,
+        pass: Option<Box<Pass>>,
+    },
+    /// `PUT`s (CAS each) giving back lock Leases, first to last, one per
+    /// step; then `pass` decides again (`ReleaseLocks`) or ends
+    /// (`LockBlocked`'s give-back).
+    ReleaseLocks {
+        leases: Vec<String>,
+        pass: Option<Box<Pass>>,
+        then_decide: bool,
+    },
+}
+
+impl Write {
+    /// The request alone, as it may still land after its sender crashed
+    /// (the pass waiting for its answer is gone).
+    pub(crate) fn in_flight(self) -> Self {
+        match self {
+            Self::TakeLock { lease, .. } => Self::TakeLock { lease, pass: None },
+            Self::ReleaseLocks { mut leases, .. } => {
+                leases.truncate(1);
+                Self::ReleaseLocks {
+                    leases,
+                    pass: None,
+                    then_decide: false,
+                }
+            }
+            other => other,
+        }
+    }
 }
 
 impl Cluster {
-    pub(crate) fn reconcile(&self, s: &mut State) {
-        let Some(task_json) = s.op.task.clone() else {
+    /// One reconcile pass of task `i`, as `reconcile.rs` does it, on the
+    /// operator's caches and its direct reads; leaves its request pending
+    /// (nothing when it decides to wait).
+    pub(crate) fn reconcile(&self, s: &mut State, i: usize) {
+        let Some(task_json) = s.op.tasks.as_ref().and_then(|t| t.get(i)).cloned() else {
             return;
         };
         let task: BatchTask = decode(&task_json);
@@ -90,22 +137,22 @@ impl Cluster {
                 lookup = Lookup::Creating;
             }
         }
-        let decide_with = |leases: &[Arc<TaskLease>], lookup| {
+        let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
             decide(&Input {
                 task: &task,
                 leases,
                 observation,
                 now: self.instant(s.now),
-                wall: wall(s.now, 0),
+                wall: self.wall(s.now, 0),
                 jitter: 0.5,
                 lookup,
                 deps: Readiness::Ready,
-                locks: None,
+                locks,
             })
         };
-        let mut decision = decide_with(&leases, lookup);
+        let mut decision = decide_with(&leases, lookup, None);
         if let Decision::LookUpLease(name) = &decision {
-            let lookup = match s.api.lease(name) {
+            lookup = match s.api.lease(name) {
                 Some(l) if check_current(&task, &l).is_ok() => {
                     leases.push(Arc::new(l));
                     Lookup::CacheOnly
@@ -113,15 +160,52 @@ impl Cluster {
                 Some(_) => Lookup::Occupied,
                 None => Lookup::Absent,
             };
-            decision = decide_with(&leases, lookup);
+            decision = decide_with(&leases, lookup, None);
         }
-        s.op.pending = match decision {
-            Decision::Wait(_) | Decision::LookUpLease(_) => None,
-            // The model's task needs no resources: decide never asks.
-            Decision::FetchLocks(_)
-            | Decision::TakeLock(_)
-            | Decision::ReleaseLocks { .. }
-            | Decision::LockBlocked { .. } => None,
+        let mut slots = None;
+        if let Decision::FetchLocks(resources) = &decision {
+            let fetched = self.fetch_locks(s, &task, resources);
+            decision = decide_with(&leases, lookup, Some(fetched.clone()));
+            slots = Some(fetched);
+        }
+        let pass = || Pass::new(&task, &leases, lookup, slots.as_deref());
+        match self.request(s, &task, decision, pass) {
+            Some(w) if s.op.refused.get(&i) != Some(&w) => {
+                s.op.pending.insert(i, w);
+            }
+            _ => {}
+        }
+    }
+
+    /// The request a decision asks for (`None`: nothing to write); a lock
+    /// write carries the `pass`, which goes on when it lands.
+    fn request(
+        &self,
+        s: &mut State,
+        task: &BatchTask,
+        decision: Decision,
+        pass: impl FnOnce() -> Pass,
+    ) -> Option<Write> {
+        match decision {
+            // A second read, or locks a pass already read, is the end of
+            // the pass (reconcile.rs requeues).
+            Decision::Wait(_) | Decision::LookUpLease(_) | Decision::FetchLocks(_) => None,
+            Decision::TakeLock(lease) => Some(Write::TakeLock {
+                lease: encode(&*lease),
+                pass: Some(Box::new(pass())),
+            }),
+            Decision::ReleaseLocks { leases, .. } => Some(Write::ReleaseLocks {
+                leases: leases.iter().map(encode).collect(),
+                pass: Some(Box::new(pass())),
+                then_decide: true,
+            }),
+            Decision::LockBlocked { give_back, .. } => {
+                (!give_back.is_empty()).then(|| Write::ReleaseLocks {
+                    leases: give_back.iter().map(encode).collect(),
+                    pass: Some(Box::new(pass())),
+                    then_decide: false,
+                })
+            }
             Decision::WriteStatus { status, .. } => {
                 let mut t = task.clone();
                 t.status = Some(*status);
@@ -144,7 +228,7 @@ impl Cluster {
                     RepairRule::RetireToken => encode(&*tombstone),
                     RepairRule::SameToken => {
                         let token = task.status.as_ref().map_or(0, |st| st.fencing_token);
-                        encode(&offered_lease(&task, token))
+                        encode(&offered_lease(task, token))
                     }
                 }))
             }
@@ -154,9 +238,92 @@ impl Cluster {
                 .into_iter()
                 .next()
                 .map(|(name, rv)| Write::Delete(name, rv)),
+        }
+    }
+
+    /// The pass goes on after a lock write: it decides again on what it
+    /// started with and the slots as its writes left them. (No renewal
+    /// observation: a pass that writes locks never times a held lease.)
+    fn go_on(&self, s: &mut State, pass: Pass) -> Option<Write> {
+        let task: BatchTask = decode(&pass.task);
+        let leases = pass.leases();
+        let decision = decide(&Input {
+            task: &task,
+            leases: &leases,
+            observation: None,
+            now: self.instant(s.now),
+            wall: self.wall(s.now, 0),
+            jitter: 0.5,
+            lookup: pass.lookup.into(),
+            deps: Readiness::Ready,
+            locks: Some(pass.slots()),
+        });
+        self.request(s, &task, decision, || pass)
+    }
+
+    /// Task `i`'s pending request reaches the API server; an issue's
+    /// create follows its status write, a pass goes on after a lock write.
+    pub(crate) fn send_pending(&self, s: &mut State, i: usize) {
+        let Some(w) = s.op.pending.remove(&i) else {
+            return;
         };
-        if s.op.pending.is_some() && s.op.pending == s.op.refused {
-            s.op.pending = None;
+        // reconcile.rs: every create is expected first; one that meets an
+        // existing object is not.
+        let creating = match &w {
+            Write::Create(l) => Some(decode::<TaskLease>(l).name_any()),
+            _ => None,
+        };
+        let sent = self.send(s, w.clone());
+        if let (Some(name), true) = (creating, sent.already_exists) {
+            s.op.expect.remove(&name);
+        }
+        // A refused lock write fails the pass (reconcile.rs returns the
+        // error); a lock to give back that is gone is skipped.
+        if !sent.applied && !sent.not_found {
+            if self.cfg.fair {
+                s.op.refused.insert(i, w);
+            }
+            return;
+        }
+        let next = match w {
+            Write::TakeLock {
+                pass: Some(mut pass),
+                ..
+            } => {
+                if let Some(written) = &sent.lock {
+                    self.update_slots(s, &mut pass, written);
+                }
+                self.go_on(s, *pass)
+            }
+            Write::ReleaseLocks {
+                mut leases,
+                pass: Some(mut pass),
+                then_decide,
+            } => {
+                if let Some(written) = &sent.lock {
+                    self.update_slots(s, &mut pass, written);
+                }
+                leases.remove(0);
+                if !leases.is_empty() {
+                    Some(Write::ReleaseLocks {
+                        leases,
+                        pass: Some(pass),
+                        then_decide,
+                    })
+                } else if then_decide {
+                    self.go_on(s, *pass)
+                } else {
+                    None
+                }
+            }
+            _ => sent.next,
+        };
+        if let Some(next) = next {
+            if let Write::Create(l) = &next {
+                let l: TaskLease = decode(l);
+                s.op.expect.insert(l.name_any(), s.now);
+            }
+            s.op.pending.insert(i, next);
         }
     }
 
@@ -174,8 +341,9 @@ impl Cluster {
             Write::Lease(l) => {
                 if let Ok(stored) = s.api.replace_lease(&decode(&l)) {
                     sent.applied = true;
-                    if phase(&stored) == Some(LeasePhase::Expired) {
-                        s.expired.push(stored.spec.fencing_token);
+                    let ti = s.api.task_index(&stored.spec.task_name);
+                    if let (Some(LeasePhase::Expired), Some(ti)) = (phase(&stored), ti) {
+                        s.expired[ti].push(stored.spec.fencing_token);
                     }
                 }
             }
@@ -185,13 +353,43 @@ impl Cluster {
                     l.status.as_ref().and_then(|st| st.reason.as_deref()) == Some("TokenRetired");
                 match s.api.create_lease(&l) {
                     Ok(_) if tombstone => s.tombstones += 1,
-                    Ok(_) => s.created.push(l.spec.fencing_token),
+                    Ok(_) => {
+                        if let Some(ti) = s.api.task_index(&l.spec.task_name) {
+                            s.created[ti].push(l.spec.fencing_token);
+                        }
+                        locks::lease_created(s, &l);
+                    }
                     Err(_) => sent.already_exists = true,
                 }
                 sent.applied = !sent.already_exists;
             }
             Write::Delete(name, rv) => {
                 sent.applied = s.api.delete_lease(&name, rv.as_deref()).is_ok();
+            }
+            Write::TakeLock { lease, .. } => {
+                let lease: Lease = decode(&lease);
+                let written = if lease.metadata.resource_version.is_none() {
+                    s.api.create_lock(&lease)
+                } else {
+                    s.api.replace_lock(&lease)
+                };
+                if let Ok(written) = written {
+                    locks::took(s, &written);
+                    sent.applied = true;
+                    sent.lock = Some(written);
+                }
+            }
+            Write::ReleaseLocks { leases, .. } => {
+                if let Some(first) = leases.first() {
+                    match s.api.replace_lock(&decode(first)) {
+                        Ok(written) => {
+                            sent.applied = true;
+                            sent.lock = Some(written);
+                        }
+                        Err(Refused::NotFound) => sent.not_found = true,
+                        Err(_) => {}
+                    }
+                }
             }
         }
         sent

@@ -1,4 +1,5 @@
-//! PostgreSQL's fenced table of design §4, as rules on one row.
+//! PostgreSQL's fenced tables of design §4 and §5, as rules on one row per
+//! task (`task_state`) and one per resource (`resource_fence`).
 //!
 //! Today's rule (`RegisterFirst`, `worker-sdk/src/postgres.rs`): an attempt
 //! registers its token before its handler runs (refused if a newer one
@@ -6,6 +7,17 @@
 //! no other attempt committed, and before the attempt's deadline. The rule
 //! before issue 7 (`CommitOnly`): no registration; a commit is accepted if
 //! its token is at least the stored one, and stores it.
+//!
+//! Resource tokens (the lock's `leaseTransitions`) are fenced in the same
+//! transactions, whatever the rule: registration raises each resource row
+//! to the attempt's token (refused if a higher one is stored, or the same
+//! one by another task; the same one by the same task is its own
+//! re-registration); a commit is refused unless every resource row still
+//! carries the attempt's token (or a lower one: an attempt that never
+//! registered), and stamps it. A refusal of any row refuses the whole
+//! transaction.
+
+use std::collections::BTreeMap;
 
 /// Which rules the table enforces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -14,68 +26,145 @@ pub enum StorageRule {
     CommitOnly,
 }
 
-/// The task's row.
-#[derive(Clone, Debug, Hash, PartialEq, Eq)]
-pub struct Storage {
-    pub rule: StorageRule,
+/// A task's row (`task_state`, keyed by the task).
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
+pub struct Row {
     /// `last_fencing_token`.
     pub token: i64,
     /// `committed_token` and whose payload it is.
     pub committed: Option<(i64, usize)>,
     /// Ghost: every distinct (token, worker) commit accepted.
     pub accepted: Vec<(i64, usize)>,
+}
+
+/// Which rows refuse a write (one transaction: any refusal refuses it
+/// all). The SDK reports the task row's reason first; the model records
+/// both, to tell when the resource rows alone stood in the way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The task's row: a newer attempt, an earlier commit, or too late.
+    pub task_row: bool,
+    /// A resource's row: the resource passed to a newer holder.
+    pub resource_rows: bool,
+}
+
+/// The tables.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Storage {
+    pub rule: StorageRule,
+    /// One row per task, by the task's index.
+    pub rows: Vec<Row>,
+    /// `resource_fence`: per resource, `last_token` and the task (index)
+    /// that wrote it.
+    pub resources: BTreeMap<String, (i64, usize)>,
     /// Ghost: a write was accepted with a token below one already stored.
     pub stale_write_accepted: bool,
+    /// Ghost: a commit was accepted with a resource token below the
+    /// resource's stored one.
+    pub stale_resource_write_accepted: bool,
 }
 
 impl Storage {
-    pub fn new(rule: StorageRule) -> Self {
+    pub fn new(rule: StorageRule, tasks: usize) -> Self {
         Self {
             rule,
-            token: 0,
-            committed: None,
-            accepted: Vec::new(),
+            rows: vec![Row::default(); tasks],
+            resources: BTreeMap::new(),
             stale_write_accepted: false,
+            stale_resource_write_accepted: false,
         }
     }
 
-    /// `register`: raises the stored token; `false` = fenced.
-    pub fn register(&mut self, token: i64) -> bool {
-        if self.token > token {
-            return false;
-        }
-        self.token = token;
-        true
+    /// Whether a resource row moved on from `rt`: a higher token, or the
+    /// same one written by another task.
+    fn moved_on(&self, task: usize, tokens: &BTreeMap<String, i64>) -> bool {
+        tokens.iter().any(|(r, rt)| {
+            self.resources
+                .get(r)
+                .is_some_and(|(last, by)| last > rt || (last == rt && *by != task))
+        })
     }
 
-    /// `commit` by `worker` under `token`; `in_time`: the server's clock is
-    /// still before the attempt's deadline. `false` = refused.
-    pub fn commit(&mut self, token: i64, worker: usize, in_time: bool) -> bool {
-        let accepted = match self.rule {
+    /// Writes `tokens` into the resource rows.
+    fn stamp(&mut self, task: usize, tokens: &BTreeMap<String, i64>) {
+        for (r, rt) in tokens {
+            if self.resources.get(r).is_some_and(|(last, _)| last > rt) {
+                self.stale_resource_write_accepted = true;
+            }
+            self.resources.insert(r.clone(), (*rt, task));
+        }
+    }
+
+    /// `register` of task `task`'s attempt under `token` holding the
+    /// resource tokens `tokens`: raises the stored tokens.
+    pub fn register(
+        &mut self,
+        task: usize,
+        token: i64,
+        tokens: &BTreeMap<String, i64>,
+    ) -> Result<(), Refusal> {
+        let refusal = Refusal {
+            task_row: self.rows.get(task).is_none_or(|row| row.token > token),
+            resource_rows: self.moved_on(task, tokens),
+        };
+        if refusal.task_row || refusal.resource_rows {
+            return Err(refusal);
+        }
+        if let Some(row) = self.rows.get_mut(task) {
+            row.token = token;
+        }
+        self.stamp(task, tokens);
+        Ok(())
+    }
+
+    /// `commit` by `worker` of task `task`'s attempt under `token` holding
+    /// the resource tokens `tokens`; `in_time`: the server's clock is
+    /// still before the attempt's deadline.
+    pub fn commit(
+        &mut self,
+        task: usize,
+        token: i64,
+        worker: usize,
+        in_time: bool,
+        tokens: &BTreeMap<String, i64>,
+    ) -> Result<(), Refusal> {
+        let rule = self.rule;
+        let moved_on = self.moved_on(task, tokens);
+        let Some(row) = self.rows.get_mut(task) else {
+            return Err(Refusal {
+                task_row: true,
+                resource_rows: moved_on,
+            });
+        };
+        let accepted = match rule {
             StorageRule::RegisterFirst => {
                 in_time
-                    && self.token <= token
-                    && match self.committed {
+                    && row.token <= token
+                    && match row.committed {
                         None => true,
                         // Our own commit again (a lost acknowledgement).
                         Some(c) => c == (token, worker),
                     }
             }
-            StorageRule::CommitOnly => self.token <= token,
+            StorageRule::CommitOnly => row.token <= token,
         };
-        if !accepted {
-            return false;
+        if !accepted || moved_on {
+            return Err(Refusal {
+                task_row: !accepted,
+                resource_rows: moved_on,
+            });
         }
-        if token < self.token {
+        if token < row.token {
             self.stale_write_accepted = true;
         }
-        self.token = token;
-        if self.committed.is_none() {
-            self.committed = Some((token, worker));
+        row.token = token;
+        if row.committed.is_none() {
+            row.committed = Some((token, worker));
         }
-        if !self.accepted.contains(&(token, worker)) {
-            self.accepted.push((token, worker));
+        if !row.accepted.contains(&(token, worker)) {
+            row.accepted.push((token, worker));
         }
-        true
+        self.stamp(task, tokens);
+        Ok(())
     }
 }

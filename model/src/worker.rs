@@ -2,6 +2,7 @@
 //! kill switch (the SDK's `KillClock`), registration, the fence check, a
 //! commit that lands later, and completion.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease, check_current};
@@ -9,7 +10,8 @@ use batchlease_worker_sdk::KillClock;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
 use crate::api_server::{Refused, decode, encode};
-use crate::{Action, Cluster, KillRule, State, TTL_SECONDS, phase, wall};
+use crate::storage::Refusal;
+use crate::{Action, Cluster, KillRule, State, TTL_SECONDS, phase};
 
 /// One worker.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -23,6 +25,10 @@ pub enum Worker {
 pub struct Attempt {
     /// The worker's clock rate, percent.
     pub rate: u8,
+    /// The task's index.
+    pub task: usize,
+    /// The lease's resource tokens (`spec.resourceTokens`).
+    pub resource_tokens: BTreeMap<String, i64>,
     pub lease: String,
     pub token: i64,
     /// The worker's last copy of the lease (JSON).
@@ -39,29 +45,29 @@ pub(crate) fn worker_name(w: usize) -> String {
     format!("w{w}")
 }
 
-/// Worker `w` claims lease `name` if it is the task's current lease (the
-/// SDK reads the task first); the lease as stored, or `None`.
-pub(crate) fn claim(s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
-    let lease = s.api.lease(name)?;
-    check_current(&s.api.task(), &lease).ok()?;
-    let mut l = lease;
-    l.spec.holder_identity = Some(worker_name(w));
-    l.spec.acquire_time = Some(MicroTime(wall(s.now, s.api.rv)));
-    l.spec.renew_time = l.spec.acquire_time.clone();
-    l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
-    s.api.replace_lease(&l).ok()
-}
-
-/// Records storage's answer to worker `w`'s write under `token` in the
-/// ghosts; a refusal ends the attempt. Returns whether it was accepted.
-fn stored(s: &mut State, w: usize, token: i64, accepted: bool) -> bool {
-    if !accepted {
-        s.fenced_by_storage = true;
-        s.workers[w] = Worker::Idle;
-    } else if s.expired.contains(&token) {
-        s.write_after_expiry = true;
+/// Records storage's answer to worker `w`'s write for `a` in the ghosts;
+/// a refusal ends the attempt. Returns whether it was accepted.
+fn stored(s: &mut State, w: usize, a: &Attempt, answer: Result<(), Refusal>) -> bool {
+    match answer {
+        Err(refusal) => {
+            s.fenced_by_storage = true;
+            if refusal.resource_rows {
+                s.locks.stale_resource_refused = true;
+                if !refusal.task_row {
+                    s.locks.fenced_by_resource = true;
+                }
+            }
+            s.workers[w] = Worker::Idle;
+            false
+        }
+        Ok(()) => {
+            if s.expired[a.task].contains(&a.token) {
+                s.write_after_expiry = true;
+            }
+            crate::locks::wrote(s, a.task, &a.resource_tokens);
+            true
+        }
     }
-    accepted
 }
 
 /// After a refused write: the fresh copy while the lease is still held by
@@ -76,6 +82,20 @@ fn still_ours(s: &State, a: &Attempt, me: &str) -> Option<String> {
 }
 
 impl Cluster {
+    /// Worker `w` claims lease `name` if it is its task's current lease
+    /// (the SDK reads the task first); the lease as stored, or `None`.
+    pub(crate) fn claim(&self, s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
+        let lease = s.api.lease(name)?;
+        let task = s.api.task_index(&lease.spec.task_name)?;
+        check_current(&s.api.task(task), &lease).ok()?;
+        let mut l = lease;
+        l.spec.holder_identity = Some(worker_name(w));
+        l.spec.acquire_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(name))));
+        l.spec.renew_time = l.spec.acquire_time.clone();
+        l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+        s.api.replace_lease(&l).ok()
+    }
+
     fn kill_clock(&self, a: &Attempt) -> KillClock {
         let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
         // The worker's own monotonic clock.
@@ -101,7 +121,7 @@ impl Cluster {
         match action {
             Action::Renew(_) => {
                 let mut l: TaskLease = decode(&a.copy);
-                l.spec.renew_time = Some(MicroTime(wall(s.now, s.api.rv)));
+                l.spec.renew_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(&a.lease))));
                 match s.api.replace_lease(&l) {
                     Ok(stored) => {
                         a.copy = encode(&stored);
@@ -125,8 +145,8 @@ impl Cluster {
                     s.workers[w] = Worker::Idle;
                     return;
                 }
-                let accepted = s.pg.register(a.token);
-                if !stored(s, w, a.token, accepted) {
+                let answer = s.pg.register(a.task, a.token, &a.resource_tokens);
+                if !stored(s, w, &a, answer) {
                     return;
                 }
                 a.registered = true;
@@ -144,8 +164,8 @@ impl Cluster {
                 // worker's time frame.
                 let in_time = self.cfg.kill == KillRule::Never
                     || self.worker_instant(a.rate, s.now) <= deadline;
-                let accepted = s.pg.commit(a.token, w, in_time);
-                if !stored(s, w, a.token, accepted) {
+                let answer = s.pg.commit(a.task, a.token, w, in_time, &a.resource_tokens);
+                if !stored(s, w, &a, answer) {
                     return;
                 }
                 a.committed = true;

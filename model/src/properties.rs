@@ -1,0 +1,145 @@
+//! What the checker checks in every state it reaches: the safety
+//! properties (`always`) and the coverage properties (`sometimes`) that
+//! show the interesting situations are reached at all.
+
+use batchlease_api::{LeasePhase, TaskPhase};
+use stateright::Property;
+
+use crate::worker::Worker;
+use crate::{Cluster, State, locks, phase};
+
+/// Task `i`'s phase as stored.
+fn task_phase(s: &State, i: usize) -> Option<TaskPhase> {
+    s.api.task(i).status.and_then(|st| st.phase)
+}
+
+impl Cluster {
+    pub(crate) fn safety(&self) -> Vec<Property<Self>> {
+        let mut p = self.lease_properties();
+        p.extend(Self::lock_properties());
+        p
+    }
+
+    fn lease_properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "at most one attempt's effect is committed",
+                |_, s: &State| s.pg.rows.iter().all(|r| r.accepted.len() <= 1),
+            ),
+            Property::always("a token is used by at most one lease", |_, s: &State| {
+                s.created.iter().all(|created| {
+                    let mut seen = created.clone();
+                    seen.sort_unstable();
+                    seen.windows(2).all(|w| w[0] != w[1])
+                })
+            }),
+            Property::always(
+                "tokens of created leases strictly increase",
+                |_, s: &State| s.created.iter().all(|c| c.windows(2).all(|w| w[0] < w[1])),
+            ),
+            Property::always("never two Held leases", |_, s: &State| {
+                let leases = s.api.all_leases();
+                (0..s.api.tasks.len()).all(|i| {
+                    let name = crate::task_name(i);
+                    leases
+                        .iter()
+                        .filter(|l| l.spec.task_name == name && phase(l) == Some(LeasePhase::Held))
+                        .count()
+                        <= 1
+                })
+            }),
+            Property::always(
+                "no accepted storage write carries a token below a registered one",
+                |_, s: &State| !s.pg.stale_write_accepted,
+            ),
+            // The property that needs the kill switch: a worker stops (and
+            // its writes carry a deadline) before the operator can expire
+            // its lease, so nothing it writes lands after the expiry.
+            Property::always(
+                "no storage write is accepted for an attempt whose lease expired",
+                |_, s: &State| !s.write_after_expiry,
+            ),
+            Property::sometimes("the task succeeds", |_, s: &State| {
+                task_phase(s, 0) == Some(TaskPhase::Succeeded)
+            }),
+            // Coverage: the situations the safety properties are about are
+            // reached (asserted by the CI bounds that should reach them).
+            Property::sometimes("two workers hold attempts at once", |_, s: &State| {
+                s.workers
+                    .iter()
+                    .filter(|w| matches!(w, Worker::Holding(_)))
+                    .count()
+                    >= 2
+            }),
+            Property::sometimes(
+                "an expired lease's task is offered again",
+                |_, s: &State| {
+                    s.expired
+                        .iter()
+                        .zip(&s.created)
+                        .any(|(e, c)| !e.is_empty() && c.len() >= 2)
+                },
+            ),
+            Property::sometimes("storage refuses a stale attempt", |_, s: &State| {
+                s.fenced_by_storage
+            }),
+            Property::sometimes("a crashed operator's request lands late", |_, s: &State| {
+                s.late_landed
+            }),
+            Property::sometimes("a tombstone retires a token", |_, s: &State| {
+                s.tombstones > 0
+            }),
+        ]
+    }
+
+    /// Resource locks (design §5).
+    fn lock_properties() -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "never two live leases carry a token for one resource",
+                |_, s: &State| s.api.locks.is_empty() || locks::one_live_holder(s),
+            ),
+            Property::always(
+                "resource tokens of created leases strictly increase",
+                |_, s: &State| !s.locks.created_out_of_order,
+            ),
+            // A restatement of the resource rows' rule: it guards a change
+            // of `storage.rs`.
+            Property::always(
+                "no accepted commit carries a resource token below the stored one",
+                |_, s: &State| !s.pg.stale_resource_write_accepted,
+            ),
+            // The zombie case: the lock passes to another task only once
+            // the holder's lease ended — completed, or expired after its
+            // kill switch fired.
+            Property::always(
+                "no storage write for a resource is accepted after its lock passed to another task",
+                |_, s: &State| !s.locks.write_after_passed,
+            ),
+            Property::sometimes("every task succeeds", |_, s: &State| {
+                (0..s.api.tasks.len()).all(|i| task_phase(s, i) == Some(TaskPhase::Succeeded))
+            }),
+            Property::sometimes("a lock acquisition is blocked", |_, s: &State| {
+                locks::contended(s)
+            }),
+            Property::sometimes(
+                "a lock passes to another task from an attempt whose lease expired",
+                |_, s: &State| s.locks.passed_after_expiry,
+            ),
+            Property::sometimes("storage refuses a stale resource token", |_, s: &State| {
+                s.locks.stale_resource_refused
+            }),
+            Property::sometimes(
+                "only a resource row refuses a stale attempt",
+                |_, s: &State| s.locks.fenced_by_resource,
+            ),
+            Property::sometimes("a younger task takes a lock first", |_, s: &State| {
+                s.locks.younger_first
+            }),
+            Property::sometimes(
+                "an attempt writes after its task took its lock again",
+                |_, s: &State| s.locks.write_after_retaken,
+            ),
+        ]
+    }
+}
