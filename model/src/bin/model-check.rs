@@ -4,17 +4,29 @@
 //!
 //! `cargo run -p batchlease-model --release --bin model-check -- --ticks=8
 //!  [--workers=2] [--crashes=1] [--deletions=1] [--repair=same-token]
-//!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only] [--timeout-seconds=600]`
+//!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only]
+//!  [--tasks=2 --locks [--holder=ahead-is-dead]] [--frozen-wall] [--dedicated]
+//!  [--kill=never] [--threads=N] [--stop-at-failure] [--timeout-seconds=600]`
+//!
+//! `--locks`: every task needs the resource `r` (the lock passes between
+//! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
+//! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
+//! `Config`; `--stop-at-failure`: stop at the first safety counterexample
+//! (with `--threads=1`, a shortest one: the search is breadth-first).
 
 use std::time::{Duration, Instant};
 
+use batchlease_model::KillRule;
+use batchlease_model::locks::LockRule;
 use batchlease_model::storage::StorageRule;
 use batchlease_model::{Cluster, Config, RepairRule};
-use stateright::{Checker, Model};
+use stateright::{Checker, HasDiscoveries, Model};
 
 fn main() {
     let mut cfg = Config::quick();
     let mut timeout = Duration::from_secs(600);
+    let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut stop_at_failure = false;
     for arg in std::env::args().skip(1) {
         let (k, v) = arg.split_once('=').unwrap_or((arg.as_str(), ""));
         let n = || {
@@ -24,6 +36,15 @@ fn main() {
         match k {
             "--ticks" => cfg.max_ticks = n(),
             "--workers" => cfg.workers = n().into(),
+            "--tasks" => cfg.tasks = n().into(),
+            "--locks" => cfg.resource = true,
+            "--frozen-wall" => cfg.frozen_wall = true,
+            "--dedicated" => cfg.dedicated_workers = true,
+            "--start-pending" => cfg.start_pending = true,
+            "--kill" if v == "never" => cfg.kill = KillRule::Never,
+            "--threads" => threads = n().into(),
+            "--stop-at-failure" => stop_at_failure = true,
+            "--holder" if v == "ahead-is-dead" => cfg.lock_rule = LockRule::AheadIsDead,
             "--crashes" => cfg.operator_crashes = n(),
             "--deletions" => cfg.lease_deletions = n(),
             "--lost" => cfg.lost_answers = n(),
@@ -40,12 +61,13 @@ fn main() {
     let started = Instant::now();
     let model = Cluster::new(cfg.clone());
     let properties = model.properties();
-    let checker = model
-        .checker()
-        .threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .timeout(timeout)
-        .spawn_bfs()
-        .join();
+    let mut checker = model.checker().threads(threads).timeout(timeout);
+    if stop_at_failure {
+        checker = checker.finish_when(HasDiscoveries::AnyFailures);
+    }
+    let checker = checker.spawn_bfs().join();
+    // stateright's is_done() is also true after a timeout.
+    let timed_out = started.elapsed() >= timeout;
     println!("{cfg:?}");
     println!(
         "states: {} ({} unique), max depth {}, {:.1?}{}",
@@ -53,11 +75,7 @@ fn main() {
         checker.unique_state_count(),
         checker.max_depth(),
         started.elapsed(),
-        if checker.is_done() {
-            ""
-        } else {
-            " (timed out)"
-        }
+        if timed_out { " (timed out)" } else { "" }
     );
     for p in properties {
         match checker.discovery(p.name) {
