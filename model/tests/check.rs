@@ -244,6 +244,25 @@ fn safe_when_the_younger_task_locks_first() {
     );
 }
 
+/// Someone deletes a held lease of a task holding the lock: the task
+/// retires the token and takes its own lock again for the next attempt
+/// (no queueing), while the old attempt's worker may still write — before
+/// the new attempt registers, which storage orders first (the strict form
+/// of "no write after the lock passed on" fails for the same task, and
+/// needs not hold: the task's row fences the old attempt from then on).
+#[test]
+fn safe_when_a_locked_lease_is_deleted() {
+    let mut cfg = locks(0);
+    cfg.lease_deletions = 1;
+    assert_safe(
+        cfg,
+        &[
+            "a tombstone retires a token",
+            "an attempt writes after its task took its lock again",
+        ],
+    );
+}
+
 /// The operator crashes once anywhere while tasks take, give back and
 /// pass the lock: its lock writes land late (or never), and the pass
 /// that was waiting for their answer is gone.
