@@ -142,26 +142,14 @@ async fn main() -> anyhow::Result<()> {
     ns.cleanup().await?;
 
     // 2. End-to-end task throughput.
-    let ns = cluster.namespace("bench-e2e").await?;
-    let _db = pg::connect().await?;
-    let op = Operator::start(&ns.name, "op")?;
-    op.wait_leading(Duration::from_secs(60)).await?;
-    let opts = WorkerOpts {
-        slots: 8,
-        ..Default::default()
-    };
-    let w1 = workers::start(&ns.name, "bench-w1", &opts)?;
-    let w2 = workers::start(&ns.name, "bench-w2", &opts)?;
-    let start = Instant::now();
-    create_tasks(&ns, "t", tasks_n, "demo", conc).await?;
-    wait_for(
-        "all tasks succeeded",
-        Duration::from_secs(1800),
-        || format!("{}{}{}", op.logs(), w1.logs(), w2.logs()),
-        || async { Ok((count_phase(&ns, TaskPhase::Succeeded).await? == tasks_n).then_some(())) },
+    let task_rate = run_tasks(
+        &cluster,
+        "bench-e2e",
+        tasks_n,
+        conc,
+        |_| json!({"queue": "demo", "payload": {"steps": 0, "stepMillis": 0}}),
     )
     .await?;
-    let task_rate = tasks_n as f64 / start.elapsed().as_secs_f64();
     emit(
         &mut report,
         &format!(
@@ -170,8 +158,6 @@ async fn main() -> anyhow::Result<()> {
             task_rate / raw_rate
         ),
     );
-    drop((w1, w2, op));
-    ns.cleanup().await?;
 
     // 3. Scale: many idle tasks, one operator.
     if scale_n > 0 {
