@@ -6,13 +6,16 @@
 //!  [--workers=2] [--crashes=1] [--deletions=1] [--repair=same-token]
 //!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only]
 //!  [--tasks=2 --locks [--holder=ahead-is-dead]] [--frozen-wall] [--dedicated]
-//!  [--kill=never] [--threads=N] [--stop-at-failure] [--timeout-seconds=600]`
+//!  [--kill=never] [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
 //! `Config`; `--stop-at-failure`: stop at the first safety counterexample
-//! (with `--threads=1`, a shortest one: the search is breadth-first).
+//! (with `--threads=1`, a shortest one: the search is breadth-first);
+//! `--dfs`: search depth-first — the same states, but memory for one path
+//! instead of a whole breadth-first frontier (deep runs; its
+//! counterexamples are not the shortest).
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +30,7 @@ fn main() {
     let mut timeout = Duration::from_secs(600);
     let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut stop_at_failure = false;
+    let mut dfs = false;
     for arg in std::env::args().skip(1) {
         let (k, v) = arg.split_once('=').unwrap_or((arg.as_str(), ""));
         let n = || {
@@ -44,6 +48,7 @@ fn main() {
             "--kill" if v == "never" => cfg.kill = KillRule::Never,
             "--threads" => threads = n().into(),
             "--stop-at-failure" => stop_at_failure = true,
+            "--dfs" => dfs = true,
             "--holder" if v == "ahead-is-dead" => cfg.lock_rule = LockRule::AheadIsDead,
             "--crashes" => cfg.operator_crashes = n(),
             "--deletions" => cfg.lease_deletions = n(),
@@ -60,15 +65,22 @@ fn main() {
     }
     let started = Instant::now();
     let model = Cluster::new(cfg.clone());
-    let properties = model.properties();
     let mut checker = model.checker().threads(threads).timeout(timeout);
     if stop_at_failure {
         checker = checker.finish_when(HasDiscoveries::AnyFailures);
     }
-    let checker = checker.spawn_bfs().join();
+    println!("{cfg:?}");
+    if dfs {
+        report(&checker.spawn_dfs().join(), started, timeout);
+    } else {
+        report(&checker.spawn_bfs().join(), started, timeout);
+    }
+}
+
+/// What `checker` explored, and every property's verdict.
+fn report(checker: &impl Checker<Cluster>, started: Instant, timeout: Duration) {
     // stateright's is_done() is also true after a timeout.
     let timed_out = started.elapsed() >= timeout;
-    println!("{cfg:?}");
     println!(
         "states: {} ({} unique), max depth {}, {:.1?}{}",
         checker.state_count(),
@@ -77,7 +89,7 @@ fn main() {
         started.elapsed(),
         if timed_out { " (timed out)" } else { "" }
     );
-    for p in properties {
+    for p in checker.model().properties() {
         match checker.discovery(p.name) {
             None => println!("  {:?} {}: no counterexample", p.expectation, p.name),
             Some(path) => {
