@@ -505,7 +505,21 @@ fn with_locks(
     let task = input.task;
     let needed = locks::needed(task);
     if needed.is_empty() {
-        return issue(input, status, cause, BTreeMap::new());
+        let respected = locks::respected(task);
+        if respected.is_empty() {
+            return issue(input, status, cause, BTreeMap::new());
+        }
+        let Some(slots) = &input.locks else {
+            return Decision::FetchLocks(respected);
+        };
+        return match locks::held_by_other(slots) {
+            Some((resource, holder)) => Decision::LockBlocked {
+                give_back: Vec::new(),
+                resource,
+                holder,
+            },
+            None => issue(input, status, cause, BTreeMap::new()),
+        };
     }
     let Some(slots) = &input.locks else {
         return Decision::FetchLocks(needed);

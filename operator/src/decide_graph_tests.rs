@@ -303,14 +303,61 @@ fn an_ended_attempt_gives_its_locks_back_before_the_task_settles() {
 }
 
 #[test]
-fn speculative_tasks_take_no_locks() {
+fn speculative_tasks_take_no_locks_but_wait_for_a_live_holder() {
     let t = with_resources(task().phase(TaskPhase::Pending, 0))
         .spec(|s| s.mode = TaskMode::Speculative)
         .with(|s| s.effective_mode = Some(TaskMode::Speculative));
-    let Decision::Issue { lease, .. } = Case::new(t).run() else {
-        panic!("expected an issue")
+    // It reads the locks of its resources (in canonical order) ...
+    assert_eq!(
+        Case::new(t.clone()).run(),
+        Decision::FetchLocks(strings(&["db", "wh"]))
+    );
+    let free = |h: Holder| {
+        let mut older = slot("db", Holder::Free, None);
+        older.older_waiter = Some("ns/older (waiting longer)".into());
+        vec![
+            older,
+            slot("wh", h, Some(lock_lease("wh", Some("ns/x@1"), 3))),
+        ]
     };
-    assert!(lease.spec.resource_tokens.is_empty());
+    // ... and, whatever an older waiter wants, is issued without taking
+    // any when no live attempt holds one (free, or its holder is over) ...
+    for holder in [Holder::Free, Holder::Dead("ns/x@1".into())] {
+        let d = Case::new(t.clone()).locks(free(holder.clone())).run();
+        let Decision::Issue { lease, .. } = d else {
+            panic!("{holder:?}: expected an issue, got {d:?}")
+        };
+        assert!(lease.spec.resource_tokens.is_empty(), "{holder:?}");
+    }
+    // ... but waits, taking nothing, while a live attempt holds one: a
+    // quarantined task holds the locks to be certain to finish.
+    assert_eq!(
+        Case::new(t.clone())
+            .locks(free(Holder::Live("ns/quarantined@4".into())))
+            .run(),
+        Decision::LockBlocked {
+            give_back: vec![],
+            resource: "wh".into(),
+            holder: "ns/quarantined@4".into(),
+        }
+    );
+    // Without resources there is nothing to read.
+    let bare = t.spec(|s| s.resources.clear());
+    assert!(matches!(Case::new(bare).run(), Decision::Issue { .. }));
+    // Quarantined (Exclusive now): it takes the locks like any other.
+    let quarantined = with_resources(task().phase(TaskPhase::Pending, 3))
+        .spec(|s| s.mode = TaskMode::Speculative)
+        .with(|s| s.effective_mode = Some(TaskMode::Exclusive));
+    let Decision::TakeLock(l) = Case::new(quarantined)
+        .locks(vec![
+            slot("db", Holder::Free, None),
+            slot("wh", Holder::Free, None),
+        ])
+        .run()
+    else {
+        panic!("expected a lock taken")
+    };
+    assert_eq!(l.metadata.name.as_deref(), Some("ns.db"));
 }
 
 #[test]

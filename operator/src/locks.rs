@@ -92,6 +92,34 @@ pub fn needed(task: &BatchTask) -> Vec<String> {
     r
 }
 
+/// The resources a task running speculatively must find free of a live
+/// holder before a lease is issued (none for an Exclusive task): it takes
+/// no lock itself, but a quarantined task (design §6: Exclusive after too
+/// many aborts) holds the locks so that it is certain to finish — new
+/// speculative attempts on its resources would only keep beating its
+/// compare-and-swap. Attempts already running when the lock was taken
+/// finish, each beating it at most once (the SDK retries a lost
+/// compare-and-swap in place while it holds the locks).
+pub fn respected(task: &BatchTask) -> Vec<String> {
+    if !needed(task).is_empty() {
+        return Vec::new();
+    }
+    let mut r = task.spec.resources.clone();
+    r.sort();
+    r.dedup();
+    r
+}
+
+/// The first slot held by a live attempt of another task: a speculative
+/// task waits for it (see [`respected`]). A free lock promised to an older
+/// waiter does not hold it back: it takes nothing that waiter needs.
+pub fn held_by_other(slots: &[Slot]) -> Option<(String, String)> {
+    slots.iter().find_map(|s| match &s.holder {
+        Holder::Live(h) => Some((s.resource.clone(), h.clone())),
+        _ => None,
+    })
+}
+
 /// `holderIdentity` of `task`'s attempt with fencing `token`.
 pub fn holder_identity(task: &BatchTask, token: i64) -> String {
     format!(
