@@ -51,6 +51,9 @@ pub(crate) struct Attempt {
     /// runtime a freshly spawned heartbeat sits in that very thread's
     /// non-stealable LIFO slot. `None` (unit tests): the current runtime.
     pub heartbeat_on: Option<(Arc<HeartbeatRuntime>, Api<TaskLease>)>,
+    /// Where work that must outlive a dropped handler runs (a speculative
+    /// round's compensations).
+    pub background: tokio_util::task::TaskTracker,
 }
 
 impl Attempt {
@@ -76,6 +79,14 @@ impl Attempt {
             fence: self.fence.clone(),
             pending_checkpoint: pending_checkpoint.clone(),
             earlier_commit: None,
+            mode: self
+                .task
+                .status
+                .as_ref()
+                .and_then(|s| s.effective_mode)
+                .unwrap_or(self.task.spec.mode),
+            background: self.background.clone(),
+            metrics: self.metrics.clone(),
         };
         let done = CancellationToken::new();
         // However this attempt ends — even dropped mid-way — the heartbeat
@@ -279,9 +290,23 @@ fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObjec
             result: None,
             checkpoint,
         },
+        Err(TaskError::Aborted { message }) => Completion {
+            outcome: LeaseOutcome::Aborted,
+            reason: Some(crate::speculate::ABORTED_REASON.into()),
+            message: Some(clip(message, MAX_MESSAGE_CHARS)),
+            permanent: false,
+            result: None,
+            checkpoint,
+        },
         Err(TaskError::Retryable { reason, message }) => failed(reason, message, false, checkpoint),
         Err(TaskError::Permanent { reason, message }) => failed(reason, message, true, checkpoint),
     }
+}
+
+/// The lease completion a handler's result becomes.
+#[cfg(test)]
+pub(crate) fn completion_for_tests(result: Result<Output, TaskError>) -> Completion {
+    completion_of(result, None)
 }
 
 /// `s` cut to at most `max` characters (the CRDs' `maxLength` counts
@@ -521,6 +546,7 @@ mod tests {
             interrupt: CancellationToken::new(),
             registry: None,
             heartbeat_on: None,
+            background: tokio_util::task::TaskTracker::new(),
         }
     }
 

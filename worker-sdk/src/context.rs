@@ -64,6 +64,13 @@ pub struct TaskContext {
     pub(crate) fence: Fence,
     pub(crate) pending_checkpoint: Arc<Mutex<Option<JsonObject>>>,
     pub(crate) earlier_commit: Option<EarlierCommit>,
+    /// The mode this attempt runs in (`status.effectiveMode`).
+    pub(crate) mode: batchlease_api::TaskMode,
+    /// Work that must finish even if the handler is dropped (the
+    /// compensations of a speculative round); the worker waits for it
+    /// before it exits.
+    pub(crate) background: tokio_util::task::TaskTracker,
+    pub(crate) metrics: crate::metrics::WorkerMetrics,
 }
 
 impl std::fmt::Debug for TaskContext {
@@ -192,6 +199,65 @@ impl TaskContext {
     /// The attempt's fence, for storage adapters (see `postgres::FencedStore`).
     pub fn fence(&self) -> &Fence {
         &self.fence
+    }
+
+    /// The mode this attempt runs in: the task's `status.effectiveMode` —
+    /// `Exclusive` for a speculative task quarantined after too many
+    /// aborts (design §6).
+    pub fn mode(&self) -> batchlease_api::TaskMode {
+        self.mode
+    }
+
+    /// Runs `body` speculatively over `keys` of `store` (design §6, see
+    /// [`crate::speculate`]): read a versioned snapshot, run `body` (which
+    /// may register compensations), commit with compare-and-swap in the
+    /// same transaction as the task's fenced commit. A lost swap undoes
+    /// the round's side effects and returns [`crate::TaskError::Aborted`]
+    /// (return it from the handler); in `Exclusive` mode it is retried in
+    /// place. An earlier attempt's commit (found at registration) is
+    /// returned without running `body` again.
+    ///
+    /// ```no_run
+    /// # async fn f(ctx: batchlease_worker_sdk::TaskContext,
+    /// #            store: std::sync::Arc<batchlease_worker_sdk::speculate::memory::MemoryStore>)
+    /// #            -> Result<batchlease_worker_sdk::Output, batchlease_worker_sdk::TaskError> {
+    /// use batchlease_worker_sdk::speculate::Proposal;
+    /// use serde_json::json;
+    /// let done = ctx
+    ///     .speculate(store, &["counter"], |snap, _undo| async move {
+    ///         let n: i64 = snap.state("counter")?.unwrap_or(0);
+    ///         Ok(Proposal::new(json!({"was": n})).write("counter", json!(n + 1)))
+    ///     })
+    ///     .await?;
+    /// Ok(batchlease_worker_sdk::Output::json(done.result))
+    /// # }
+    /// ```
+    pub async fn speculate<S, F, Fut>(
+        &self,
+        store: Arc<S>,
+        keys: &[&str],
+        body: F,
+    ) -> Result<crate::speculate::Speculated, crate::TaskError>
+    where
+        S: crate::speculate::VersionedStore + 'static,
+        F: FnMut(crate::speculate::Snapshot, crate::speculate::Compensations) -> Fut,
+        Fut: std::future::Future<Output = Result<crate::speculate::Proposal, crate::TaskError>>,
+    {
+        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        crate::speculate::run(
+            crate::speculate::Attempt {
+                task_uid: &self.task_uid,
+                fence: &self.fence,
+                exclusive: self.mode == batchlease_api::TaskMode::Exclusive,
+                earlier: self.earlier_commit.as_ref(),
+                background: &self.background,
+                metrics: &self.metrics,
+            },
+            store,
+            &keys,
+            body,
+        )
+        .await
     }
 }
 

@@ -11,6 +11,11 @@ pub enum TaskError {
     /// A retry cannot help (bad input); the task is dead-lettered now.
     #[error("{reason} (permanent): {message}")]
     Permanent { reason: String, message: String },
+    /// A speculative commit lost its compare-and-swap (design §6): the
+    /// operator retries without spending a retry, and quarantines the task
+    /// to Exclusive mode after `maxSpeculativeAborts`.
+    #[error("CompareAndSwapLost: {message}")]
+    Aborted { message: String },
 }
 
 impl TaskError {
@@ -42,6 +47,7 @@ impl TaskError {
                 reason: reason.into(),
                 message,
             },
+            aborted @ Self::Aborted { .. } => aborted,
         }
     }
 }

@@ -38,6 +38,7 @@ mod metrics;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod spawn;
+pub mod speculate;
 mod subgraph;
 mod worker;
 

@@ -30,6 +30,11 @@ pub struct WorkerMetrics {
     pub claims_refused: Counter,
     pub completions: Family<OutcomeLabels, Counter>,
     pub completion_rejected: Counter,
+    /// Speculative rounds by outcome: `committed`, `conflict`, `failed`.
+    pub speculative_rounds: Family<OutcomeLabels, Counter>,
+    /// Compensations by outcome: `ran`, `failed`, `skipped` (its round
+    /// committed after all).
+    pub compensations: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for WorkerMetrics {
@@ -44,6 +49,8 @@ impl Default for WorkerMetrics {
             claims_refused: Counter::default(),
             completions: Family::default(),
             completion_rejected: Counter::default(),
+            speculative_rounds: Family::default(),
+            compensations: Family::default(),
         }
     }
 }
@@ -92,6 +99,16 @@ impl WorkerMetrics {
             "completion_rejected",
             "Completions refused because the lease was no longer ours",
             self.completion_rejected.clone(),
+        );
+        r.register(
+            "speculative_rounds",
+            "Speculative rounds, by outcome (committed, conflict, failed)",
+            self.speculative_rounds.clone(),
+        );
+        r.register(
+            "compensations",
+            "Compensations of rounds that did not commit, by outcome (ran, failed, skipped)",
+            self.compensations.clone(),
         );
     }
 }

@@ -88,11 +88,13 @@ use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
 
 mod resource_fence;
+mod versioned;
 
 use resource_fence::Step;
 
-/// The tables the store writes (`task_state`, and `resource_fence` for
-/// resource tokens); create (or upgrade) them with [`migrate`].
+/// The tables the store writes (`task_state`, `resource_fence` for
+/// resource tokens, and for speculative execution `versioned_state` and
+/// `compensation_log`); create (or upgrade) them with [`migrate`].
 pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS task_state (
     task_id            text PRIMARY KEY,
     status             text NOT NULL,
@@ -112,6 +114,26 @@ CREATE TABLE IF NOT EXISTS resource_fence (
     status     text NOT NULL,
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (namespace, resource)
+);
+CREATE TABLE IF NOT EXISTS versioned_state (
+    key        text PRIMARY KEY,
+    version    bigint NOT NULL,
+    state      jsonb NOT NULL,
+    task_id    text,
+    token      bigint,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS compensation_log (
+    task_id       text NOT NULL,
+    token         bigint NOT NULL,
+    round         integer NOT NULL,
+    seq           integer NOT NULL,
+    name          text NOT NULL,
+    status        text NOT NULL,
+    error         text,
+    registered_at timestamptz NOT NULL DEFAULT now(),
+    finished_at   timestamptz,
+    PRIMARY KEY (task_id, token, round, seq)
 )";
 
 // Both statements also refuse to run past the attempt's deadline ($4, the
@@ -379,6 +401,25 @@ impl FencedStore {
     where
         W: for<'t> FnOnce(&'t Transaction<'t>) -> Writes<'t>,
     {
+        match self
+            .commit_guarded(fence, task_uid, payload, Plain(writes))
+            .await?
+        {
+            Ok(c) => Ok(c),
+            // The caller's writes never stop the commit.
+            Err(_) => Err(Error::Config("unreachable: plain writes stopped a commit")),
+        }
+    }
+
+    /// [`Self::commit_with`] whose writes may stop the commit (a lost
+    /// compare-and-swap): everything rolls back and the reason is returned.
+    pub(crate) async fn commit_guarded<W: Guarded>(
+        &mut self,
+        fence: &Fence,
+        task_uid: &str,
+        payload: &Value,
+        writes: W,
+    ) -> Result<Result<Committed, Stop>, Error> {
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
         let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
@@ -405,7 +446,7 @@ impl FencedStore {
                 }
                 Some(c) if c == token => {
                     if stored.map(|j| j.0).as_ref() == Some(payload) {
-                        Ok(Committed::AlreadyCommitted)
+                        Ok(Ok(Committed::AlreadyCommitted))
                     } else {
                         Err(Error::PayloadMismatch { token })
                     }
@@ -424,12 +465,19 @@ impl FencedStore {
             let e = resource_fence::error_of(refusal, late(token));
             return Err(refused(&self.metrics, e));
         }
-        if let Err(source) = writes(&tx).await {
-            let _ = tx.rollback().await;
-            return Err(Error::Postgres {
-                what: "user writes",
-                source,
-            });
+        match writes.run(&tx).await {
+            Ok(Ok(())) => {}
+            Ok(Err(stop)) => {
+                let _ = tx.rollback().await;
+                return Ok(Err(stop));
+            }
+            Err(source) => {
+                let _ = tx.rollback().await;
+                return Err(Error::Postgres {
+                    what: "user writes",
+                    source,
+                });
+            }
         }
         // Right before COMMIT: the occupancy of each resource ends here.
         let stamped = resource_fence::write(&tx, Step::Stamp, fence, task_uid, until)
@@ -446,7 +494,44 @@ impl FencedStore {
             return Err(refused(&self.metrics, e));
         }
         tx.commit().await.map_err(pg("commit"))?;
-        Ok(Committed::Written)
+        Ok(Ok(Committed::Written))
+    }
+}
+
+/// Why guarded writes stopped a commit (everything rolled back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// A compare-and-swap found another version.
+    Conflict(crate::speculate::Conflict),
+    /// A compensation of the round was claimed to run: the round must not
+    /// commit.
+    CompensationClaimed,
+}
+
+/// The future of writes that may stop the commit.
+pub(crate) type GuardedWrites<'t> =
+    Pin<Box<dyn Future<Output = Result<Result<(), Stop>, tokio_postgres::Error>> + Send + 't>>;
+
+/// Writes inside a fenced commit that may stop it.
+pub(crate) trait Guarded {
+    fn run<'t>(self, tx: &'t Transaction<'t>) -> GuardedWrites<'t>
+    where
+        Self: 't;
+}
+
+/// The caller's writes of [`FencedStore::commit_with`]: they never stop it.
+struct Plain<W>(W);
+
+impl<W> Guarded for Plain<W>
+where
+    W: for<'t> FnOnce(&'t Transaction<'t>) -> Writes<'t>,
+{
+    fn run<'t>(self, tx: &'t Transaction<'t>) -> GuardedWrites<'t>
+    where
+        Self: 't,
+    {
+        let w = (self.0)(tx);
+        Box::pin(async move { w.await.map(|()| Ok(())) })
     }
 }
 

@@ -238,6 +238,9 @@ impl Worker {
         info!(identity = %self.identity, queues = ?self.queues, slots = self.slots, "worker started");
         let slots = Arc::new(Semaphore::new(self.slots));
         let interrupt = CancellationToken::new();
+        // Compensations of speculative rounds whose handler was dropped:
+        // they run to the end even then, and the worker waits for them.
+        let background = tokio_util::task::TaskTracker::new();
         let mut running: JoinSet<Ended> = JoinSet::new();
         futures::pin_mut!(shutdown);
         // After a claim failed for a reason other than a lost race (an API
@@ -282,6 +285,7 @@ impl Worker {
                     metrics: self.metrics.clone(),
                     interrupt: interrupt.clone(),
                     registry: self.registry.clone(),
+                    background: background.clone(),
                 };
                 let handler = handler.clone();
                 running.spawn(async move {
@@ -304,6 +308,14 @@ impl Worker {
             interrupt.cancel();
             while running.join_next().await.is_some() {}
         }
+        background.close();
+        if !background.is_empty() {
+            info!(
+                tasks = background.len(),
+                "waiting for compensations of dropped attempts"
+            );
+        }
+        background.wait().await;
         info!("worker stopped");
         Ok(())
     }
@@ -434,6 +446,7 @@ struct AttemptStart {
     metrics: WorkerMetrics,
     interrupt: CancellationToken,
     registry: Option<Arc<dyn Registry>>,
+    background: tokio_util::task::TaskTracker,
 }
 
 impl AttemptStart {
@@ -473,6 +486,7 @@ impl AttemptStart {
             interrupt: self.interrupt,
             registry: self.registry,
             heartbeat_on: self.heartbeat_on,
+            background: self.background,
         }
         .run(handler)
         .await
