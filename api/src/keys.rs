@@ -23,4 +23,8 @@ pub mod condition {
     /// True when the task was rejected for being on a dependency cycle; the
     /// message names the cycle.
     pub const CYCLE_DETECTED: &str = "CycleDetected";
+    /// On a speculative task, after each of its attempts settled: whether
+    /// the queue's recent abort rate is healthy (False above 30 %: a
+    /// livelock, design §6); the message gives the rate.
+    pub const SPECULATION_HEALTHY: &str = "SpeculationHealthy";
 }

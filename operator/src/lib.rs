@@ -12,4 +12,5 @@ pub mod lease_build;
 pub mod locks;
 pub mod observe;
 pub mod settle;
+pub mod speculation;
 pub mod status;

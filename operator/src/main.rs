@@ -12,7 +12,9 @@ mod metrics;
 mod reconcile;
 mod supervise;
 
-use batchlease_operator::{decide, deps, fit, lease_build, locks, observe, settle};
+use batchlease_operator::{
+    decide, deps, fit, lease_build, locks, observe, settle, speculation, status,
+};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

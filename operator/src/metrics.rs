@@ -12,6 +12,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::speculation::{AbortWindow, Band, band};
 
 /// `queue`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,6 +51,10 @@ pub struct Metrics {
     pub lock_acquisition_duration: Histogram,
     pub lock_contention: Family<QueueLabels, Counter>,
     pub lock_lease_expired_before_release: Family<QueueLabels, Counter>,
+    pub speculative_attempts: Family<QueueLabels, Counter>,
+    pub speculative_aborts: Family<QueueLabels, Counter>,
+    pub speculative_abort_rate: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    abort_window: Mutex<AbortWindow>,
     tasks: TaskPhases,
 }
 
@@ -68,6 +75,10 @@ impl Metrics {
             lock_acquisition_duration: Histogram::new(exponential_buckets(0.005, 2.0, 16)),
             lock_contention: Family::default(),
             lock_lease_expired_before_release: Family::default(),
+            speculative_attempts: Family::default(),
+            speculative_aborts: Family::default(),
+            speculative_abort_rate: Family::default(),
+            abort_window: Mutex::new(AbortWindow::default()),
             tasks: TaskPhases::default(),
         };
         let r = registry.sub_registry_with_prefix("batchlease");
@@ -136,8 +147,49 @@ impl Metrics {
             "Resource locks given back because the holder's TaskLease expired before it completed",
             m.lock_lease_expired_before_release.clone(),
         );
+        r.register(
+            "speculative_attempts",
+            "Settled attempts that ran speculatively (aborted, succeeded or failed; drained ones not counted)",
+            m.speculative_attempts.clone(),
+        );
+        r.register(
+            "speculative_aborts",
+            "Speculative attempts whose compare-and-swap commit lost",
+            m.speculative_aborts.clone(),
+        );
+        r.register(
+            "speculative_abort_rate",
+            "Aborted share of the queue's last 100 speculative attempts (over 0.3: livelock)",
+            m.speculative_abort_rate.clone(),
+        );
         r.register_collector(Box::new(m.tasks.clone()));
         Arc::new(m)
+    }
+
+    /// The abort rate and sample count `queue` would have with this
+    /// outcome: for the condition written with the settling status.
+    pub fn abort_rate_with(&self, queue: &str, aborted: bool) -> (f64, usize) {
+        self.abort_window
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .with(queue, aborted)
+    }
+
+    /// Counts a settled speculative attempt (once its status is written);
+    /// returns the queue's band before and after.
+    pub fn record_speculative(&self, queue: &str, aborted: bool) -> (Band, Band) {
+        let labels = QueueLabels {
+            queue: queue.to_owned(),
+        };
+        self.speculative_attempts.get_or_create(&labels).inc();
+        if aborted {
+            self.speculative_aborts.get_or_create(&labels).inc();
+        }
+        let mut w = self.abort_window.lock().unwrap_or_else(|e| e.into_inner());
+        let (was, n_was) = w.rate(queue);
+        let (rate, n) = w.record(queue, aborted);
+        self.speculative_abort_rate.get_or_create(&labels).set(rate);
+        (band(was, n_was), band(rate, n))
     }
 
     /// Lets `batchlease_tasks{queue,phase}` count the tasks in these caches

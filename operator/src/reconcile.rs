@@ -25,6 +25,8 @@ use crate::locks::{self, Slot};
 use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
 use crate::observe::Tracker;
 use crate::settle::Transition;
+use crate::speculation;
+use crate::status::set_condition;
 
 /// Why a reconcile failed. Categories, not messages: they label metrics.
 #[derive(Debug, thiserror::Error)]
@@ -231,8 +233,39 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     };
     match decision {
         Decision::Wait(after) => Ok(after.map_or_else(Action::await_change, Action::requeue)),
-        Decision::WriteStatus { status, transition } => {
+        Decision::WriteStatus {
+            mut status,
+            transition,
+        } => {
+            // A settled speculative attempt: the queue's abort rate goes
+            // into this very write (no extra one) and into the metrics.
+            let speculative = speculation::settled_attempt(task, &transition);
+            if let Some(aborted) = speculative {
+                let (rate, n) = ctx.metrics.abort_rate_with(&queue.queue, aborted);
+                set_condition(
+                    &mut status,
+                    task,
+                    Timestamp::now(),
+                    speculation::health(&queue.queue, rate, n),
+                );
+            }
             write_status(ctx, task, *status).await?;
+            if let Some(aborted) = speculative {
+                let (was, now) = ctx.metrics.record_speculative(&queue.queue, aborted);
+                if now == speculation::Band::Livelock && was != now {
+                    publish(
+                        ctx,
+                        task,
+                        EventType::Warning,
+                        "SpeculationLivelock",
+                        format!(
+                            "queue {}: over 30% of recent speculative attempts aborted; see condition SpeculationHealthy",
+                            queue.queue
+                        ),
+                    )
+                    .await;
+                }
+            }
             report(ctx, task, &transition).await;
             Ok(Action::await_change())
         }

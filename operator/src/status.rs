@@ -11,10 +11,10 @@ pub const HISTORY_LEN: usize = 10;
 /// A condition to set: (type, status, reason, message).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cond {
-    type_: &'static str,
-    status: bool,
-    reason: String,
-    message: String,
+    pub(crate) type_: &'static str,
+    pub(crate) status: bool,
+    pub(crate) reason: String,
+    pub(crate) message: String,
 }
 
 /// Any condition.
