@@ -14,6 +14,8 @@
 //!   seen `Expired`; at most one attempt's commit per task (exactly-once
 //!   effect); every registration carries a token some lease of the task had;
 //! - task graphs and resource locks: see [`crate::history_graph`];
+//! - speculative execution: every compensation ran or was kept by the one
+//!   round that committed, none half-run — see [`crate::history_speculative`];
 //! - optionally, every task ends `Succeeded`, `DeadLettered` or `Rejected`.
 //!
 //! A watch error is itself a violation (the record would have a gap),
@@ -151,6 +153,10 @@ impl History {
             out.extend(check_storage(&leases, &writes));
             let resources = resource_writes(&uids).await?;
             out.extend(crate::history_graph::check_occupancy(&resources));
+            let (log, committed) = crate::history_speculative::read(&uids).await?;
+            out.extend(crate::history_speculative::check_compensations(
+                &log, &committed,
+            ));
         }
         if opts.all_final {
             out.extend(check_final(&tasks));

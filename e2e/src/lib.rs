@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod history;
 pub mod history_graph;
+pub mod history_speculative;
 pub mod identity;
 pub mod kubectl;
 pub mod operator;

@@ -22,6 +22,10 @@
 //! - `"readDependencies": true` adds `"dependencies": {name: result}` to
 //!   the result, read through `ctx.dependency_results()`.
 //!
+//! For speculative mode: `"transfer": {"from": a, "to": b, "amount": n,
+//! "thinkMillis": ms}` moves `n` between two accounts with `ctx.speculate`
+//! (compare-and-swap commit, a compensated "notice"; see `transfer.rs`).
+//!
 //! Every result carries `"seen": <the task's name>`, so a downstream task
 //! that reads it proves the data passed forward. Resource tokens (tasks
 //! with `spec.resources`) are registered and checked by the fenced store
@@ -30,6 +34,7 @@
 
 mod expand;
 mod pg_url;
+mod transfer;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,6 +113,9 @@ struct Payload {
     /// Put the dependencies' results into the result.
     #[serde(default)]
     read_dependencies: bool,
+    /// A speculative transfer between two accounts (see `transfer.rs`).
+    #[serde(default)]
+    transfer: Option<transfer::Transfer>,
 }
 
 /// `v` with `"tag": tag` added, if there is one.
@@ -202,6 +210,13 @@ async fn main() -> anyhow::Result<()> {
             .client(),
     )
     .await?;
+    store
+        .get()
+        .await?
+        .client()
+        .batch_execute(transfer::OUTBOX)
+        .await
+        .context("creating the demo's outbox table")?;
     info!(%database, "fenced store ready");
     // Each attempt registers its token before the handler runs (design §4).
     let worker = builder.registry(store.clone()).build()?;
@@ -225,6 +240,10 @@ async fn work(
     identity: String,
 ) -> Result<Output, TaskError> {
     let p: Payload = ctx.payload()?;
+    if let Some(t) = &p.transfer {
+        // Speculative: the executor handles an earlier commit itself.
+        return transfer::run(&ctx, store, t, &identity).await;
+    }
     if let Some(earlier) = ctx.earlier_commit() {
         // An earlier attempt committed before its lease ended (its
         // completion was lost): the work is done, report it, do not redo it.
