@@ -46,6 +46,7 @@ kubectl get taskleases -n demo
 kubectl get leases -n demo -l batchlease.dev/lock-namespace=demo   # resource locks (examples/pipeline.yaml)
 echo
 psql "$BATCHLEASE_PG_URL" -c 'SELECT task_id, last_fencing_token AS token, payload->>'"'"'worker'"'"' AS worker FROM task_state ORDER BY task_id'
+psql "$BATCHLEASE_PG_URL" -c 'SELECT key AS account, version, state FROM versioned_state ORDER BY key'   # examples/speculative.yaml
 log "In another shell:"
 log "  export KUBECONFIG=$KUBECONFIG PATH=$(dirname "$BATCHLEASE_KUBECTL"):\$PATH"
 log "  kubectl get bt,tl -n demo      (logs: $run_dir/*.log)"

@@ -32,7 +32,15 @@ async fn apply_examples_and_get_printer_columns() {
     let n = ns.name.as_str();
 
     let applied = kubectl::ok(&["apply", "-n", n, "-f", "examples/"]).unwrap();
-    for name in ["hello", "extract", "transform", "load", "recount"] {
+    for name in [
+        "hello",
+        "extract",
+        "transform",
+        "load",
+        "pay-alice-bob",
+        "pay-bob-carol",
+        "pay-carol-alice",
+    ] {
         assert!(
             applied.contains(&format!("batchtask.batchlease.dev/{name} created")),
             "{applied}"
@@ -50,7 +58,7 @@ async fn apply_examples_and_get_printer_columns() {
         );
         // No operator yet: no status, so Phase/Token/Attempts/Holder are empty.
         assert_eq!(row(&out, "load")[1], "demo", "{out}");
-        assert_eq!(out.lines().count(), 6, "{kind}:\n{out}");
+        assert_eq!(out.lines().count(), 8, "{kind}:\n{out}");
     }
 
     // Defaults were applied by the API server from the schema.
@@ -103,7 +111,7 @@ async fn apply_examples_and_get_printer_columns() {
         "name",
     ])
     .unwrap();
-    assert_eq!(by_queue.lines().count(), 5, "{by_queue}");
+    assert_eq!(by_queue.lines().count(), 7, "{by_queue}");
     let none = kubectl::ok(&[
         "get",
         "bt",
