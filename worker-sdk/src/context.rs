@@ -249,6 +249,7 @@ impl TaskContext {
                 task_uid: &self.task_uid,
                 fence: &self.fence,
                 exclusive: self.mode == batchlease_api::TaskMode::Exclusive,
+                holds_locks: !self.resource_tokens.is_empty(),
                 earlier: self.earlier_commit.as_ref(),
                 background: &self.background,
                 metrics: &self.metrics,

@@ -430,9 +430,14 @@ async fn run_compensations(
     report
 }
 
-/// How many lost swaps an attempt in `Exclusive` mode (the quarantine)
-/// retries in place before reporting `Aborted` after all.
+/// How many rounds an attempt in `Exclusive` mode runs in place before
+/// reporting `Aborted` after all, when it holds no resource locks. Holding
+/// its locks it retries for as long as its lease lasts: no new speculative
+/// attempt on those resources is issued meanwhile, each one issued before
+/// can win at most once, so it is certain to finish.
 pub const IN_PLACE_ROUNDS: i32 = 10;
+/// The longest pause between two rounds in place.
+const MAX_ROUND_PAUSE_MS: u64 = 500;
 
 /// What a speculative attempt committed.
 #[derive(Debug, Clone, PartialEq)]
@@ -450,9 +455,11 @@ pub struct Speculated {
 pub(crate) struct Attempt<'a> {
     pub task_uid: &'a str,
     pub fence: &'a Fence,
-    /// `Exclusive`: the task holds its resource locks (or runs in that
-    /// mode anyway) — a lost swap is retried in place.
+    /// `Exclusive` (the quarantine): a lost swap is retried in place.
     pub exclusive: bool,
+    /// The attempt holds resource locks (its lease carries resource
+    /// tokens): in place without a bound (see [`IN_PLACE_ROUNDS`]).
+    pub holds_locks: bool,
     pub earlier: Option<&'a EarlierCommit>,
     pub background: &'a TaskTracker,
     pub metrics: &'a WorkerMetrics,
@@ -555,11 +562,11 @@ where
                     return Err(compensation_failed(&report));
                 }
                 info!(token, round, key = %c.key, read = c.read, found = c.found, "compare-and-swap lost");
-                if attempt.exclusive && round + 1 < IN_PLACE_ROUNDS {
+                if attempt.exclusive && (attempt.holds_locks || round + 1 < IN_PLACE_ROUNDS) {
                     round += 1;
                     // Whoever beat us was issued before we took the locks;
                     // a short, jittered pause lets it finish.
-                    let ms = 10 * u64::try_from(round).unwrap_or(1);
+                    let ms = (10 * u64::try_from(round).unwrap_or(1)).min(MAX_ROUND_PAUSE_MS);
                     let jitter = rand::random::<u64>() % (ms + 1);
                     tokio::time::sleep(Duration::from_millis(ms + jitter)).await;
                     continue;

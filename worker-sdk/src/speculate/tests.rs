@@ -22,6 +22,7 @@ fn fence(token: i64) -> Fence {
 struct Env {
     fence: Fence,
     exclusive: bool,
+    holds_locks: bool,
     earlier: Option<EarlierCommit>,
     background: TaskTracker,
     metrics: WorkerMetrics,
@@ -32,6 +33,7 @@ impl Env {
         Self {
             fence: fence(token),
             exclusive: false,
+            holds_locks: false,
             earlier: None,
             background: TaskTracker::new(),
             metrics: WorkerMetrics::default(),
@@ -43,6 +45,7 @@ impl Env {
             task_uid: "uid-1",
             fence: &self.fence,
             exclusive: self.exclusive,
+            holds_locks: self.holds_locks,
             earlier: self.earlier.as_ref(),
             background: &self.background,
             metrics: &self.metrics,
@@ -480,4 +483,38 @@ async fn compensations_cut_short_by_the_kill_switch_still_run_to_the_end() {
     assert_eq!(*undone.lock().unwrap(), vec!["second", "first"]);
     let states: Vec<_> = store.log().into_iter().map(|(_, s)| s).collect();
     assert_eq!(states, vec![LogState::Ran, LogState::Ran]);
+}
+
+#[tokio::test]
+async fn in_place_retries_are_bounded_without_locks_and_not_with_them() {
+    // Every round is beaten: without locks the attempt gives up after
+    // IN_PLACE_ROUNDS and aborts; holding its locks it keeps going until
+    // the racers are done (here: the 15th round wins).
+    for holds_locks in [false, true] {
+        let store = Arc::new(MemoryStore::new());
+        store.put("a", json!(0));
+        let mut env = Env::new(1);
+        env.exclusive = true;
+        env.holds_locks = holds_locks;
+        let rounds = Arc::new(AtomicUsize::new(0));
+        let (r2, racer) = (rounds.clone(), store.clone());
+        let out = run(
+            env.attempt(),
+            store.clone(),
+            &keys(&["a"]),
+            move |snap: Snapshot, _| {
+                if r2.fetch_add(1, Ordering::SeqCst) < 14 {
+                    racer.put("a", json!(-1));
+                }
+                async move { Ok(Proposal::new(json!({})).write("a", json!(snap.version("a")))) }
+            },
+        )
+        .await;
+        if holds_locks {
+            assert_eq!(out.unwrap().rounds, 15);
+        } else {
+            assert!(matches!(out, Err(TaskError::Aborted { .. })), "{out:?}");
+            assert_eq!(rounds.load(Ordering::SeqCst), IN_PLACE_ROUNDS as usize);
+        }
+    }
 }
