@@ -267,12 +267,16 @@ impl Compensations {
     /// happened, never an effect without its undo — so `undo` must accept
     /// that the effect may be missing, and be idempotent towards its
     /// target (it runs at most once, but the target may have seen a retry
-    /// of the effect).
+    /// of the effect). The log write takes a connection of the store: do
+    /// not hold one of a small pool across this call.
     pub async fn register<F, Fut>(&self, name: &str, undo: F) -> Result<(), Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), String>> + Send + 'static,
     {
+        // Pending before it is logged: an attempt dropped while the log
+        // write is under way still runs it (or finds it never logged and
+        // skips it) — never a logged entry nobody runs.
         let (store, entry) = {
             let mut r = lock(&self.inner);
             let entry = LogEntry {
@@ -283,13 +287,17 @@ impl Compensations {
                 name: name.to_owned(),
             };
             r.next_seq += 1;
+            r.pending.push(Pending {
+                entry: entry.clone(),
+                undo: Box::new(move || Box::pin(undo())),
+            });
             (r.store.clone(), entry)
         };
-        store.log_registered(&entry).await?;
-        lock(&self.inner).pending.push(Pending {
-            entry,
-            undo: Box::new(move || Box::pin(undo())),
-        });
+        if let Err(e) = store.log_registered(&entry).await {
+            // Not logged: the caller must not go on with its side effect.
+            lock(&self.inner).pending.retain(|p| p.entry != entry);
+            return Err(e);
+        }
         Ok(())
     }
 

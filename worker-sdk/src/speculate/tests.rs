@@ -518,3 +518,85 @@ async fn in_place_retries_are_bounded_without_locks_and_not_with_them() {
         }
     }
 }
+
+/// A store whose log writes wait for a signal: to drop an attempt while
+/// `register` is under way.
+struct SlowLog {
+    inner: MemoryStore,
+    entered: tokio::sync::Notify,
+}
+
+impl VersionedStore for SlowLog {
+    fn read<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Snapshot, Error>> {
+        self.inner.read(keys)
+    }
+    fn commit<'a>(
+        &'a self,
+        fence: &'a Fence,
+        task_uid: &'a str,
+        round: i32,
+        registered: usize,
+        snapshot: &'a Snapshot,
+        proposal: &'a Proposal,
+    ) -> BoxFuture<'a, Result<CommitOutcome, Error>> {
+        self.inner
+            .commit(fence, task_uid, round, registered, snapshot, proposal)
+    }
+    fn log_registered<'a>(&'a self, entry: &'a LogEntry) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.entered.notify_one();
+            std::future::pending::<()>().await;
+            self.inner.log_registered(entry).await
+        })
+    }
+    fn log_claim<'a>(&'a self, entry: &'a LogEntry) -> BoxFuture<'a, Result<bool, Error>> {
+        self.inner.log_claim(entry)
+    }
+    fn log_ran<'a>(
+        &'a self,
+        entry: &'a LogEntry,
+        ran: Ran,
+        error: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        self.inner.log_ran(entry, ran, error)
+    }
+}
+
+#[tokio::test]
+async fn an_attempt_dropped_while_logging_a_compensation_leaves_nothing_registered() {
+    let store = Arc::new(SlowLog {
+        inner: MemoryStore::new(),
+        entered: tokio::sync::Notify::new(),
+    });
+    let env = Env::new(1);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r2 = ran.clone();
+    let ks = keys(&["a"]);
+    let fut = run(
+        env.attempt(),
+        store.clone(),
+        &ks,
+        move |_, comps: Compensations| {
+            let r2 = r2.clone();
+            async move {
+                comps
+                    .register("undo", move || async move {
+                        r2.fetch_add(1, Ordering::SeqCst);
+                        Ok(())
+                    })
+                    .await?;
+                Ok(Proposal::new(json!({})))
+            }
+        },
+    );
+    tokio::select! {
+        _ = fut => panic!("the log write never ends"),
+        _ = store.entered.notified() => {}
+    }
+    env.background.close();
+    env.background.wait().await;
+    // Never logged, so never claimed and never run; nothing left behind.
+    assert!(store.inner.log().is_empty());
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert_eq!(env.compensations("skipped"), 1);
+}
