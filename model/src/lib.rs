@@ -1,6 +1,6 @@
 //! The lease protocol, model-checked: the lives of one or two tasks in a
-//! small cluster (two sharing a resource lock), every interleaving
-//! enumerated by [stateright].
+//! small cluster (two sharing a resource lock; Speculative ones racing for
+//! a storage key), every interleaving enumerated by [stateright].
 //!
 //! What is real and what is modelled:
 //! - the operator's decision is the production `decide()` (with `settle`,
@@ -11,6 +11,12 @@
 //! - resource locks ([`locks`]): the real `locks::holder`, `waiting` and
 //!   `queue_key` judge the lock Leases the operator reads directly, on its
 //!   cached tasks; `decide` takes, releases and gives back;
+//! - speculative mode ([`speculate`]): `settle` (an abort, the
+//!   quarantine) and the lock rule of speculative tasks
+//!   (`locks::respected`, `held_by_other`) are the production code; the
+//!   SDK's speculative executor is mirrored in the worker ([`worker`]) and
+//!   the store's compare-and-swap in the fenced transaction in
+//!   [`storage`];
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
@@ -30,6 +36,7 @@ pub mod api_server;
 pub mod locks;
 pub mod operator;
 mod properties;
+pub mod speculate;
 pub mod storage;
 pub mod worker;
 
@@ -37,16 +44,19 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use api_server::{ApiServer, decode, encode};
-use batchlease_api::{BackoffSpec, BatchTask, BatchTaskSpec, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{
+    BackoffSpec, BatchTask, BatchTaskSpec, LeasePhase, TaskLease, TaskMode, TaskPhase,
+};
 use batchlease_operator::observe::next_seen;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
 use locks::{LockGhosts, LockRule};
 use operator::{Operator, Write};
+use speculate::SpecGhosts;
 use stateright::{Model, Property};
-use storage::{Storage, StorageRule};
+use storage::{CasRule, Storage, StorageRule};
 use tokio::time::Instant;
-use worker::{Attempt, Worker};
+use worker::{Attempt, Round, Worker};
 
 /// How the operator replaces a current lease that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -111,6 +121,17 @@ pub struct Config {
     /// anything (every live actor acts before the clock moves: the
     /// fairness under which "the task finishes" must hold).
     pub fair: bool,
+    /// Every task is `Speculative` (design §6, `maxSpeculativeAborts` 1):
+    /// its attempts read the storage key [`storage::Key`] and commit with a
+    /// compare-and-swap on its version (see [`speculate`]); with
+    /// [`Config::resource`] they respect the lock of `r` and take it once
+    /// quarantined.
+    pub speculative: bool,
+    pub cas: CasRule,
+    /// The last task starts quarantined (`effectiveMode` Exclusive after
+    /// one abort), the others `Speculative` (with
+    /// [`Config::start_pending`]).
+    pub start_quarantined: bool,
 }
 
 impl Config {
@@ -134,6 +155,9 @@ impl Config {
             lost_answers: 0,
             drift_percent: 0,
             fair: false,
+            speculative: false,
+            cas: CasRule::InFence,
+            start_quarantined: false,
         }
     }
 }
@@ -227,6 +251,8 @@ pub struct State {
     pub tombstones: u8,
     /// Ghosts of the lock properties.
     pub locks: LockGhosts,
+    /// Ghosts of speculative mode.
+    pub spec: SpecGhosts,
 }
 
 /// A step.
@@ -256,6 +282,10 @@ pub enum Action {
     RenewAnswerLost(usize),
     Register(usize),
     CheckFence(usize),
+    /// A speculative round: reads the key, runs the function (its side
+    /// effect), passes its fence check and sends its commit, which lands
+    /// in a later step (`CommitLands`).
+    ReadKey(usize),
     CommitLands(usize),
     Complete(usize),
 }
@@ -280,6 +310,10 @@ fn new_task(cfg: &Config, i: usize) -> BatchTask {
     });
     if cfg.resource {
         spec.resources = vec![locks::RESOURCE.into()];
+    }
+    if cfg.speculative {
+        spec.mode = TaskMode::Speculative;
+        spec.max_speculative_aborts = 1;
     }
     spec.lease_duration_seconds = TTL_SECONDS;
     spec.max_retries = 1;
@@ -336,7 +370,10 @@ impl Model for Cluster {
             ),
             op: Operator::default(),
             workers: vec![Worker::Idle; self.cfg.workers],
-            pg: Storage::new(self.cfg.storage, self.cfg.tasks),
+            pg: Storage {
+                cas: self.cfg.cas,
+                ..Storage::new(self.cfg.storage, self.cfg.tasks)
+            },
             crashes: 0,
             deletions: 0,
             lost: 0,
@@ -349,6 +386,7 @@ impl Model for Cluster {
             late_landed: false,
             tombstones: 0,
             locks: LockGhosts::default(),
+            spec: SpecGhosts::default(),
         });
         states.map(|s| self.started(s)).collect()
     }
@@ -394,6 +432,9 @@ impl Cluster {
                 s.op.tasks = Some(s.api.tasks.clone());
                 self.reconcile(&mut s, i);
                 self.send_pending(&mut s, i);
+            }
+            if self.cfg.start_quarantined {
+                speculate::quarantine_last(&mut s);
             }
             s.op.tasks = Some(s.api.tasks.clone());
         }
@@ -463,13 +504,18 @@ impl Cluster {
                     if !a.registered && self.cfg.storage == StorageRule::RegisterFirst {
                         actions.push(Action::Register(w));
                     }
-                    if registered && !a.checked {
-                        actions.push(Action::CheckFence(w));
+                    let lost = a.round.as_ref().is_some_and(|r| r.lost);
+                    if registered && !a.checked && !lost {
+                        actions.push(if a.round.is_some() {
+                            Action::ReadKey(w)
+                        } else {
+                            Action::CheckFence(w)
+                        });
                     }
                     if a.checked && !a.committed {
                         actions.push(Action::CommitLands(w));
                     }
-                    if a.committed {
+                    if a.committed || lost {
                         actions.push(Action::Complete(w));
                     }
                 }
@@ -498,7 +544,9 @@ impl Cluster {
                 s.op.leases = s.api.leases.clone();
                 s.op.refused.clear();
             }
-            Action::Reconcile(i) => self.reconcile(&mut s, *i),
+            Action::Reconcile(i) => {
+                self.reconcile(&mut s, *i);
+            }
             Action::SendWrite(i) => self.send_pending(&mut s, *i),
             Action::CrashOperator => {
                 s.crashes += 1;
@@ -533,6 +581,9 @@ impl Cluster {
             Action::Claim(w, name) => {
                 let stored = self.claim(&mut s, *w, name)?;
                 let task = s.api.task_index(&stored.spec.task_name)?;
+                // The SDK runs the attempt in the task's effectiveMode, as
+                // read for the claim.
+                let mode = s.api.task(task).status.and_then(|st| st.effective_mode);
                 s.workers[*w] = Worker::Holding(Attempt {
                     rate: s.rates[*w],
                     task,
@@ -545,11 +596,16 @@ impl Cluster {
                     registered: false,
                     checked: false,
                     committed: false,
+                    round: self.cfg.speculative.then(|| Round {
+                        exclusive: mode == Some(TaskMode::Exclusive),
+                        ..Round::default()
+                    }),
                 });
             }
             Action::Renew(w)
             | Action::Register(w)
             | Action::CheckFence(w)
+            | Action::ReadKey(w)
             | Action::CommitLands(w)
             | Action::Complete(w) => self.worker_step(&mut s, *w, &action),
         }

@@ -6,7 +6,7 @@ use batchlease_api::{LeasePhase, TaskPhase};
 use stateright::Property;
 
 use crate::worker::Worker;
-use crate::{Cluster, State, locks, phase};
+use crate::{Cluster, State, locks, phase, speculate};
 
 /// Task `i`'s phase as stored.
 fn task_phase(s: &State, i: usize) -> Option<TaskPhase> {
@@ -17,6 +17,7 @@ impl Cluster {
     pub(crate) fn safety(&self) -> Vec<Property<Self>> {
         let mut p = self.lease_properties();
         p.extend(Self::lock_properties());
+        p.extend(Self::speculative_properties());
         p
     }
 
@@ -139,6 +140,50 @@ impl Cluster {
             Property::sometimes(
                 "an attempt writes after its task took its lock again",
                 |_, s: &State| s.locks.write_after_retaken,
+            ),
+        ]
+    }
+
+    /// Speculative mode (design §6).
+    fn speculative_properties() -> Vec<Property<Self>> {
+        vec![
+            // Nothing lost (a lost update), nothing doubled (a zombie's or
+            // a second attempt's swap sticking).
+            Property::always(
+                "the key counts the tasks whose commit stuck",
+                |m: &Cluster, s: &State| m.key_counts_commits(s),
+            ),
+            Property::always(
+                "each write of the key sets the next version",
+                |_, s: &State| !s.pg.key_version_not_next,
+            ),
+            Property::always("an abort spends no retry", |_, s: &State| {
+                !s.spec.abort_spent_retry
+            }),
+            Property::always(
+                "a round's side effect stays only if it committed",
+                |m: &Cluster, s: &State| m.effects_balanced(s),
+            ),
+            Property::sometimes(
+                "the fence refuses a round whose swap would win",
+                |_, s: &State| s.pg.refused_a_winning_swap,
+            ),
+            Property::sometimes("an attempt aborts", |m: &Cluster, s: &State| {
+                m.cfg.speculative && speculate::aborted(s)
+            }),
+            Property::sometimes("an abort quarantines a task", |m: &Cluster, s: &State| {
+                m.cfg.speculative && speculate::quarantined_by_abort(s)
+            }),
+            Property::sometimes("a quarantined task succeeds", |m: &Cluster, s: &State| {
+                m.cfg.speculative && speculate::quarantined_succeeded(s)
+            }),
+            Property::sometimes(
+                "a speculative task is held back by a live lock holder",
+                |m: &Cluster, s: &State| m.held_back(s),
+            ),
+            Property::sometimes(
+                "a quarantined attempt wins its swap in place",
+                |_, s: &State| speculate::won_in_place(s),
             ),
         ]
     }

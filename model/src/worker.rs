@@ -1,6 +1,18 @@
 //! The workers: a claim after the SDK's `check_current`, renewals, the
 //! kill switch (the SDK's `KillClock`), registration, the fence check, a
 //! commit that lands later, and completion.
+//!
+//! A speculative attempt (design §6) mirrors `worker-sdk/src/speculate.rs`:
+//! after registration each round reads the key, runs the function (one
+//! side effect) and sends its commit — the fenced commit and the key's
+//! compare-and-swap in one transaction ([`Storage::commit_swap`]). A lost
+//! swap rolls back and undoes the round's side effect; the attempt then
+//! completes `Aborted`, or — in `Exclusive` mode, the quarantine — runs
+//! one more round in place first (the SDK: up to `IN_PLACE_ROUNDS`). An
+//! attempt that ends any other way without a commit undoes its side
+//! effect too (the SDK hands the compensations to a background task).
+//!
+//! [`Storage::commit_swap`]: crate::storage::Storage::commit_swap
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,7 +22,7 @@ use batchlease_worker_sdk::KillClock;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
 use crate::api_server::{Refused, decode, encode};
-use crate::storage::Refusal;
+use crate::storage::{Key, Refusal, Swap};
 use crate::{Action, Cluster, KillRule, State, TTL_SECONDS, phase};
 
 /// One worker.
@@ -39,10 +51,40 @@ pub struct Attempt {
     /// Passed its fence check for the commit; the write may land later.
     pub checked: bool,
     pub committed: bool,
+    /// A speculative attempt's round (`None`: not speculative).
+    pub round: Option<Round>,
+}
+
+/// A speculative attempt's current round.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
+pub struct Round {
+    /// The attempt runs `Exclusive` (the task's effectiveMode at the claim:
+    /// quarantined): a lost swap is retried in place.
+    pub exclusive: bool,
+    /// The key as this round read it; its commit is on the way.
+    pub read: Option<Key>,
+    /// The side effect of this round is done, neither committed nor
+    /// undone.
+    pub effect: bool,
+    /// A round was retried in place (once at most in the model).
+    pub retried: bool,
+    /// The swap was lost for good: the attempt completes `Aborted`.
+    pub lost: bool,
 }
 
 pub(crate) fn worker_name(w: usize) -> String {
     format!("w{w}")
+}
+
+/// Worker `w`'s attempt ends: the side effect of a round that did not
+/// commit is undone (each once), and the worker is idle.
+fn end(s: &mut State, w: usize) {
+    if let Worker::Holding(a) = &s.workers[w]
+        && a.round.as_ref().is_some_and(|r| r.effect)
+    {
+        s.spec.effects = s.spec.effects.saturating_sub(1);
+    }
+    s.workers[w] = Worker::Idle;
 }
 
 /// Records storage's answer to worker `w`'s write for `a` in the ghosts;
@@ -57,7 +99,7 @@ fn stored(s: &mut State, w: usize, a: &Attempt, answer: Result<(), Refusal>) -> 
                     s.locks.fenced_by_resource = true;
                 }
             }
-            s.workers[w] = Worker::Idle;
+            end(s, w);
             false
         }
         Ok(()) => {
@@ -130,19 +172,19 @@ impl Cluster {
                     Err(Refused::Conflict | Refused::Invalid) => match still_ours(s, &a, &me) {
                         Some(fresh) => a.copy = fresh,
                         None => {
-                            s.workers[w] = Worker::Idle;
+                            end(s, w);
                             return;
                         }
                     },
                     Err(_) => {
-                        s.workers[w] = Worker::Idle;
+                        end(s, w);
                         return;
                     }
                 }
             }
             Action::Register(_) => {
                 if !alive {
-                    s.workers[w] = Worker::Idle;
+                    end(s, w);
                     return;
                 }
                 let answer = s.pg.register(a.task, a.token, &a.resource_tokens);
@@ -153,8 +195,20 @@ impl Cluster {
             }
             Action::CheckFence(_) => {
                 if !alive {
-                    s.workers[w] = Worker::Idle;
+                    end(s, w);
                     return;
+                }
+                a.checked = true;
+            }
+            Action::ReadKey(_) => {
+                if !alive {
+                    end(s, w);
+                    return;
+                }
+                if let Some(r) = a.round.as_mut() {
+                    r.read = Some(s.pg.key);
+                    r.effect = true;
+                    s.spec.effects = s.spec.effects.saturating_add(1);
                 }
                 a.checked = true;
             }
@@ -164,35 +218,77 @@ impl Cluster {
                 // worker's time frame.
                 let in_time = self.cfg.kill == KillRule::Never
                     || self.worker_instant(a.rate, s.now) <= deadline;
-                let answer = s.pg.commit(a.task, a.token, w, in_time, &a.resource_tokens);
-                if !stored(s, w, &a, answer) {
+                let Some(read) = a.round.as_ref().and_then(|r| r.read) else {
+                    let answer = s.pg.commit(a.task, a.token, w, in_time, &a.resource_tokens);
+                    if !stored(s, w, &a, answer) {
+                        return;
+                    }
+                    a.committed = true;
+                    s.workers[w] = Worker::Holding(a);
                     return;
+                };
+                let answer =
+                    s.pg.commit_swap(a.task, a.token, w, in_time, &a.resource_tokens, read);
+                let swap = match answer {
+                    Ok(swap) => swap,
+                    Err(refusal) => {
+                        stored(s, w, &a, Err(refusal));
+                        return;
+                    }
+                };
+                let Some(r) = a.round.as_mut() else {
+                    return;
+                };
+                r.read = None;
+                r.effect = false;
+                match swap {
+                    Swap::Won => {
+                        // The side effect is the committed one now.
+                        a.committed = true;
+                        if !stored(s, w, &a, Ok(())) {
+                            return;
+                        }
+                    }
+                    // Rolled back: the round's side effect is undone, then
+                    // one more round in place, or Aborted.
+                    Swap::Lost => {
+                        s.spec.effects = s.spec.effects.saturating_sub(1);
+                        a.checked = false;
+                        if r.exclusive && !r.retried {
+                            r.retried = true;
+                        } else {
+                            r.lost = true;
+                        }
+                    }
                 }
-                a.committed = true;
             }
             Action::Complete(_) => {
                 if !alive {
-                    s.workers[w] = Worker::Idle;
+                    end(s, w);
                     return;
                 }
                 let mut l: TaskLease = decode(&a.copy);
                 let st = l.status.get_or_insert_with(Default::default);
                 st.phase = Some(LeasePhase::Completed);
-                st.outcome = Some(LeaseOutcome::Succeeded);
+                st.outcome = Some(if a.committed {
+                    LeaseOutcome::Succeeded
+                } else {
+                    LeaseOutcome::Aborted
+                });
                 match s.api.replace_lease(&l) {
                     Ok(_) => {
-                        s.workers[w] = Worker::Idle;
+                        end(s, w);
                         return;
                     }
                     Err(Refused::Conflict) => match still_ours(s, &a, &me) {
                         Some(fresh) => a.copy = fresh,
                         None => {
-                            s.workers[w] = Worker::Idle;
+                            end(s, w);
                             return;
                         }
                     },
                     Err(_) => {
-                        s.workers[w] = Worker::Idle;
+                        end(s, w);
                         return;
                     }
                 }

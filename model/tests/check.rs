@@ -9,11 +9,11 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use batchlease_model::locks::LockRule;
-use batchlease_model::storage::StorageRule;
+use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, KillRule, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
 
-const SAFETY: [&str; 10] = [
+const SAFETY: [&str; 14] = [
     "at most one attempt's effect is committed",
     "a token is used by at most one lease",
     "tokens of created leases strictly increase",
@@ -24,6 +24,10 @@ const SAFETY: [&str; 10] = [
     "resource tokens of created leases strictly increase",
     "no accepted commit carries a resource token below the stored one",
     "no storage write for a resource is accepted after its lock passed to another task",
+    "the key counts the tasks whose commit stuck",
+    "each write of the key sets the next version",
+    "an abort spends no retry",
+    "a round's side effect stays only if it committed",
 ];
 
 /// How long one bound may take; stateright's `is_done()` is true after a
@@ -51,6 +55,25 @@ fn locks(ticks: u8) -> Config {
         dedicated_workers: true,
         frozen_wall: true,
         ..config(ticks, 0, 0)
+    }
+}
+
+/// Two Speculative tasks (`maxSpeculativeAborts` 1) that commit to one
+/// key and list the resource `r`, initialized, a worker for each; the
+/// wall clocks stand still (as in [`locks`]).
+fn speculative(ticks: u8) -> Config {
+    Config {
+        speculative: true,
+        ..locks(ticks)
+    }
+}
+
+/// One Speculative task, two workers: its attempts' rounds race with
+/// zombies.
+fn speculative_zombies(ticks: u8, deletions: u8) -> Config {
+    Config {
+        speculative: true,
+        ..config(ticks, 0, deletions)
     }
 }
 
@@ -309,4 +332,88 @@ fn both_tasks_finish_under_fairness() {
     for p in SAFETY {
         checker.assert_no_discovery(p);
     }
+}
+
+/// Two Speculative tasks race from the start, without fairness: both
+/// read version 0, one swap wins, the other rolls back, undoes its side
+/// effect, completes `Aborted` (no retry spent) and is quarantined.
+#[test]
+fn safe_when_two_speculative_tasks_race() {
+    assert_safe(
+        speculative(0),
+        &["an attempt aborts", "an abort quarantines a task"],
+    );
+}
+
+/// A speculative task's zombies: a round paused past its deadline (8 s),
+/// or whose held lease was deleted and whose task was issued again (no
+/// time), commits late — the fence refuses it although its swap would
+/// win, and nothing it read or wrote sticks.
+#[test]
+fn safe_when_speculative_zombies_commit() {
+    for cfg in [speculative_zombies(2, 0), speculative_zombies(0, 1)] {
+        assert_safe(
+            cfg,
+            &[
+                "storage refuses a stale attempt",
+                "the fence refuses a round whose swap would win",
+            ],
+        );
+    }
+}
+
+/// Liveness in speculative mode: `t` runs speculatively, `u` starts
+/// quarantined (it aborted once: Exclusive now), a worker each, every
+/// actor acting before time moves on, for 2 s (the wall clock runs: an
+/// abort's backoff of 1.25 s ends). `u` takes the lock of `r`; `t` is held back while
+/// `u`'s attempt lives, or was issued before and races it: the loser of
+/// the swap rolls back and undoes its side effect — `t` aborts (no retry
+/// spent) and is quarantined in turn, `u` retries in place and wins. Both
+/// tasks finish on every path, and every safety property holds.
+#[test]
+fn every_speculative_task_finishes_under_fairness() {
+    let mut cfg = speculative(1);
+    cfg.start_quarantined = true;
+    cfg.frozen_wall = false;
+    cfg.fair = true;
+    let (checker, finished) = run(cfg, None);
+    assert!(finished);
+    checker.assert_no_discovery("the task finishes");
+    for p in SAFETY {
+        checker.assert_no_discovery(p);
+    }
+    for p in [
+        "every task succeeds",
+        "an attempt aborts",
+        "an abort quarantines a task",
+        "a quarantined task succeeds",
+        "a speculative task is held back by a live lock holder",
+        "a quarantined attempt wins its swap in place",
+    ] {
+        checker.assert_any_discovery(p);
+    }
+}
+
+/// The key written without its version check (a mutation of the store's
+/// transaction): both tasks read version 0 and both commits stick — one
+/// update is lost.
+#[test]
+fn a_blind_write_of_the_key_is_caught() {
+    let mut cfg = speculative(0);
+    cfg.cas = CasRule::Blind;
+    let p = "the key counts the tasks whose commit stuck";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// The swap in a transaction of its own, before the fenced commit (a
+/// mutation): a round that read the current version and whose fenced
+/// commit is refused — past its deadline — still writes the key.
+#[test]
+fn a_swap_outside_the_fence_is_caught() {
+    let mut cfg = speculative_zombies(2, 0);
+    cfg.cas = CasRule::OutsideFence;
+    let p = "the key counts the tasks whose commit stuck";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
 }

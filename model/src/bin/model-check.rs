@@ -6,12 +6,18 @@
 //!  [--workers=2] [--crashes=1] [--deletions=1] [--repair=same-token]
 //!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only]
 //!  [--tasks=2 --locks [--holder=ahead-is-dead]] [--frozen-wall] [--dedicated]
-//!  [--kill=never] [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
+//!  [--kill=never] [--speculative [--start-quarantined]
+//!  [--cas=blind|outside-fence]] [--threads=N] [--stop-at-failure] [--dfs]
+//!  [--timeout-seconds=600]`
 //!
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
-//! `Config`; `--stop-at-failure`: stop at the first safety counterexample
+//! `Config`; `--speculative`: every task is Speculative and commits with a
+//! compare-and-swap on a shared key (with `--locks` it respects `r`, and
+//! takes it once quarantined); `--start-quarantined`: the last task starts
+//! quarantined; `--cas`: the mutations of the swap's rule;
+//! `--stop-at-failure`: stop at the first safety counterexample
 //! (with `--threads=1`, a shortest one: the search is breadth-first);
 //! `--dfs`: search depth-first — the same states, but memory for one path
 //! instead of a whole breadth-first frontier (deep runs; its
@@ -21,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use batchlease_model::KillRule;
 use batchlease_model::locks::LockRule;
-use batchlease_model::storage::StorageRule;
+use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
 
@@ -45,6 +51,10 @@ fn main() {
             "--frozen-wall" => cfg.frozen_wall = true,
             "--dedicated" => cfg.dedicated_workers = true,
             "--start-pending" => cfg.start_pending = true,
+            "--speculative" => cfg.speculative = true,
+            "--start-quarantined" => cfg.start_quarantined = true,
+            "--cas" if v == "blind" => cfg.cas = CasRule::Blind,
+            "--cas" if v == "outside-fence" => cfg.cas = CasRule::OutsideFence,
             "--kill" if v == "never" => cfg.kill = KillRule::Never,
             "--threads" => threads = n().into(),
             "--stop-at-failure" => stop_at_failure = true,
