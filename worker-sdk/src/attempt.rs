@@ -87,6 +87,8 @@ impl Attempt {
                 .unwrap_or(self.task.spec.mode),
             background: self.background.clone(),
             metrics: self.metrics.clone(),
+            registered: false,
+            speculation: Arc::default(),
         };
         let done = CancellationToken::new();
         // However this attempt ends — even dropped mid-way — the heartbeat
@@ -131,6 +133,7 @@ impl Attempt {
                     // code runs, so every write of an older attempt that
                     // lands later is refused, whatever its timing.
                     ctx.earlier_commit = registry.register(&ctx.task_uid, &ctx.fence).await?;
+                    ctx.registered = true;
                 }
                 handler(ctx).await
             })

@@ -71,6 +71,12 @@ pub struct TaskContext {
     /// before it exits.
     pub(crate) background: tokio_util::task::TaskTracker,
     pub(crate) metrics: crate::metrics::WorkerMetrics,
+    /// The attempt registered its token in storage (a registry is
+    /// configured): speculation relies on it.
+    pub(crate) registered: bool,
+    /// Rounds run so far by `speculate` in this attempt, and whether one
+    /// committed: log keys never repeat, and one attempt commits once.
+    pub(crate) speculation: Arc<crate::speculate::AttemptRounds>,
 }
 
 impl std::fmt::Debug for TaskContext {
@@ -244,10 +250,20 @@ impl TaskContext {
         Fut: std::future::Future<Output = Result<crate::speculate::Proposal, crate::TaskError>>,
     {
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        if !self.registered {
+            // Without registration a zombie is refused only by its own
+            // clocks, and an earlier attempt's commit is not found (the
+            // body would run again, then fail on the committed row).
+            return Err(Error::Config(
+                "speculate needs the attempt registered in storage: configure WorkerBuilder::registry",
+            )
+            .into());
+        }
         crate::speculate::run(
             crate::speculate::Attempt {
                 task_uid: &self.task_uid,
                 fence: &self.fence,
+                rounds: &self.speculation,
                 exclusive: self.mode == batchlease_api::TaskMode::Exclusive,
                 holds_locks: !self.resource_tokens.is_empty(),
                 earlier: self.earlier_commit.as_ref(),

@@ -33,9 +33,11 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -190,7 +192,9 @@ pub trait VersionedStore: Send + Sync {
     /// (else [`CommitOutcome::Conflict`], nothing written); the proposal's
     /// writes with `version + 1`; and exactly `registered` log entries of
     /// (`task_uid`, token, `round`) moved from `REGISTERED` to `KEPT`
-    /// (fewer: one was claimed to run — refused, nothing written).
+    /// (fewer: one was claimed to run — refused, nothing written). A task
+    /// row already committed is an error, [`Error::CommittedEarlier`],
+    /// even under our own token: the swap did not run.
     fn commit<'a>(
         &'a self,
         fence: &'a Fence,
@@ -201,7 +205,9 @@ pub trait VersionedStore: Send + Sync {
         proposal: &'a Proposal,
     ) -> BoxFuture<'a, Result<CommitOutcome, Error>>;
 
-    /// Logs `entry` as `REGISTERED`, before its side effect happens.
+    /// Logs `entry` as `REGISTERED`, before its side effect happens; an
+    /// entry already in the log is an error (log keys never repeat: an
+    /// entry that silently stayed as it was would never run).
     fn log_registered<'a>(&'a self, entry: &'a LogEntry) -> BoxFuture<'a, Result<(), Error>>;
 
     /// Claims `entry` to run it: `REGISTERED` → `RUNNING`. `false`: it is
@@ -279,6 +285,12 @@ impl Compensations {
         // skips it) — never a logged entry nobody runs.
         let (store, entry) = {
             let mut r = lock(&self.inner);
+            if r.settled {
+                // Nobody would run it: its round committed or was undone.
+                return Err(Error::Config(
+                    "a compensation was registered after its round ended",
+                ));
+            }
             let entry = LogEntry {
                 task_uid: r.task_uid.clone(),
                 token: r.token,
@@ -415,7 +427,20 @@ async fn run_compensations(
                 continue;
             }
         }
-        let result = undo().await;
+        // A panicking or hanging undo is a failed one: the rest still run,
+        // and the worker is not kept from exiting.
+        let result = match tokio::time::timeout(
+            UNDO_TIMEOUT,
+            std::panic::AssertUnwindSafe(undo()).catch_unwind(),
+        )
+        .await
+        {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err("the compensation panicked".to_owned()),
+            Err(_) => Err(format!(
+                "the compensation did not end within {UNDO_TIMEOUT:?}"
+            )),
+        };
         let (ran, error) = match &result {
             Ok(()) => (Ran::Ok, None),
             Err(e) => (Ran::Failed, Some(e.as_str())),
@@ -438,12 +463,19 @@ async fn run_compensations(
     report
 }
 
+/// How long one compensation may run before it counts as failed.
+pub const UNDO_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How many rounds an attempt in `Exclusive` mode runs in place before
-/// reporting `Aborted` after all, when it holds no resource locks. Holding
-/// its locks it retries for as long as its lease lasts: no new speculative
-/// attempt on those resources is issued meanwhile, each one issued before
-/// can win at most once, so it is certain to finish.
+/// reporting `Aborted` after all, when it holds no resource locks.
 pub const IN_PLACE_ROUNDS: i32 = 10;
+/// The same holding its resource locks: no new speculative attempt on
+/// those resources is issued meanwhile and each one issued before wins at
+/// most once, so it finishes long before this — unless tasks write these
+/// keys without naming the resources (then it aborts, and in Exclusive
+/// mode an abort spends a retry: the task dead-letters instead of
+/// spinning while it holds the locks).
+pub const IN_PLACE_ROUNDS_LOCKED: i32 = 50;
 /// The longest pause between two rounds in place.
 const MAX_ROUND_PAUSE_MS: u64 = 500;
 
@@ -452,17 +484,26 @@ const MAX_ROUND_PAUSE_MS: u64 = 500;
 pub struct Speculated {
     /// The committed result (an earlier attempt's, when [`Self::earlier`]).
     pub result: Value,
-    /// Rounds run (lost swaps retried in place + 1); 0 when an earlier
-    /// attempt's commit was found.
+    /// Rounds this call ran (lost swaps retried in place + 1); 0 when an
+    /// earlier attempt's commit was found.
     pub rounds: i32,
     /// An earlier attempt of the task had committed: nothing was run.
     pub earlier: bool,
+}
+
+/// The rounds of one attempt across its `speculate` calls: log keys
+/// (token, round, seq) never repeat, and an attempt commits once.
+#[derive(Debug, Default)]
+pub(crate) struct AttemptRounds {
+    next: AtomicI32,
+    committed: AtomicBool,
 }
 
 /// What one speculative attempt needs from its context.
 pub(crate) struct Attempt<'a> {
     pub task_uid: &'a str,
     pub fence: &'a Fence,
+    pub rounds: &'a AttemptRounds,
     /// `Exclusive` (the quarantine): a lost swap is retried in place.
     pub exclusive: bool,
     /// The attempt holds resource locks (its lease carries resource
@@ -507,8 +548,23 @@ where
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
     };
-    let mut round = 0;
+    if attempt.rounds.committed.load(Ordering::SeqCst) {
+        // The task's fenced row takes one commit: a second one would be
+        // refused after its side effects ran.
+        return Err(TaskError::permanent(
+            "speculate was called again after this attempt committed",
+        )
+        .with_reason("SpeculatedTwice"));
+    }
+    let limit = if attempt.holds_locks {
+        IN_PLACE_ROUNDS_LOCKED
+    } else {
+        IN_PLACE_ROUNDS
+    };
+    let mut local = 0;
     loop {
+        let round = attempt.rounds.next.fetch_add(1, Ordering::SeqCst);
+        local += 1;
         attempt.fence.check()?;
         let snapshot = store.read(&keys).await?;
         let comps = Compensations {
@@ -556,10 +612,11 @@ where
             Ok(CommitOutcome::Committed) => {
                 count("committed");
                 comps.keep();
+                attempt.rounds.committed.store(true, Ordering::SeqCst);
                 debug!(token, round, "speculative commit won");
                 return Ok(Speculated {
                     result: proposal.result,
-                    rounds: round + 1,
+                    rounds: local,
                     earlier: false,
                 });
             }
@@ -570,11 +627,10 @@ where
                     return Err(compensation_failed(&report));
                 }
                 info!(token, round, key = %c.key, read = c.read, found = c.found, "compare-and-swap lost");
-                if attempt.exclusive && (attempt.holds_locks || round + 1 < IN_PLACE_ROUNDS) {
-                    round += 1;
+                if attempt.exclusive && local < limit {
                     // Whoever beat us was issued before we took the locks;
                     // a short, jittered pause lets it finish.
-                    let ms = (10 * u64::try_from(round).unwrap_or(1)).min(MAX_ROUND_PAUSE_MS);
+                    let ms = (10 * u64::try_from(local).unwrap_or(1)).min(MAX_ROUND_PAUSE_MS);
                     let jitter = rand::random::<u64>() % (ms + 1);
                     tokio::time::sleep(Duration::from_millis(ms + jitter)).await;
                     continue;

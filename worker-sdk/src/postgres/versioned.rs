@@ -10,9 +10,12 @@
 //! -- a key read at version v > 0 and written
 //! UPDATE versioned_state SET state = $new, version = version + 1, …
 //!  WHERE key = $k AND version = $v
-//! -- a key read absent (v = 0) and written
-//! INSERT INTO versioned_state … VALUES ($k, 1, $new, …) ON CONFLICT (key) DO NOTHING
-//! -- a key only read: still at v (locked until COMMIT)
+//! -- a key read absent (v = 0) and written (a version-0 row is a placeholder)
+//! INSERT INTO versioned_state … VALUES ($k, 1, $new, …)
+//! ON CONFLICT (key) DO UPDATE SET version = 1, … WHERE versioned_state.version = 0
+//! -- a key only read: still at v (locked until COMMIT); read absent, first
+//! -- a placeholder row to lock (it waits for a concurrent insert of the key)
+//! INSERT INTO versioned_state … VALUES ($k, 0, 'null') ON CONFLICT (key) DO NOTHING
 //! SELECT version FROM versioned_state WHERE key = $k FOR SHARE
 //! -- the round's compensations, kept: exactly the ones registered
 //! UPDATE compensation_log SET status = 'KEPT' … WHERE (task, token, round) AND status = 'REGISTERED'
@@ -36,12 +39,23 @@ use crate::speculate::{
     CommitOutcome, Conflict, LogEntry, Proposal, Ran, Snapshot, Versioned, VersionedStore,
 };
 
-const READ: &str = "SELECT key, version, state FROM versioned_state WHERE key = ANY($1)";
+// Version 0 rows are placeholders (see PLACEHOLDER): absent to readers.
+const READ: &str =
+    "SELECT key, version, state FROM versioned_state WHERE key = ANY($1) AND version > 0";
 const UPDATE: &str = "UPDATE versioned_state SET state = $2, version = version + 1,
             task_id = $4, token = $5, updated_at = now()
       WHERE key = $1 AND version = $3";
 const INSERT: &str = "INSERT INTO versioned_state (key, version, state, task_id, token)
-     VALUES ($1, 1, $2, $3, $4) ON CONFLICT (key) DO NOTHING";
+     VALUES ($1, 1, $2, $3, $4)
+     ON CONFLICT (key) DO UPDATE SET version = 1, state = EXCLUDED.state,
+            task_id = EXCLUDED.task_id, token = EXCLUDED.token, updated_at = now()
+      WHERE versioned_state.version = 0";
+// A key read absent and not written must still be held until COMMIT: a
+// missing row cannot be locked, and a concurrent transaction's uncommitted
+// insert is invisible to `FOR SHARE`. Inserting a version-0 placeholder
+// waits for such an insert (on the unique index) and gives the row to lock.
+const PLACEHOLDER: &str = "INSERT INTO versioned_state (key, version, state)
+     VALUES ($1, 0, 'null'::jsonb) ON CONFLICT (key) DO NOTHING";
 const VERSION: &str = "SELECT version FROM versioned_state WHERE key = $1 FOR SHARE";
 const KEEP: &str = "UPDATE compensation_log SET status = 'KEPT', finished_at = now()
       WHERE task_id = $1 AND token = $2 AND round = $3 AND status = 'REGISTERED'";
@@ -101,6 +115,9 @@ async fn swap(
                     .await?
             }
             None => {
+                if read.version == 0 {
+                    tx.execute(PLACEHOLDER, &[key]).await?;
+                }
                 let now: i64 = tx.query_opt(VERSION, &[key]).await?.map_or(0, |r| r.get(0));
                 u64::from(now == read.version)
             }
@@ -186,7 +203,13 @@ impl VersionedStore for FencedPool {
                 )
                 .await?;
             match stopped {
-                Ok(_) => Ok(CommitOutcome::Committed),
+                Ok(super::Committed::Written) => Ok(CommitOutcome::Committed),
+                // The row carries our own commit already (an earlier call
+                // of this attempt): the swap did not run now.
+                Ok(super::Committed::AlreadyCommitted) => Err(Error::CommittedEarlier {
+                    token,
+                    earlier: token,
+                }),
                 Err(Stop::Conflict(c)) => Ok(CommitOutcome::Conflict(c)),
                 Err(Stop::CompensationClaimed) => Err(Error::Revoked {
                     token,
@@ -200,11 +223,15 @@ impl VersionedStore for FencedPool {
     fn log_registered<'a>(&'a self, e: &'a LogEntry) -> BoxFuture<'a, Result<(), Error>> {
         async move {
             let store = self.get().await?;
-            store
+            let n = store
                 .client()
                 .execute(LOG, &[&e.task_uid, &e.token, &e.round, &e.seq, &e.name])
                 .await
                 .map_err(pg("compensation log"))?;
+            if n != 1 {
+                // An entry under this key exists: this one would never run.
+                return Err(Error::Config("compensation log entry already exists"));
+            }
             Ok(())
         }
         .boxed()

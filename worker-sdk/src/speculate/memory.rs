@@ -187,7 +187,11 @@ impl VersionedStore for MemoryStore {
 
     fn log_registered<'a>(&'a self, entry: &'a LogEntry) -> BoxFuture<'a, Result<(), Error>> {
         async move {
-            self.lock().log.insert(entry.clone(), LogState::Registered);
+            let mut inner = self.lock();
+            if inner.log.contains_key(entry) {
+                return Err(Error::Config("compensation log entry already exists"));
+            }
+            inner.log.insert(entry.clone(), LogState::Registered);
             Ok(())
         }
         .boxed()

@@ -26,6 +26,7 @@ struct Env {
     earlier: Option<EarlierCommit>,
     background: TaskTracker,
     metrics: WorkerMetrics,
+    rounds: AttemptRounds,
 }
 
 impl Env {
@@ -37,6 +38,7 @@ impl Env {
             earlier: None,
             background: TaskTracker::new(),
             metrics: WorkerMetrics::default(),
+            rounds: AttemptRounds::default(),
         }
     }
 
@@ -44,6 +46,7 @@ impl Env {
         Attempt {
             task_uid: "uid-1",
             fence: &self.fence,
+            rounds: &self.rounds,
             exclusive: self.exclusive,
             holds_locks: self.holds_locks,
             earlier: self.earlier.as_ref(),
@@ -599,4 +602,126 @@ async fn an_attempt_dropped_while_logging_a_compensation_leaves_nothing_register
     assert!(store.inner.log().is_empty());
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     assert_eq!(env.compensations("skipped"), 1);
+}
+
+#[tokio::test]
+async fn calls_of_one_attempt_never_reuse_log_keys_and_commit_once() {
+    let store = Arc::new(MemoryStore::new());
+    store.put("a", json!(0));
+    let env = Env::new(1);
+    let undone = Arc::new(Mutex::new(vec![]));
+    // The handler retries speculate itself after a lost swap.
+    let racer = store.clone();
+    let first = run(
+        env.attempt(),
+        store.clone(),
+        &keys(&["a", "b"]),
+        transfer(1, undone.clone(), move || {
+            racer.put("a", json!(9));
+        }),
+    )
+    .await;
+    assert!(matches!(first, Err(TaskError::Aborted { .. })), "{first:?}");
+    let second = run(
+        env.attempt(),
+        store.clone(),
+        &keys(&["a", "b"]),
+        transfer(1, undone.clone(), || {}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(second.rounds, 1);
+    let rounds: Vec<(i32, LogState)> = store.log().into_iter().map(|(e, s)| (e.round, s)).collect();
+    assert_eq!(
+        rounds,
+        vec![
+            (0, LogState::Ran),
+            (0, LogState::Ran),
+            (1, LogState::Kept),
+            (1, LogState::Kept)
+        ],
+        "the second call's round is round 1, its entries logged and kept"
+    );
+    // A third call after the commit is refused before it does anything.
+    let third = run(env.attempt(), store.clone(), &keys(&["a"]), |_, _| async {
+        panic!("must not run")
+    })
+    .await;
+    assert!(
+        matches!(&third, Err(TaskError::Permanent { reason, .. }) if reason == "SpeculatedTwice"),
+        "{third:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_panicking_undo_is_a_failed_one_and_the_rest_still_run() {
+    let store = Arc::new(MemoryStore::new());
+    store.put("a", json!(1));
+    let env = Env::new(1);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let (r2, racer) = (ran.clone(), store.clone());
+    let err = run(
+        env.attempt(),
+        store.clone(),
+        &keys(&["a"]),
+        move |_, comps: Compensations| {
+            let (r2, racer) = (r2.clone(), racer.clone());
+            async move {
+                comps
+                    .register("first", move || async move {
+                        r2.fetch_add(1, Ordering::SeqCst);
+                        Ok(())
+                    })
+                    .await?;
+                comps
+                    .register("boom", || async { panic!("undo bug") })
+                    .await?;
+                racer.put("a", json!(2));
+                Ok(Proposal::new(json!({})).write("a", json!(0)))
+            }
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, TaskError::Retryable { reason, message }
+            if reason == COMPENSATION_FAILED_REASON && message.contains("boom: the compensation panicked")),
+        "{err:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the one after the panic ran");
+    let states: Vec<_> = store.log().into_iter().map(|(e, s)| (e.name, s)).collect();
+    assert_eq!(
+        states,
+        vec![
+            ("first".to_owned(), LogState::Ran),
+            ("boom".to_owned(), LogState::Failed)
+        ],
+        "in registration order"
+    );
+}
+
+#[tokio::test]
+async fn registering_after_the_round_ended_is_refused() {
+    let store = Arc::new(MemoryStore::new());
+    let env = Env::new(1);
+    let kept: Arc<Mutex<Option<Compensations>>> = Arc::new(Mutex::new(None));
+    let k2 = kept.clone();
+    run(
+        env.attempt(),
+        store.clone(),
+        &keys(&["a"]),
+        move |_, comps| {
+            *k2.lock().unwrap() = Some(comps);
+            async { Ok(Proposal::new(json!({}))) }
+        },
+    )
+    .await
+    .unwrap();
+    let comps = kept.lock().unwrap().take().unwrap();
+    let err = comps
+        .register("late", || async { Ok(()) })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert!(store.log().is_empty());
 }
