@@ -157,7 +157,7 @@ impl Cluster {
                 "each write of the key sets the next version",
                 |_, s: &State| !s.pg.key_version_not_next,
             ),
-            Property::always("an abort spends no retry", |_, s: &State| {
+            Property::always("a speculative abort spends no retry", |_, s: &State| {
                 !s.spec.abort_spent_retry
             }),
             Property::always(

@@ -26,7 +26,9 @@ pub struct SpecGhosts {
     /// Side effects of rounds in the world: run, and neither undone nor
     /// part of a commit that was refused.
     pub effects: u8,
-    /// A status write that counted an abort also changed `attempts`.
+    /// A status write that counted an abort of a speculative attempt also
+    /// changed `attempts` (an abort of a quarantined attempt spends a
+    /// retry on purpose: it must not spin for ever).
     pub abort_spent_retry: bool,
 }
 
@@ -46,7 +48,8 @@ pub(crate) fn quarantine_last(s: &mut State) {
 /// Ghosts of task `i`'s status write `new` replacing `old`.
 pub(crate) fn status_written(s: &mut State, old: Option<&BatchTaskStatus>, new: &BatchTaskStatus) {
     let (aborts, attempts) = old.map_or((0, 0), |o| (o.aborts, o.attempts));
-    if new.aborts > aborts && new.attempts != attempts {
+    let speculative = old.and_then(|o| o.effective_mode) != Some(TaskMode::Exclusive);
+    if speculative && new.aborts > aborts && new.attempts != attempts {
         s.spec.abort_spent_retry = true;
     }
 }

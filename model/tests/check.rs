@@ -26,7 +26,7 @@ const SAFETY: [&str; 14] = [
     "no storage write for a resource is accepted after its lock passed to another task",
     "the key counts the tasks whose commit stuck",
     "each write of the key sets the next version",
-    "an abort spends no retry",
+    "a speculative abort spends no retry",
     "a round's side effect stays only if it committed",
 ];
 

@@ -753,6 +753,48 @@ fn speculative_aborts_quarantine_to_exclusive() {
 }
 
 #[test]
+fn an_abort_of_a_quarantined_attempt_spends_a_retry() {
+    // Quarantined, it held its locks and still lost its swap: the keys are
+    // written by tasks that do not name its resources. Free retries would
+    // let it spin for ever.
+    let t = task()
+        .spec(|s| {
+            s.mode = TaskMode::Speculative;
+            s.max_retries = 1;
+        })
+        .phase(TaskPhase::Running, 5)
+        .with(|s| {
+            s.aborts = 3;
+            s.effective_mode = Some(TaskMode::Exclusive);
+        });
+    let aborted = |t: BatchTask| {
+        into_status(
+            Case::new(t)
+                .leases(vec![completed(5, LeaseOutcome::Aborted, |s| {
+                    s.reason = Some("CompareAndSwapLost".into())
+                })])
+                .run(),
+        )
+    };
+    let (st, tr) = aborted(t.clone());
+    assert!(
+        matches!(&tr, Transition::Retry { reason, .. } if reason == "CompareAndSwapLost"),
+        "{tr:?}"
+    );
+    assert_eq!(
+        (st.aborts, st.attempts, st.effective_mode),
+        (4, 1, Some(TaskMode::Exclusive))
+    );
+    // The budget spent: dead-lettered, with the reason.
+    let (st, tr) = aborted(t.with(|s| s.attempts = 1));
+    assert!(
+        matches!(&tr, Transition::DeadLettered { reason, .. } if reason == "CompareAndSwapLost"),
+        "{tr:?}"
+    );
+    assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
+}
+
+#[test]
 fn redrive_brings_back_a_dead_lettered_task_with_a_fresh_budget() {
     let t = task()
         .spec(|s| s.redrive = 1)

@@ -83,6 +83,18 @@ pub fn settle(
         .rev()
         .take_while(|h| h.outcome == Outcome::Interrupted.name())
         .count();
+    // A lost swap of an attempt that did not run speculatively (the
+    // quarantine, which holds the task's locks and retries in place): the
+    // keys are written by tasks that do not name these resources. Free
+    // retries would let it spin for ever; it is a failure, and the retry
+    // budget brings it to a human.
+    let mode = current.effective_mode.unwrap_or(task.spec.mode);
+    let exclusive_abort = outcome == Outcome::Aborted && mode != TaskMode::Speculative;
+    let outcome = if exclusive_abort {
+        Outcome::Failed { permanent: false }
+    } else {
+        outcome
+    };
     let (outcome, lst) = if outcome == Outcome::Interrupted && streak >= INTERRUPTS_AS_FAILURE {
         let mut lst = lst;
         lst.reason = Some("InterruptedRepeatedly".into());
@@ -177,6 +189,9 @@ pub fn settle(
             let expired = outcome == Outcome::Expired;
             let permanent = matches!(outcome, Outcome::Failed { permanent: true });
             status.attempts += 1;
+            if exclusive_abort {
+                status.aborts += 1;
+            }
             status.last_failure = Some(Failure {
                 reason: reason.clone(),
                 message,
