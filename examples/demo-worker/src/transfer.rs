@@ -74,14 +74,20 @@ pub async fn run(
                 // first, then send it.
                 let (token, round) = (undo.token(), undo.round());
                 {
-                    let (store, uid, account) = (store.clone(), uid.clone(), t.from.clone());
+                    let (store, uid, account, amount) =
+                        (store.clone(), uid.clone(), t.from.clone(), t.amount);
+                    // The undo may run before the notice arrives (the
+                    // attempt was dropped while sending it): it leaves a
+                    // cancelled row that absorbs the late notice.
                     undo.register("cancel-notice", move || async move {
                         let db = store.get().await.map_err(|e| e.to_string())?;
                         db.client()
                             .execute(
-                                "UPDATE demo_outbox SET cancelled = cancelled + 1
-                                  WHERE task_id = $1 AND token = $2 AND round = $3 AND account = $4",
-                                &[&uid, &token, &round, &account],
+                                "INSERT INTO demo_outbox (task_id, token, round, account, amount, cancelled)
+                                 VALUES ($1, $2, $3, $4, $5, 1)
+                                 ON CONFLICT (task_id, token, round, account)
+                                 DO UPDATE SET cancelled = demo_outbox.cancelled + 1",
+                                &[&uid, &token, &round, &account, &amount],
                             )
                             .await
                             .map_err(|e| e.to_string())?;
