@@ -1,6 +1,7 @@
 //! The worker: watch the offered leases of its queues, claim one per free
 //! slot, run the handler under a heartbeat, and drain on shutdown.
 
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::attempt::{Attempt, Ended};
+use crate::claim_order::claim_order;
 use crate::context::{Output, Registry, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillClock};
@@ -248,6 +250,7 @@ impl Worker {
         // an outage, back off instead of hammering every offer each second.
         let mut retry_at: Option<Instant> = None;
         let mut failed_rounds: u32 = 0;
+        let mut just_claimed: HashMap<String, Instant> = HashMap::new();
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
@@ -256,10 +259,16 @@ impl Worker {
                 _ = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {}
             }
             retry_at = None;
+            just_claimed.retain(|_, at| at.elapsed() < JUST_CLAIMED_FOR);
             while let Ok(permit) = slots.clone().try_acquire_owned() {
-                let (held, task, sent) = match self.claim_one(&leases, &tasks, &store).await {
+                let skip: HashSet<String> = just_claimed.keys().cloned().collect();
+                let (held, task, sent) = match self.claim_one(&leases, &tasks, &store, &skip).await
+                {
                     Claim::Claimed(held, task, sent) => {
                         failed_rounds = 0;
+                        // Our cache shows it offered until the watch
+                        // delivers the claim: do not race ourselves for it.
+                        just_claimed.insert(held.name_any(), Instant::now());
                         (*held, *task, sent)
                     }
                     Claim::Nothing => {
@@ -320,7 +329,8 @@ impl Worker {
         Ok(())
     }
 
-    /// Claims one offered lease of our queues, oldest first, after a small
+    /// Claims one offered lease of our queues, oldest second first and
+    /// spread across workers within a second (see `claim_order`), after a small
     /// random delay against thundering herds. Only a lease that is its
     /// task's current one (design §3.1: name, token, task UID and owner
     /// checked against the task as read just before the claim) is claimed:
@@ -330,17 +340,18 @@ impl Worker {
         api: &Api<TaskLease>,
         tasks: &Api<BatchTask>,
         store: &Store<TaskLease>,
+        just_claimed: &HashSet<String>,
     ) -> Claim {
-        let mut offered: Vec<Arc<TaskLease>> = store
+        let offered: Vec<Arc<TaskLease>> = store
             .state()
             .into_iter()
             .filter(|l| l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered))
             .filter(|l| self.queues.contains(&l.spec.queue))
             .collect();
+        let offered = claim_order(offered, &self.identity, just_claimed);
         if offered.is_empty() {
             return Claim::Nothing;
         }
-        offered.sort_by_key(|l| l.metadata.creation_timestamp.clone().map(|t| t.0));
         let herd_delay = Duration::from_millis(rand::rng().random_range(0..25));
         tokio::time::sleep(herd_delay).await;
         let mut failure: Option<(usize, Error)> = None;
@@ -422,6 +433,10 @@ fn claim_retry_delay(failed_rounds: u32) -> Duration {
     let base = Duration::from_secs(1 << failed_rounds.min(4));
     base + base.mul_f64(rand::rng().random_range(0.0..0.25))
 }
+
+/// How long a lease this worker claimed is kept out of its own claim
+/// order (until its cache has surely seen the claim).
+const JUST_CLAIMED_FOR: Duration = Duration::from_secs(30);
 
 /// Bound on a read made while claiming.
 const READ_BUDGET: Duration = Duration::from_secs(5);
