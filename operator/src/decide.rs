@@ -202,7 +202,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
         return Decision::Wait(None);
     }
     let Some(current) = task.status.as_ref().filter(|s| s.phase.is_some()) else {
-        return initialize(task, input.wall);
+        return first_status(input);
     };
     if task.spec.redrive > current.observed_redrive {
         return redrive(task, current, input.wall);
@@ -292,6 +292,28 @@ fn stray(task: &BatchTask, leases: &[Arc<TaskLease>]) -> Option<Decision> {
         lease: Box::new(ended),
         reason: ExpiryReason::NotCurrentLease,
     })
+}
+
+/// The first decision of a new task. Its first status used to be a write
+/// of its own (`Pending`), then the issue another; a task that needs no
+/// lock goes straight to what `Pending` would decide — the issue, or the
+/// dependency condition, or the rejection — with the first status folded
+/// into that one write. A task that needs (or respects) locks is written
+/// `Pending` first: only a `Pending` task counts as a waiter, which is what
+/// keeps younger tasks from overtaking it (see `locks::waiting`).
+fn first_status(input: &Input<'_>) -> Decision {
+    let task = input.task;
+    let init = initialize(task, input.wall);
+    if !locks::needed(task).is_empty() || !locks::respected(task).is_empty() {
+        return init;
+    }
+    let Decision::WriteStatus { status, .. } = &init else {
+        return init;
+    };
+    match pending(input, status) {
+        d @ (Decision::Issue { .. } | Decision::WriteStatus { .. }) => d,
+        _ => init,
+    }
 }
 
 fn initialize(task: &BatchTask, wall: Timestamp) -> Decision {

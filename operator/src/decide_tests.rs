@@ -152,13 +152,68 @@ pub(super) fn into_status(d: Decision) -> (BatchTaskStatus, Transition) {
 }
 
 #[test]
-fn new_task_is_initialized_pending() {
-    let d = Case::new(task().spec(|s| s.mode = TaskMode::Speculative)).run();
+fn a_new_task_is_issued_in_its_first_write() {
+    // No status yet: the first status is folded into the issue (one write
+    // instead of two).
+    let d = Case::new(task().spec(|s| {
+        s.mode = TaskMode::Speculative;
+        s.redrive = 2;
+    }))
+    .run();
+    let Decision::Issue {
+        status,
+        lease,
+        cause,
+    } = d
+    else {
+        panic!("expected an issue, got {d:?}")
+    };
+    assert_eq!(status.phase, Some(TaskPhase::Ready));
+    assert_eq!(status.fencing_token, 1);
+    assert_eq!(status.effective_mode, Some(TaskMode::Speculative));
+    assert_eq!(
+        status.observed_redrive, 2,
+        "a raised redrive is not replayed"
+    );
+    assert_eq!(lease.spec.fencing_token, 1);
+    assert_eq!(cause, IssueCause::New);
+}
+
+#[test]
+fn a_new_task_that_must_wait_writes_why_in_its_first_write() {
+    // Dependencies unfinished: the first status carries the condition.
+    let d = Case::new(task().spec(|s| s.depends_on = vec!["extract".into()]))
+        .deps(Readiness::Waiting {
+            missing: vec![],
+            unfinished: vec!["extract".into()],
+        })
+        .run();
     let (st, tr) = status_of(&d);
     assert_eq!(st.phase, Some(TaskPhase::Pending));
-    assert_eq!(st.effective_mode, Some(TaskMode::Speculative));
-    assert_eq!(st.fencing_token, 0);
-    assert_eq!(*tr, Transition::Initialized);
+    assert_eq!(st.effective_mode, Some(TaskMode::Exclusive));
+    assert_eq!(*tr, Transition::WaitingForDependencies);
+    assert!(
+        st.conditions
+            .iter()
+            .any(|c| c.type_ == batchlease_api::keys::condition::WAITING_FOR_DEPENDENCIES)
+    );
+}
+
+#[test]
+fn a_new_task_with_resources_is_written_pending_first() {
+    // Only a Pending task counts as a waiter for its locks (fairness).
+    for mode in [TaskMode::Exclusive, TaskMode::Speculative] {
+        let d = Case::new(task().spec(|s| {
+            s.mode = mode;
+            s.resources = vec!["db".into()];
+        }))
+        .run();
+        let (st, tr) = status_of(&d);
+        assert_eq!(st.phase, Some(TaskPhase::Pending), "{mode:?}");
+        assert_eq!(st.effective_mode, Some(mode));
+        assert_eq!(st.fencing_token, 0);
+        assert_eq!(*tr, Transition::Initialized);
+    }
 }
 
 #[test]
