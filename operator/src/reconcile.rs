@@ -144,10 +144,13 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         task: &lookup_task,
         lease_live: &lease_live,
     };
+    // A new task (no phase yet) may be issued in its first write: its
+    // dependencies are assessed too.
     let pending = task
         .status
         .as_ref()
-        .is_some_and(|s| s.phase == Some(TaskPhase::Pending));
+        .and_then(|s| s.phase)
+        .is_none_or(|p| p == TaskPhase::Pending);
     let readiness = if pending {
         let edges = ctx.index.edges();
         let check = !ctx.index.known_acyclic(&ns, &name, edges);
