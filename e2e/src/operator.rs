@@ -51,6 +51,9 @@ impl Operator {
             "--leader-lease-seconds=6".into(),
             "--leader-grace-seconds=2".into(),
             format!("--identity={name}"),
+            // Tests follow tasks by their Events; the default publishes
+            // only the important ones (the bench measures that).
+            "--events=all".into(),
         ];
         // An extra flag replaces the default of the same name (clap would
         // append to a list flag such as --namespaces instead).

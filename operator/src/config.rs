@@ -61,6 +61,15 @@ pub struct Config {
         default_value = "text"
     )]
     pub log_format: LogFormat,
+    /// Events to publish: `important` (Warnings, Reassigned, Redriven) or
+    /// `all` (one per step of every task).
+    #[arg(
+        long,
+        env = "BATCHLEASE_EVENTS",
+        value_enum,
+        default_value = "important"
+    )]
+    pub events: crate::events::EventLevel,
 }
 
 impl Config {

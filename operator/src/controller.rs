@@ -84,6 +84,7 @@ pub struct Shared {
     pub leadership: Leadership,
     /// Namespace of the resource-lock Leases (the operator's own).
     pub lock_namespace: String,
+    pub events: crate::events::EventLevel,
 }
 
 impl std::fmt::Debug for Shared {
@@ -132,6 +133,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     // reconcile it triggers runs.
     let lease_stream = watcher(leases_api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
+        .modify(forget_managed_fields)
         .inspect_ok(move |event| {
             lease_synced(matches!(event, watcher::Event::InitDone));
             if matches!(event, watcher::Event::InitDone) {
@@ -169,11 +171,14 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         tasks: task_store.clone(),
         index,
         lock_namespace: shared.lock_namespace.clone(),
+        events: shared.events,
+        overwritten: Default::default(),
     });
     // The index is fed after the store: a woken task reads the change that
     // woke it.
     let task_stream = watcher(tasks_api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
+        .modify(forget_managed_fields)
         .reflect(task_writer)
         .inspect_ok(move |event| {
             task_synced(matches!(event, watcher::Event::InitDone));
@@ -219,6 +224,15 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         info!(namespace = %scope, "controller stopped");
     });
     Running { tasks, done }
+}
+
+/// Drops `metadata.managedFields` from a watched object before it is
+/// cached: nothing here reads them, and on a task whose status was written
+/// a few times they are a large part of the object (issue 12: memory per
+/// cached task). Writes of cached copies leave the field out, and the API
+/// server keeps its own record.
+fn forget_managed_fields<K: kube::Resource>(o: &mut K) {
+    o.meta_mut().managed_fields = None;
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 mod config;
 mod controller;
+mod events;
 mod expectations;
 mod graph_index;
 mod http;
@@ -107,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
             reporter: reporter.clone(),
             leadership: leadership.clone(),
             lock_namespace: cfg.leader_lease_namespace.clone(),
+            events: cfg.events,
         };
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();

@@ -80,6 +80,31 @@ pub struct Ctx {
     pub index: Arc<GraphIndex>,
     /// Namespace of the resource-lock Leases.
     pub lock_namespace: String,
+    /// Which Events to publish.
+    pub events: crate::events::EventLevel,
+    /// Per task, the resourceVersion this process last wrote its status
+    /// over: a cached copy still at that version has not seen our write.
+    pub overwritten: std::sync::Mutex<std::collections::HashMap<(String, String), String>>,
+}
+
+impl Ctx {
+    /// Whether the cache still shows `task` as it was before our last
+    /// status write. Deciding on it would repeat a decision already
+    /// written, and the write would fail its CAS (a 409 per task in a
+    /// burst, issue 12): the watch event of our write brings the task
+    /// back. Forgets the entry once the cache moved on.
+    fn cache_behind(&self, ns: &str, name: &str, rv: Option<&str>) -> bool {
+        let mut m = self.overwritten.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (ns.to_owned(), name.to_owned());
+        match m.get(&key) {
+            Some(old) if Some(old.as_str()) == rv => true,
+            Some(_) => {
+                m.remove(&key);
+                false
+            }
+            None => false,
+        }
+    }
 }
 
 impl std::fmt::Debug for Ctx {
@@ -116,6 +141,9 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     }
     let ns = task.namespace().unwrap_or_default();
     let name = task.name_any();
+    if ctx.cache_behind(&ns, &name, task.resource_version().as_deref()) {
+        return Ok(Action::await_change());
+    }
     let uid = task.uid().unwrap_or_default();
     let mut leases: Vec<Arc<TaskLease>> = ctx
         .tracker
@@ -620,6 +648,12 @@ async fn write_status(
             .map_err(|e| classify(ctx, e, "status write"))
     })
     .await?;
+    if let Some(rv) = task.resource_version() {
+        ctx.overwritten
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((task.namespace().unwrap_or_default(), task.name_any()), rv);
+    }
     for d in dropped {
         warn!(task = %task.name_any(), reason = d.reason(), "left out of the status: too large");
         publish(ctx, task, EventType::Warning, d.reason(), d.note()).await;
@@ -910,8 +944,8 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
 }
 
 async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, note: String) {
-    // Events are writes too: none after the term.
-    if !ctx.leadership.is_leader() {
+    // Events are writes too: none after the term, and only those asked for.
+    if !ctx.leadership.is_leader() || !ctx.events.wants(&type_, reason) {
         return;
     }
     let event = Event {
