@@ -9,6 +9,7 @@
 // A test-only crate: failing loudly is the point.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod api_requests;
 pub mod audit;
 pub mod cluster;
 pub mod controlplane;
