@@ -11,9 +11,15 @@
 //!    1, 3 or 6 shared resources;
 //! 6. speculative vs. exclusive transfers (issue 11): throughput, latency
 //!    and abort rates at low contention (100 accounts) and high contention
-//!    (every transfer touches one hot account), balances checked.
+//!    (every transfer touches one hot account), balances checked;
+//! 7. failover: the holder of a task SIGSTOPped, the time until another
+//!    worker holds it, from lease watch events (`bench/failover.rs`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+// Not `src/bin/failover.rs`: that would be a binary of its own.
+#[path = "bench/failover.rs"]
+mod failover;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -116,6 +122,7 @@ async fn main() -> anyhow::Result<()> {
     let dag_n = arg("dag", 1000);
     let locked_n = arg("locked", 200);
     let speculative_n = arg("speculative", 200);
+    let failover_n = arg("failover", 20);
     let cluster = Cluster::with_crds().await?;
     let mut report = String::new();
 
@@ -247,6 +254,21 @@ async fn main() -> anyhow::Result<()> {
     }
     if speculative_n > 0 {
         speculative(&cluster, speculative_n, conc, &mut report).await?;
+    }
+    if failover_n > 0 {
+        let v = failover::run(&cluster, failover_n).await?;
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        emit(
+            &mut report,
+            &format!(
+                "failover ({failover_n} trials, TTL {} s; SIGSTOP of the holder → the task Held by the other worker, from lease watch events): p50 {:.0} ms, p95 {:.0} ms, max {:.0} ms; p95 ÷ TTL {:.2}\n",
+                failover::TTL_SECONDS,
+                ms(failover::quantile(&v, 0.5)),
+                ms(failover::quantile(&v, 0.95)),
+                ms(failover::quantile(&v, 1.0)),
+                failover::quantile(&v, 0.95).as_secs_f64() / failover::TTL_SECONDS as f64,
+            ),
+        );
     }
     println!("\n--- results ---\n{report}");
     Ok(())
