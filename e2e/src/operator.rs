@@ -38,6 +38,20 @@ impl Operator {
         Self::start_with(namespace, name, Vec::new())
     }
 
+    /// A fresh test namespace (CRDs installed) with operator `name`
+    /// started in it and leading within `lead_within`: how most tests begin.
+    pub async fn in_new_namespace(
+        prefix: &str,
+        name: &str,
+        lead_within: Duration,
+    ) -> anyhow::Result<(crate::TestNamespace, Self)> {
+        let cluster = crate::Cluster::with_crds().await?;
+        let ns = cluster.namespace(prefix).await?;
+        let op = Self::start(&ns.name, name)?;
+        op.wait_leading(lead_within).await?;
+        Ok((ns, op))
+    }
+
     /// Like [`Operator::start`], with extra flags (e.g. `--kubeconfig`);
     /// an extra flag replaces the default of the same name.
     pub fn start_with(namespace: &str, name: &str, extra: Vec<String>) -> anyhow::Result<Self> {

@@ -95,3 +95,15 @@ pub async fn metric(port: u16, sample: &str) -> anyhow::Result<Option<f64>> {
         .lines()
         .find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok())))
 }
+
+/// Demo workers `w1`..`wN` of `namespace`, `slots` each, on the default
+/// queue.
+pub fn start_n(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Process>> {
+    let opts = WorkerOpts {
+        slots,
+        ..Default::default()
+    };
+    (1..=n)
+        .map(|i| start(namespace, &format!("w{i}"), &opts))
+        .collect()
+}

@@ -10,7 +10,7 @@ use batchlease_api::{BatchTask, JsonObject, LeaseOutcome, LeasePhase, TaskLease,
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, TestNamespace, wait_for, worker};
+use batchlease_e2e::{TestNamespace, wait_for, worker};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -40,11 +40,7 @@ fn nested(levels: usize) -> JsonObject {
 }
 
 async fn setup(prefix: &str) -> (TestNamespace, Operator) {
-    let cluster = Cluster::with_crds().await.unwrap();
-    let ns = cluster.namespace(prefix).await.unwrap();
-    let op = Operator::start(&ns.name, "op").unwrap();
-    op.wait_leading(T).await.unwrap();
-    (ns, op)
+    Operator::in_new_namespace(prefix, "op", T).await.unwrap()
 }
 
 /// Waits for an Event with `reason` about `object` (Events follow the

@@ -14,7 +14,7 @@ use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::tasks::{self, event_reasons, wait_holder, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use batchlease_e2e::{TestNamespace, pg, wait_for};
 use batchlease_worker_sdk::postgres::FencedStore;
 use batchlease_worker_sdk::{Error as SdkError, Fence, KillClock, WorkerMetrics};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -29,21 +29,11 @@ const T: Duration = Duration::from_secs(120);
 const RESOURCES: [&str; 6] = ["r1", "r2", "r3", "r4", "r5", "r6"];
 
 async fn setup(prefix: &str) -> (TestNamespace, Operator) {
-    let cluster = Cluster::with_crds().await.unwrap();
-    let ns = cluster.namespace(prefix).await.unwrap();
-    let op = Operator::start(&ns.name, "op").unwrap();
-    op.wait_leading(T).await.unwrap();
-    (ns, op)
+    Operator::in_new_namespace(prefix, "op", T).await.unwrap()
 }
 
 fn start_workers(ns: &TestNamespace, n: usize, slots: usize) -> Vec<Process> {
-    let opts = WorkerOpts {
-        slots,
-        ..Default::default()
-    };
-    (1..=n)
-        .map(|i| workers::start(&ns.name, &format!("w{i}"), &opts).unwrap())
-        .collect()
+    workers::start_n(&ns.name, n, slots).unwrap()
 }
 
 fn logs(op: &Operator, w: &[Process]) -> String {

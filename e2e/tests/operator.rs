@@ -18,11 +18,7 @@ use tokio::time::Instant;
 const T: Duration = Duration::from_secs(30);
 
 async fn setup(prefix: &str) -> (TestNamespace, Operator) {
-    let cluster = Cluster::with_crds().await.unwrap();
-    let ns = cluster.namespace(prefix).await.unwrap();
-    let op = Operator::start(&ns.name, "op-a").unwrap();
-    op.wait_leading(T).await.unwrap();
-    (ns, op)
+    Operator::in_new_namespace(prefix, "op-a", T).await.unwrap()
 }
 
 #[tokio::test]

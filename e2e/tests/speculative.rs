@@ -14,7 +14,7 @@ use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::tasks::{self, event_reasons, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use batchlease_e2e::{TestNamespace, pg, wait_for};
 use kube::ResourceExt;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -23,21 +23,11 @@ const T: Duration = Duration::from_secs(120);
 const SEED_BALANCE: i64 = 1000;
 
 async fn setup(prefix: &str) -> (TestNamespace, Operator) {
-    let cluster = Cluster::with_crds().await.unwrap();
-    let ns = cluster.namespace(prefix).await.unwrap();
-    let op = Operator::start(&ns.name, "op").unwrap();
-    op.wait_leading(T).await.unwrap();
-    (ns, op)
+    Operator::in_new_namespace(prefix, "op", T).await.unwrap()
 }
 
 fn start_workers(ns: &TestNamespace, n: usize, slots: usize) -> Vec<Process> {
-    let opts = WorkerOpts {
-        slots,
-        ..Default::default()
-    };
-    (1..=n)
-        .map(|i| workers::start(&ns.name, &format!("w{i}"), &opts).unwrap())
-        .collect()
+    workers::start_n(&ns.name, n, slots).unwrap()
 }
 
 fn logs(op: &Operator, w: &[&Process]) -> String {
