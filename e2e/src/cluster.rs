@@ -178,6 +178,7 @@ impl TestNamespace {
     }
 
     async fn check_and_delete(self, checks: Checks) -> anyhow::Result<()> {
+        self.history.catch_up(&self.client, &self.name).await?;
         let violations = self.history.violations(&checks).await?;
         if !violations.is_empty() {
             bail!(

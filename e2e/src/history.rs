@@ -117,6 +117,59 @@ impl History {
         })
     }
 
+    /// Waits until the watches have delivered every task and lease as the
+    /// API server has it now (its current resourceVersion is recorded):
+    /// a check that runs right after the test's last write must not judge
+    /// a history whose last events are still on their way (a task seen
+    /// `Running` while it is `Succeeded`).
+    pub async fn catch_up(&self, client: &Client, namespace: &str) -> anyhow::Result<()> {
+        let tasks: Api<BatchTask> = Api::namespaced(client.clone(), namespace);
+        let leases: Api<TaskLease> = Api::namespaced(client.clone(), namespace);
+        let mut want: BTreeSet<(String, String)> = BTreeSet::new();
+        for t in tasks.list(&Default::default()).await? {
+            want.insert((
+                format!("task/{}", t.name_any()),
+                t.resource_version().unwrap_or_default(),
+            ));
+        }
+        for l in leases.list(&Default::default()).await? {
+            want.insert((
+                format!("lease/{}", l.name_any()),
+                l.resource_version().unwrap_or_default(),
+            ));
+        }
+        let log = self.log.clone();
+        let missing = move || {
+            let log = log.lock().unwrap_or_else(|e| e.into_inner());
+            let seen: BTreeSet<(String, String)> = log
+                .tasks
+                .iter()
+                .chain(log.leases.iter())
+                .filter_map(|r| match &r.change {
+                    Change::Task(t) => {
+                        Some((format!("task/{}", t.name_any()), t.resource_version()?))
+                    }
+                    Change::Lease(l) => {
+                        Some((format!("lease/{}", l.name_any()), l.resource_version()?))
+                    }
+                    _ => None,
+                })
+                .collect();
+            want.difference(&seen).cloned().collect::<Vec<_>>()
+        };
+        let diag = missing.clone();
+        crate::wait::wait_for(
+            "the history watches caught up with the API server",
+            std::time::Duration::from_secs(30),
+            move || format!("not yet recorded: {:?}", diag()),
+            || {
+                let m = missing();
+                async move { Ok(m.is_empty().then_some(())) }
+            },
+        )
+        .await
+    }
+
     /// The recorded lease and task changes so far.
     pub fn snapshot(&self) -> (Vec<Recorded>, Vec<Recorded>, Vec<String>) {
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
