@@ -693,10 +693,15 @@ fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
     );
     assert_eq!(st.history.last().unwrap().outcome, "Expired");
     assert_eq!(st.last_failure.as_ref().unwrap().reason, "LeaseExpired");
+    // The TTL without renewals was the wait: no backoff on top.
+    assert_eq!(st.next_attempt_after, None);
+    assert!(
+        matches!(tr, Transition::Retry { delay_seconds, .. } if *delay_seconds == 0.0),
+        "{tr:?}"
+    );
 
     let mut next = task();
     next.status = Some(st.clone());
-    next.status.as_mut().unwrap().next_attempt_after = Some(Time(wall(-1)));
     let d = Case::new(next)
         .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
         .run();
@@ -705,6 +710,38 @@ fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
     };
     assert_eq!(status.fencing_token, 2);
     assert_eq!(cause, IssueCause::Reassigned);
+}
+
+#[test]
+fn a_second_expiry_in_a_row_waits_the_backoff() {
+    let t = task()
+        .phase(TaskPhase::Running, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let first = Case::new(t.clone())
+        .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
+        .run();
+    let (after_one, _) = into_status(first);
+    let mut t2 = t;
+    t2.status = Some(BatchTaskStatus {
+        phase: Some(TaskPhase::Running),
+        fencing_token: 2,
+        holder: Some("w2".into()),
+        current_lease: Some("job-2".into()),
+        ..after_one
+    });
+    let d = Case::new(t2)
+        .leases(vec![
+            lease(1, LeasePhase::Expired, Some("w1")),
+            lease(2, LeasePhase::Expired, Some("w2")),
+        ])
+        .run();
+    let (st, tr) = status_of(&d);
+    assert_eq!(st.attempts, 2);
+    assert!(st.next_attempt_after.is_some(), "{st:?}");
+    assert!(
+        matches!(tr, Transition::Retry { expired: true, delay_seconds, .. } if *delay_seconds > 0.0),
+        "{tr:?}"
+    );
 }
 
 #[test]

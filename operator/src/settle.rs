@@ -88,6 +88,16 @@ pub fn settle(
     // keys are written by tasks that do not name these resources. Free
     // retries would let it spin for ever; it is a failure, and the retry
     // budget brings it to a human.
+    // An expired attempt already waited a whole TTL without a renewal:
+    // that wait is the backoff of a worker failure (a crash, a partition,
+    // a stopped process), and adding the task's backoff on top only
+    // delays failover. Two expiries in a row look like a task that takes
+    // its workers down (an OOM kill, a poison input); from the second on,
+    // each waits the task's backoff as a failure does.
+    let repeated_expiry = current
+        .history
+        .last()
+        .is_some_and(|h| h.outcome == Outcome::Expired.name());
     let mode = current.effective_mode.unwrap_or(task.spec.mode);
     let exclusive_abort = outcome == Outcome::Aborted && mode != TaskMode::Speculative;
     let outcome = if exclusive_abort {
@@ -214,10 +224,16 @@ pub fn settle(
                 );
                 Transition::DeadLettered { reason, expired }
             } else {
-                let n = u32::try_from(status.attempts - 1).unwrap_or(0);
-                let delay = retry_delay(&task.spec.backoff, n, jitter);
                 status.phase = Some(TaskPhase::Pending);
-                status.next_attempt_after = Some(after(wall, delay));
+                let delay = if expired && !repeated_expiry {
+                    status.next_attempt_after = None;
+                    std::time::Duration::ZERO
+                } else {
+                    let n = u32::try_from(status.attempts - 1).unwrap_or(0);
+                    let delay = retry_delay(&task.spec.backoff, n, jitter);
+                    status.next_attempt_after = Some(after(wall, delay));
+                    delay
+                };
                 Transition::Retry {
                     reason,
                     expired,
