@@ -83,11 +83,6 @@ pub fn settle(
         .rev()
         .take_while(|h| h.outcome == Outcome::Interrupted.name())
         .count();
-    // A lost swap of an attempt that did not run speculatively (the
-    // quarantine, which holds the task's locks and retries in place): the
-    // keys are written by tasks that do not name these resources. Free
-    // retries would let it spin for ever; it is a failure, and the retry
-    // budget brings it to a human.
     // An expired attempt already waited a whole TTL without a renewal:
     // that wait is the backoff of a worker failure (a crash, a partition,
     // a stopped process), and adding the task's backoff on top only
@@ -98,6 +93,11 @@ pub fn settle(
         .history
         .last()
         .is_some_and(|h| h.outcome == Outcome::Expired.name());
+    // A lost swap of an attempt that did not run speculatively (the
+    // quarantine, which holds the task's locks and retries in place): the
+    // keys are written by tasks that do not name these resources. Free
+    // retries would let it spin for ever; it is a failure, and the retry
+    // budget brings it to a human.
     let mode = current.effective_mode.unwrap_or(task.spec.mode);
     let exclusive_abort = outcome == Outcome::Aborted && mode != TaskMode::Speculative;
     let outcome = if exclusive_abort {
