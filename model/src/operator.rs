@@ -150,6 +150,12 @@ impl Cluster {
                 lookup,
                 deps: Readiness::Ready,
                 locks,
+                // Running is written on the first pass that sees a claim:
+                // the model's clock ticks in whole seconds, and the delayed
+                // write changes no protocol state (settling from Ready is
+                // explored anyway, when a claim and its completion land
+                // before the operator's next pass).
+                running_after: std::time::Duration::ZERO,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -263,6 +269,7 @@ impl Cluster {
             lookup: pass.lookup.into(),
             deps: Readiness::Ready,
             locks: Some(pass.slots()),
+            running_after: std::time::Duration::ZERO,
         });
         self.request(s, &task, decision, || pass)
     }

@@ -70,6 +70,16 @@ pub struct Config {
         default_value = "important"
     )]
     pub events: crate::events::EventLevel,
+    /// Write a task `Running` only once its claim has been observed this
+    /// many milliseconds (at most half the TTL). Shorter attempts settle
+    /// straight from `Ready`: one API write per task fewer. 0 writes
+    /// `Running` on every claim.
+    #[arg(
+        long,
+        env = "BATCHLEASE_RUNNING_STATUS_DELAY_MS",
+        default_value_t = 1000
+    )]
+    pub running_status_delay_ms: u64,
 }
 
 impl Config {

@@ -85,6 +85,8 @@ pub struct Shared {
     /// Namespace of the resource-lock Leases (the operator's own).
     pub lock_namespace: String,
     pub events: crate::events::EventLevel,
+    /// `--running-status-delay-ms`.
+    pub running_after: std::time::Duration,
 }
 
 impl std::fmt::Debug for Shared {
@@ -172,6 +174,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         index,
         lock_namespace: shared.lock_namespace.clone(),
         events: shared.events,
+        running_after: shared.running_after,
         overwritten: Default::default(),
     });
     // The index is fed after the store: a woken task reads the change that

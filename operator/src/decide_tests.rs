@@ -83,6 +83,7 @@ pub(super) struct Case {
     lookup: Lookup,
     deps: Readiness,
     locks: Option<Vec<Slot>>,
+    running_after: Duration,
 }
 
 impl Case {
@@ -95,6 +96,7 @@ impl Case {
             lookup: Lookup::CacheOnly,
             deps: Readiness::Ready,
             locks: None,
+            running_after: Duration::ZERO,
         }
     }
     pub(super) fn deps(mut self, deps: Readiness) -> Self {
@@ -111,6 +113,10 @@ impl Case {
     }
     pub(super) fn leases(mut self, l: Vec<Arc<TaskLease>>) -> Self {
         self.leases = l;
+        self
+    }
+    pub(super) fn running_after(mut self, d: Duration) -> Self {
+        self.running_after = d;
         self
     }
     pub(super) fn observed(mut self, since_renewal: u64, since_claim: u64) -> Self {
@@ -133,6 +139,7 @@ impl Case {
             lookup: self.lookup,
             deps: self.deps.clone(),
             locks: self.locks.clone(),
+            running_after: self.running_after,
         })
     }
 }
@@ -985,13 +992,109 @@ fn deleted_task_is_left_to_garbage_collection() {
 
 #[test]
 fn stale_status_after_claim_then_expiry_order() {
-    // The task still says Ready (its claim update not yet written) while the
-    // lease is Held and silent for longer than the TTL: first record the
-    // claim, then expire on the next pass — never skip the history.
+    // The task still says Ready (its Running write not made yet) while the
+    // lease is Held and silent for longer than the TTL: expire at once —
+    // Running is informational and must not postpone expiry — and the
+    // settle that follows records the claim in the history from the lease.
     let t = task().phase(TaskPhase::Ready, 1);
-    let d = Case::new(t)
+    let d = Case::new(t.clone())
         .leases(vec![lease(1, LeasePhase::Held, Some("w1"))])
         .observed(60, 60)
         .run();
-    assert!(matches!(status_of(&d).1, Transition::Claimed { .. }));
+    assert!(matches!(d, Decision::Expire { .. }), "{d:?}");
+    let (st, tr) = into_status(
+        Case::new(t)
+            .leases(vec![lease(1, LeasePhase::Expired, Some("w1"))])
+            .run(),
+    );
+    assert!(
+        matches!(tr, Transition::Retry { expired: true, .. }),
+        "{tr:?}"
+    );
+    let h = st.history.last().unwrap();
+    assert_eq!(
+        (h.outcome.as_str(), h.holder.as_deref()),
+        ("Expired", Some("w1"))
+    );
+}
+
+#[test]
+fn running_is_written_once_the_claim_is_old_enough() {
+    // (claim seen for s, renewal seen s ago, TTL 30 s unless a deadline,
+    //  running_after s, expected)
+    let t = task().phase(TaskPhase::Ready, 1);
+    let held = || vec![lease(1, LeasePhase::Held, Some("w"))];
+    let wait = |s: u64| Decision::Wait(Some(Duration::from_secs(s)));
+    // Too young: come back when it is due.
+    assert_eq!(
+        Case::new(t.clone())
+            .leases(held())
+            .observed(0, 0)
+            .running_after(Duration::from_secs(2))
+            .run(),
+        wait(2)
+    );
+    assert_eq!(
+        Case::new(t.clone())
+            .leases(held())
+            .observed(1, 1)
+            .running_after(Duration::from_secs(2))
+            .run(),
+        wait(1)
+    );
+    // Due: Running with the holder.
+    let (st, tr) = into_status(
+        Case::new(t.clone())
+            .leases(held())
+            .observed(2, 2)
+            .running_after(Duration::from_secs(2))
+            .run(),
+    );
+    assert_eq!(
+        (st.phase, st.holder.as_deref()),
+        (Some(TaskPhase::Running), Some("w"))
+    );
+    assert_eq!(tr, Transition::Claimed { holder: "w".into() });
+    // A delay beyond half the TTL is cut to half the TTL (15 s of 30 s),
+    // so it never postpones expiry.
+    assert_eq!(
+        Case::new(t.clone())
+            .leases(held())
+            .observed(0, 0)
+            .running_after(Duration::from_secs(600))
+            .run(),
+        wait(15)
+    );
+    // An expiry due first wins over the informational write.
+    let d = Case::new(t.clone())
+        .leases(held())
+        .observed(30, 30)
+        .running_after(Duration::from_secs(600))
+        .run();
+    assert!(matches!(d, Decision::Expire { .. }), "{d:?}");
+    // An active deadline sooner than the delay: the wait ends at it.
+    let mut short = t.clone();
+    short.spec.active_deadline_seconds = Some(3);
+    assert_eq!(
+        Case::new(short)
+            .leases(held())
+            .observed(1, 1)
+            .running_after(Duration::from_secs(10))
+            .run(),
+        wait(2)
+    );
+}
+
+#[test]
+fn a_completion_before_the_running_write_settles_straight_from_ready() {
+    let t = task().phase(TaskPhase::Ready, 1);
+    let (st, tr) = into_status(
+        Case::new(t)
+            .leases(vec![completed(1, LeaseOutcome::Succeeded, |_| {})])
+            .running_after(Duration::from_secs(1))
+            .run(),
+    );
+    assert_eq!(st.phase, Some(TaskPhase::Succeeded));
+    assert_eq!(tr, Transition::Succeeded);
+    assert_eq!(st.history.len(), 1);
 }

@@ -109,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
             leadership: leadership.clone(),
             lock_namespace: cfg.leader_lease_namespace.clone(),
             events: cfg.events,
+            running_after: std::time::Duration::from_millis(cfg.running_status_delay_ms),
         };
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();

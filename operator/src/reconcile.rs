@@ -82,6 +82,8 @@ pub struct Ctx {
     pub lock_namespace: String,
     /// Which Events to publish.
     pub events: crate::events::EventLevel,
+    /// `--running-status-delay-ms` ([`Input::running_after`]).
+    pub running_after: std::time::Duration,
     /// Per task, the resourceVersion this process last wrote its status
     /// over: a cached copy still at that version has not seen our write.
     pub overwritten: std::sync::Mutex<std::collections::HashMap<(String, String), String>>,
@@ -201,6 +203,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             lookup,
             deps: readiness.clone(),
             locks,
+            running_after: ctx.running_after,
         })
     };
     let mut slots: Option<Vec<Slot>> = None;
