@@ -48,6 +48,48 @@ pub fn parse(text: &str) -> Counts {
     out
 }
 
+/// The API server's own CPU time so far (`process_cpu_seconds_total`).
+pub fn cpu_seconds() -> anyhow::Result<f64> {
+    let text = crate::kubectl::ok(&["get", "--raw", "/metrics"])?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no process_cpu_seconds_total in /metrics"))
+}
+
+/// Requests of every verb in `d` over `secs` seconds: a table by verb and
+/// resource (requests/s; rows under one request in the window left out),
+/// and the total rate.
+pub fn per_second(d: &Counts, secs: f64) -> (String, f64) {
+    let mut rows: BTreeMap<(String, String), f64> = BTreeMap::new();
+    for ((verb, resource, _), v) in d {
+        *rows.entry((resource.clone(), verb.clone())).or_default() += v;
+    }
+    let secs = secs.max(f64::EPSILON);
+    let mut table = String::from("| resource | verb | requests/s |\n|---|---|---:|\n");
+    let mut total = 0.0;
+    for ((resource, verb), v) in &rows {
+        total += v;
+        if *v >= 1.0 {
+            table.push_str(&format!("| {resource} | {verb} | {:.2} |\n", v / secs));
+        }
+    }
+    (table, total / secs)
+}
+
+/// Requests in `d` of resource `resource` (subresources included) whose
+/// verb is one of `verbs` and whose code starts with `code_prefix`.
+pub fn count(d: &Counts, resource: &str, verbs: &[&str], code_prefix: &str) -> f64 {
+    d.iter()
+        .filter(|((verb, res, code), _)| {
+            res.split('/').next() == Some(resource)
+                && verbs.contains(&verb.as_str())
+                && code.starts_with(code_prefix)
+        })
+        // A fold from +0.0: an empty `sum` of floats is -0.0.
+        .fold(0.0, |acc, (_, v)| acc + v)
+}
+
 /// `after - before`, only what changed.
 pub fn delta(before: &Counts, after: &Counts) -> Counts {
     after
@@ -134,5 +176,10 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
             "1 lease create + 2 status updates per task, events apart"
         );
         assert_eq!(conflicts, 0.4);
+        assert_eq!(count(&d, "taskleases", &WRITES, "2"), 10.0);
+        assert_eq!(count(&d, "batchtasks", &["PUT"], ""), 20.0);
+        let (rates, total) = per_second(&d, 10.0);
+        assert!(rates.contains("| pods | LIST | 0.90 |"), "{rates}");
+        assert_eq!(total, (10.0 + 4.0 + 20.0 + 9.0 + 30.0) / 10.0);
     }
 }

@@ -101,12 +101,3 @@ pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<Vec<Duratio
     out.sort();
     Ok(out)
 }
-
-/// The `q`-quantile of sorted `v` (nearest rank).
-pub fn quantile(v: &[Duration], q: f64) -> Duration {
-    if v.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}

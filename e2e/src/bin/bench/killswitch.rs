@@ -1,0 +1,173 @@
+//! Kill-switch latency (issue 12 item 4): a worker's connection to the API
+//! server is cut silently (a proxy drops every byte) right after one of its
+//! renewals was seen; the time from the cut to its handler being cancelled
+//! — the SDK's `kill switch fired` line, by the worker's own log timestamp
+//! on this host's clock — over many trials, next to 2/3·TTL.
+//!
+//! The SDK's rule: the switch fires 2/3·TTL after the last renewal that
+//! succeeded was *sent*, so a cut right after a renewal lands should fire
+//! just under 2/3·TTL later; the time from that renewal's `renewTime` (the
+//! worker's clock when it sent it) is printed beside.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use batchlease_api::{BatchTask, LeasePhase, TaskLease};
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, tasks, wait_for};
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+
+/// The lease TTL of the trials: 2/3 of it is 4 s.
+pub const TTL_SECONDS: u64 = 6;
+
+/// The measurements of one run, sorted.
+pub struct KillSwitch {
+    /// From the cut to the switch firing.
+    pub from_cut: Vec<Duration>,
+    /// From the `renewTime` of the last renewal that landed to the switch
+    /// firing.
+    pub from_renewal: Vec<Duration>,
+}
+
+/// The timestamp that starts a `tracing` fmt line (ANSI colours allowed).
+pub fn log_time(line: &str) -> Option<Timestamp> {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An SGR sequence: ESC [ … m.
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain.split_whitespace().next()?.parse().ok()
+}
+
+/// A signed span `to - from` as a duration (zero when negative).
+fn between(from: Timestamp, to: Timestamp) -> Duration {
+    let micros = to.as_microsecond() - from.as_microsecond();
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
+}
+
+/// Waits on `events` for lease `lease` to be Held and a renewal after its
+/// claim to land; returns that renewal's `renewTime`.
+async fn renewed(
+    events: &mut (impl futures::Stream<Item = Result<TaskLease, watcher::Error>> + Unpin),
+    lease: &str,
+) -> anyhow::Result<Timestamp> {
+    let mut claimed: Option<Timestamp> = None;
+    let found = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(ev) = events.next().await {
+            let l = ev?;
+            if l.metadata.name.as_deref() != Some(lease)
+                || l.status.as_ref().and_then(|s| s.phase) != Some(LeasePhase::Held)
+            {
+                continue;
+            }
+            let Some(renew) = l.spec.renew_time.as_ref().map(|t| t.0) else {
+                continue;
+            };
+            match claimed {
+                None => claimed = Some(renew),
+                Some(c) if renew > c => return Ok(renew),
+                Some(_) => {}
+            }
+        }
+        anyhow::bail!("the lease watch ended")
+    })
+    .await;
+    found.with_context(|| format!("{lease}: no renewal after the claim in time"))?
+}
+
+/// `trials` cuts, each with a worker of its own behind a proxy of its own
+/// (a cut connection is not reused), on a queue of its own.
+pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch> {
+    let ns = cluster.namespace("bench-killswitch").await?;
+    let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
+    op.wait_leading(Duration::from_secs(60)).await?;
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name)?;
+    let leases: Api<TaskLease> = ns.api();
+    let mut events = Box::pin(watcher(leases, watcher::Config::default()).touched_objects());
+    let (mut from_cut, mut from_renewal) = (Vec::new(), Vec::new());
+    for i in 0..trials {
+        let proxy = Proxy::start(apiserver_addr()?).await?;
+        let opts = WorkerOpts {
+            queue: format!("ks{i}"),
+            slots: 1,
+            kubeconfig: Some(proxied_kubeconfig(&proxy, &dir)?),
+            ..Default::default()
+        };
+        let worker = workers::start(&ns.name, &format!("k{i}"), &opts)?;
+        let name = format!("k{i:03}");
+        tasks::create(
+            &ns,
+            &name,
+            json!({"queue": opts.queue, "leaseDurationSeconds": TTL_SECONDS, "maxRetries": 0,
+                   "payload": {"steps": 1, "stepMillis": 600_000}}),
+        )
+        .await?;
+        let renew = renewed(&mut events, &format!("{name}-1")).await?;
+        proxy.cut();
+        let cut = Timestamp::now();
+        let fired = wait_for(
+            "the kill switch after the cut",
+            Duration::from_secs(4 * TTL_SECONDS),
+            || worker.logs(),
+            || {
+                let at = worker
+                    .log_text()
+                    .lines()
+                    .find(|l| l.contains("kill switch fired"))
+                    .and_then(log_time);
+                async move { Ok(at) }
+            },
+        )
+        .await?;
+        from_cut.push(between(cut, fired));
+        from_renewal.push(between(renew, fired));
+        eprintln!(
+            "kill switch {i}: fired {:?} after the cut, {:?} after the last renewal's renewTime",
+            between(cut, fired),
+            between(renew, fired)
+        );
+        drop(worker);
+        ns.api::<BatchTask>()
+            .delete(&name, &DeleteParams::default())
+            .await?;
+    }
+    drop(op);
+    ns.cleanup().await?;
+    from_cut.sort();
+    from_renewal.sort();
+    Ok(KillSwitch {
+        from_cut,
+        from_renewal,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_timestamp_of_a_coloured_line() {
+        let line = "\u{1b}[2m2026-12-01T02:48:31.355583Z\u{1b}[0m \u{1b}[33m WARN\u{1b}[0m kill switch fired";
+        let t = log_time(line).unwrap();
+        assert_eq!(t.to_string(), "2026-12-01T02:48:31.355583Z");
+        assert_eq!(log_time("no time here"), None);
+        let later: Timestamp = "2026-12-01T02:48:35.355583Z".parse().unwrap();
+        assert_eq!(between(t, later), Duration::from_secs(4));
+        assert_eq!(between(later, t), Duration::ZERO);
+    }
+}
