@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# Benchmarks (not part of CI): raw API-server write throughput vs. end-to-end
-# task throughput side by side, and one operator with many tasks. Release
-# builds, a fresh local control plane and PostgreSQL. Flags go to the bench:
-#   hack/bench.sh --raw=2000 --tasks=500 --scale=10000 --concurrency=16 --dag=1000 --locked=200 --speculative=200 --failover=20
-# (a phase with 0 is skipped). --speculative=N: N demo transfers (20 ms
-# think) in each of Speculative and Exclusive mode, over 100 accounts (low
-# contention) and with every transfer touching one hot account (high
-# contention): tasks/s, p50/p95 latency from the create request to the
-# task seen Succeeded, abort rates, quarantined tasks; the balances are
-# checked. Only that phase:
-#   hack/bench.sh --raw=0 --tasks=0 --scale=0 --dag=0 --locked=0 --speculative=200 --failover=0
-# --failover=N: N trials of SIGSTOPping the worker that holds a task (TTL
-# 5 s) and timing, from lease watch events, until the other worker holds
-# it: p50/p95/max next to the TTL. The --tasks phase also reports API
-# writes and 409s per task as the API server counted them.
-# Results: e2e/bench/RESULTS.md (append the printed block by hand, with the
-# command and the date).
+# Benchmarks on a fresh local control plane and PostgreSQL (issue 12).
+#
+#   hack/bench.sh            the full run: release builds, every phase at
+#                            full size (≈ 45 min on 2 cores); plots go to
+#                            e2e/bench/plots/ and a dated section (command,
+#                            commit, versions, machine, results) is added at
+#                            the top of e2e/bench/RESULTS.md's runs.
+#   hack/bench.sh --quick    the smoke run (debug builds, every phase small,
+#                            ≈ 4 min; hack/test.sh runs the same binary with
+#                            --quick): prints the section, writes nothing.
+#
+# More flags go to the bench binary and override a phase's size (0 skips
+# it), e.g. only the kill-switch phase:
+#   hack/bench.sh --held=0 --window=0 --raw=0 --tasks=0 --scale=0 --dag=0 \
+#     --locked=0 --speculative=0 --failover=0 --killswitch=20
+# Phases and their flags (full / quick sizes):
+#   --window=S --held=N   idle-operator requests over S-second windows, then
+#                         N leases held at once (60 / 5 s; 1000 / 20)
+#   --raw=N               raw writes of each kind (2000 / 100)
+#   --tasks=N             no-op tasks end to end, writes/409s per task,
+#                         ratio to the raw limit (2000 / 100)
+#   --scale=N --probes=P  idle tasks up to N in five levels, P probes each
+#                         (100000, 100 / 200, 10)
+#   --dag=N --locked=N --speculative=N   workloads (1000, 200, 200 / 100, 20, 20)
+#   --failover=N --killswitch=N          latency trials (20, 20 / 2, 2)
+#   --concurrency=N       client concurrency of bulk writes (16)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -23,11 +32,28 @@ LOG_TAG=bench
 . e2e/lib/common.sh
 . hack/env.sh
 . hack/local-env.sh
+
+quick=false
+args=()
+for a in "$@"; do
+  case $a in
+    --quick) quick=true; args+=("$a") ;;
+    *) args+=("$a") ;;
+  esac
+done
+
 hack/deps.sh
-cargo build -q --release -p batchlease-operator -p batchlease-demo-worker
-cargo build -q --release -p batchlease-e2e --bin bench
-export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/release/batchlease-operator
-export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/release/batchlease-demo-worker
+if $quick; then
+  profile=debug
+  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+else
+  profile=release
+  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+  args+=("--out=$root/e2e/bench/plots")
+fi
+export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/$profile/batchlease-operator
+export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/$profile/batchlease-demo-worker
+
 run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)
 cleanup() {
   trap - EXIT INT TERM
@@ -36,4 +62,41 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 local_env_up "$run_dir"
-"$CARGO_TARGET_DIR/release/bench" "$@"
+
+out=$run_dir/bench.out
+"$CARGO_TARGET_DIR/$profile/bench" "${args[@]}" | tee "$out"
+
+# The dated section: what ran, on what, and what it printed.
+section=$run_dir/section.md
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
+pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+{
+  echo "## Run of $(date -u '+%Y-%m-%d %H:%M UTC') ($($quick && echo quick || echo full))"
+  echo
+  echo '```sh'
+  echo "hack/bench.sh $*"
+  echo '```'
+  echo
+  echo "- commit: $commit; $profile builds"
+  echo "- $(rustc --version); kube-apiserver $(kube-apiserver --version 2>/dev/null | awk '{print $2}'); etcd $(etcd --version 2>/dev/null | awk '/etcd Version/ {print $3}'); $("$pgbin/postgres" --version 2>/dev/null)"
+  echo "- machine: $(nproc) cores ($(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)), $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r); everything (control plane, PostgreSQL, operator, workers, load) on this machine"
+  echo
+  echo '```'
+  sed -n '/^--- results ---$/,$p' "$out" | tail -n +2
+  echo '```'
+} > "$section"
+cat "$section"
+if ! $quick; then
+  # Newest run first, below the marker line of RESULTS.md.
+  python3 - "$root/e2e/bench/RESULTS.md" "$section" <<'PY'
+import sys
+path, section = sys.argv[1], open(sys.argv[2]).read()
+text = open(path).read()
+marker = "<!-- runs: newest first -->\n"
+if marker not in text:
+    sys.exit(f"{path}: no line '{marker.strip()}' to add the run below")
+open(path, "w").write(text.replace(marker, marker + "\n" + section, 1))
+PY
+  log "added the run to e2e/bench/RESULTS.md; plots in e2e/bench/plots/"
+fi

@@ -2,7 +2,7 @@
 # Runs every check and test of batchlease. This is the README's test command
 # and what CI (.ci/run) calls:
 #   deps → fmt → clippy → unit tests → CRD drift → control plane + PostgreSQL
-#   → e2e tests → stop everything (always, via trap).
+#   → e2e tests → benchmark smoke run → stop everything (always, via trap).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -63,3 +63,10 @@ export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/debug/batchlease-demo-worker
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
+
+# Every benchmark phase at smoke size on the same control plane (what
+# `hack/bench.sh --quick` runs on a fresh one): the phases keep working, and
+# each bench namespace's recorded history is checked like a test's.
+step "benchmark smoke run (bench --quick)"
+cargo build --locked -p batchlease-e2e --bin bench
+"$CARGO_TARGET_DIR/debug/bench" --quick
