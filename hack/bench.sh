@@ -45,10 +45,13 @@ done
 hack/deps.sh
 if $quick; then
   profile=debug
-  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+  # Two builds: `--bin bench` would filter the other packages' binaries out.
+  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker
+  cargo build -q --locked -p batchlease-e2e --bin bench
 else
   profile=release
-  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-e2e --bin bench
+  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker
+  cargo build -q --locked --release -p batchlease-e2e --bin bench
   args+=("--out=$root/e2e/bench/plots")
 fi
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/$profile/batchlease-operator
