@@ -42,6 +42,10 @@ for a in "$@"; do
   esac
 done
 
+# What is built, taken before the build (a later edit is not in it).
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes: $(git diff --name-only HEAD | tr '\n' ' '))"
+
 hack/deps.sh
 if $quick; then
   profile=debug
@@ -71,8 +75,6 @@ out=$run_dir/bench.out
 
 # The dated section: what ran, on what, and what it printed.
 section=$run_dir/section.md
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-git diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
 pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
 {
   echo "## Run of $(date -u '+%Y-%m-%d %H:%M UTC') ($($quick && echo quick || echo full))"

@@ -101,7 +101,7 @@ pub async fn run_tasks_counted(
     n: usize,
     conc: usize,
     spec: impl Fn(usize) -> serde_json::Value,
-) -> anyhow::Result<(f64, api_requests::Counts)> {
+) -> anyhow::Result<(f64, api_requests::Counts, Cpu)> {
     let ns = cluster.namespace(prefix).await?;
     let _db = pg::connect().await?;
     let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
@@ -112,7 +112,21 @@ pub async fn run_tasks_counted(
     };
     let w1 = workers::start(&ns.name, "bench-w1", &opts)?;
     let w2 = workers::start(&ns.name, "bench-w2", &opts)?;
+    let note = quiet_cluster(cluster).await?;
+    if !note.is_empty() {
+        eprintln!("note:{note}");
+    }
     let before = api_requests::snapshot()?;
+    let pids = [
+        component_pid("kube-apiserver"),
+        component_pid("etcd"),
+        op.pid(),
+        w1.pid(),
+        w2.pid(),
+        Some(std::process::id()),
+    ];
+    let cpu0 = cpu_of(&pids);
+    let pg0 = cpu_of_all("postgres");
     let start = Instant::now();
     create_all(&ns.api::<BatchTask>(), n, conc, |i| {
         json!({
@@ -129,11 +143,88 @@ pub async fn run_tasks_counted(
         || async { Ok((count_phase(&ns, TaskPhase::Succeeded).await? == n).then_some(())) },
     )
     .await?;
-    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let secs = start.elapsed().as_secs_f64();
+    let rate = n as f64 / secs;
     let requests = api_requests::delta(&before, &api_requests::snapshot()?);
+    let cpu1 = cpu_of(&pids);
+    let used: Vec<f64> = cpu0
+        .iter()
+        .zip(&cpu1)
+        .map(|(a, b)| a.zip(*b).map_or(0.0, |(a, b)| b - a))
+        .collect();
+    let pg = cpu_of_all("postgres") - pg0;
+    let cpu = Cpu {
+        secs,
+        apiserver: used[0],
+        etcd: used[1],
+        operator: used[2],
+        workers: used[3] + used[4],
+        postgres: pg,
+        load: used[5],
+    };
     drop((w1, w2, op));
     ns.cleanup().await?;
-    Ok((rate, requests))
+    Ok((rate, requests, cpu))
+}
+
+/// CPU seconds each part used during a run of [`run_tasks_counted`].
+pub struct Cpu {
+    pub secs: f64,
+    pub apiserver: f64,
+    pub etcd: f64,
+    pub operator: f64,
+    pub workers: f64,
+    pub postgres: f64,
+    /// This process: the creates and the watches that time them.
+    pub load: f64,
+}
+
+impl Cpu {
+    /// `part cores (ms/task), …` for `n` tasks.
+    pub fn line(&self, n: usize) -> String {
+        let parts = [
+            ("kube-apiserver", self.apiserver),
+            ("etcd", self.etcd),
+            ("operator", self.operator),
+            ("2 workers", self.workers),
+            ("PostgreSQL", self.postgres),
+            ("load generator", self.load),
+        ];
+        let total: f64 = parts.iter().map(|p| p.1).sum();
+        let mut out: Vec<String> = parts
+            .iter()
+            .map(|(name, c)| {
+                format!(
+                    "{name} {:.2} cores ({:.1} ms/task)",
+                    c / self.secs,
+                    c * 1000.0 / n.max(1) as f64
+                )
+            })
+            .collect();
+        out.push(format!(
+            "total {:.2} cores of {}",
+            total / self.secs,
+            std::thread::available_parallelism().map_or(0, |p| p.get())
+        ));
+        out.join(", ")
+    }
+}
+
+/// CPU seconds used so far by every process named `comm` (e.g. all of
+/// PostgreSQL's backends).
+pub fn cpu_of_all(comm: &str) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    let want = format!("({comm})");
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.split_whitespace().nth(1) == Some(want.as_str()))
+        })
+        .filter_map(cpu_seconds)
+        .sum()
 }
 
 /// Prints a result line as soon as it is known, and keeps it for the summary.
@@ -165,4 +256,44 @@ pub fn component_pid(name: &str) -> Option<u32> {
 /// CPU seconds of the processes of `pids` (those that run) so far.
 pub fn cpu_of(pids: &[Option<u32>]) -> Vec<Option<f64>> {
     pids.iter().map(|p| p.and_then(cpu_seconds)).collect()
+}
+
+/// How long [`quiet_cluster`] waits at most (set once by `main`).
+pub static QUIET_WAIT: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+/// Waits (up to [`QUIET_WAIT`]) for namespaces being deleted — earlier phases'
+/// and tests' — to be gone: the namespace controller's deletes would be
+/// counted in a phase's API requests. Returns a note for the report if
+/// some were still there.
+pub async fn quiet_cluster(cluster: &Cluster) -> anyhow::Result<String> {
+    let deadline = QUIET_WAIT
+        .get()
+        .copied()
+        .unwrap_or(Duration::from_secs(600));
+    use k8s_openapi::api::core::v1::Namespace;
+    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
+    let terminating = || async {
+        anyhow::Ok(
+            namespaces
+                .list(&Default::default())
+                .await?
+                .items
+                .iter()
+                .filter(|n| n.metadata.deletion_timestamp.is_some())
+                .count(),
+        )
+    };
+    let start = Instant::now();
+    loop {
+        let n = terminating().await?;
+        if n == 0 {
+            return Ok(String::new());
+        }
+        if start.elapsed() >= deadline {
+            return Ok(format!(
+                " ({n} namespaces of earlier phases were still being deleted: their deletes are in the counts)"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }

@@ -17,7 +17,7 @@ use kube::api::Api;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::common::{component_pid, count_phase, cpu_of, create_all, emit};
+use crate::common::{component_pid, count_phase, cpu_of, create_all, emit, quiet_cluster};
 
 /// The TTL of the held leases (the default of a BatchTask).
 pub const TTL_SECONDS: f64 = 30.0;
@@ -66,6 +66,7 @@ pub async fn run(
 
     // Idle: the control plane alone, then with a leading operator that has
     // nothing to do.
+    let note = quiet_cluster(cluster).await?;
     let alone = window(len, &cp).await?;
     // Leader election at the operator's defaults (a 15 s Lease renewed
     // every 10/3 s), not the tests' quick 6 s one: its renewals are the
@@ -90,7 +91,7 @@ pub async fn run(
         &format!(
             "idle, {:.0} s windows: the control plane alone {alone_rate:.2} requests/s; with an idle leading operator \
              {idle_rate:.2} requests/s: the operator's {:.2}/s, of which Lease renewals {:.2}/s (its leader election: \
-             a renewal every 10/3 s at the defaults is 0.30/s); operator CPU {}\n\
+             a renewal every 10/3 s at the defaults is 0.30/s); operator CPU {}{note}\n\
              control plane alone:\n{alone_table}with the idle operator:\n{idle_table}",
             len.as_secs_f64(),
             idle_rate - alone_rate,

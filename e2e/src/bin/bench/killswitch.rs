@@ -1,27 +1,32 @@
 //! Kill-switch latency (issue 12 item 4): a worker's connection to the API
-//! server is cut silently (a proxy drops every byte) right after one of its
-//! renewals was seen; the time from the cut to its handler being cancelled
-//! — the SDK's `kill switch fired` line, by the worker's own log timestamp
-//! on this host's clock — over many trials, next to 2/3·TTL.
+//! server is cut silently (a proxy drops every byte) right after the worker
+//! logged a renewal as acknowledged; the time from the cut to its handler
+//! being cancelled — the SDK's `kill switch fired` line, by the worker's
+//! own log timestamp on this host's clock — over many trials, next to
+//! 2/3·TTL.
 //!
 //! The SDK's rule: the switch fires 2/3·TTL after the last renewal that
-//! succeeded was *sent*, so a cut right after a renewal lands should fire
+//! succeeded was *sent*, so a cut right after an acknowledged renewal fires
 //! just under 2/3·TTL later; the time from that renewal's `renewTime` (the
-//! worker's clock when it sent it) is printed beside.
+//! worker's clock when it sent it) is printed beside. (A cut timed by the
+//! lease watch instead can fall between the API server applying a renewal
+//! and the worker reading the answer: then the last renewal the worker
+//! knows of is the one before, and the switch fires a renewal period
+//! earlier — early, never late.)
 
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_api::{BatchTask, LeasePhase, TaskLease};
+use batchlease_api::{BatchTask, TaskLease};
 use batchlease_e2e::operator::Operator;
+use batchlease_e2e::process::Process;
 use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, tasks, wait_for};
-use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
+use tokio::time::Instant;
 
 /// The lease TTL of the trials: 2/3 of it is 4 s.
 pub const TTL_SECONDS: u64 = 6;
@@ -37,8 +42,19 @@ pub struct KillSwitch {
 
 /// The timestamp that starts a `tracing` fmt line (ANSI colours allowed).
 pub fn log_time(line: &str) -> Option<Timestamp> {
-    let mut plain = String::with_capacity(line.len());
-    let mut chars = line.chars();
+    plain(line).split_whitespace().next()?.parse().ok()
+}
+
+/// A signed span `to - from` as a duration (zero when negative).
+fn between(from: Timestamp, to: Timestamp) -> Duration {
+    let micros = to.as_microsecond() - from.as_microsecond();
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
+}
+
+/// `log` with its ANSI colour sequences removed.
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
     while let Some(c) = chars.next() {
         if c == '\u{1b}' {
             // An SGR sequence: ESC [ … m.
@@ -48,46 +64,27 @@ pub fn log_time(line: &str) -> Option<Timestamp> {
                 }
             }
         } else {
-            plain.push(c);
+            out.push(c);
         }
     }
-    plain.split_whitespace().next()?.parse().ok()
+    out
 }
 
-/// A signed span `to - from` as a duration (zero when negative).
-fn between(from: Timestamp, to: Timestamp) -> Duration {
-    let micros = to.as_microsecond() - from.as_microsecond();
-    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
-}
-
-/// Waits on `events` for lease `lease` to be Held and a renewal after its
-/// claim to land; returns that renewal's `renewTime`.
-async fn renewed(
-    events: &mut (impl futures::Stream<Item = Result<TaskLease, watcher::Error>> + Unpin),
-    lease: &str,
-) -> anyhow::Result<Timestamp> {
-    let mut claimed: Option<Timestamp> = None;
-    let found = tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(ev) = events.next().await {
-            let l = ev?;
-            if l.metadata.name.as_deref() != Some(lease)
-                || l.status.as_ref().and_then(|s| s.phase) != Some(LeasePhase::Held)
-            {
-                continue;
-            }
-            let Some(renew) = l.spec.renew_time.as_ref().map(|t| t.0) else {
-                continue;
-            };
-            match claimed {
-                None => claimed = Some(renew),
-                Some(c) if renew > c => return Ok(renew),
-                Some(_) => {}
-            }
+/// Waits until `worker` has logged a renewal of `lease` as acknowledged,
+/// looking every 5 ms (the cut should follow it closely).
+async fn acked_renewal(worker: &Process, lease: &str) -> anyhow::Result<()> {
+    let line = format!("renewed lease={lease}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if plain(&worker.log_text()).contains(&line) {
+            return Ok(());
         }
-        anyhow::bail!("the lease watch ended")
-    })
-    .await;
-    found.with_context(|| format!("{lease}: no renewal after the claim in time"))?
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    anyhow::bail!(
+        "{lease}: no acknowledged renewal in 60 s\n{}",
+        worker.logs()
+    )
 }
 
 /// `trials` cuts, each with a worker of its own behind a proxy of its own
@@ -98,7 +95,6 @@ pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch>
     op.wait_leading(Duration::from_secs(60)).await?;
     let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name)?;
     let leases: Api<TaskLease> = ns.api();
-    let mut events = Box::pin(watcher(leases, watcher::Config::default()).touched_objects());
     let (mut from_cut, mut from_renewal) = (Vec::new(), Vec::new());
     for i in 0..trials {
         let proxy = Proxy::start(apiserver_addr()?).await?;
@@ -117,9 +113,19 @@ pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch>
                    "payload": {"steps": 1, "stepMillis": 600_000}}),
         )
         .await?;
-        let renew = renewed(&mut events, &format!("{name}-1")).await?;
+        let lease = format!("{name}-1");
+        acked_renewal(&worker, &lease).await?;
         proxy.cut();
         let cut = Timestamp::now();
+        // The worker can renew no more: the lease's renewTime is that of
+        // the renewal it logged.
+        let renew = leases
+            .get(&lease)
+            .await?
+            .spec
+            .renew_time
+            .map(|t| t.0)
+            .context("a held lease without renewTime")?;
         let fired = wait_for(
             "the kill switch after the cut",
             Duration::from_secs(4 * TTL_SECONDS),

@@ -22,7 +22,7 @@ fn nice(max: f64) -> f64 {
         return 1.0;
     }
     let mag = 10f64.powf(max.log10().floor());
-    [1.0, 2.0, 2.5, 5.0, 10.0]
+    [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]
         .iter()
         .map(|m| m * mag)
         .find(|v| *v >= max)
@@ -95,15 +95,28 @@ fn sy(v: f64, max: f64) -> f64 {
     H - BOTTOM - v / max * (H - TOP - BOTTOM)
 }
 
-fn legend(out: &mut String, i: usize, text: &str) {
-    let y = TOP + 8.0 + 16.0 * i as f64;
+/// Legend entry `i` of `n`, stacked in the bottom-right corner (empty in
+/// a CDF and in a rising line), on a white box.
+fn legend(out: &mut String, i: usize, n: usize, text: &str) {
+    let width = 250.0;
+    let x = W - RIGHT - width;
+    let top = H - BOTTOM - 12.0 - 16.0 * n as f64;
+    if i == 0 {
+        let _ = writeln!(
+            out,
+            r##"<rect x="{}" y="{}" width="{width}" height="{}" fill="white" stroke="#ccc"/>"##,
+            x - 6.0,
+            top - 4.0,
+            16.0 * n as f64 + 8.0
+        );
+    }
+    let y = top + 8.0 + 16.0 * i as f64;
     let _ = writeln!(
         out,
-        r#"<line x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
-        LEFT + 12.0,
-        LEFT + 32.0,
+        r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
+        x + 20.0,
         COLOURS[i % COLOURS.len()],
-        LEFT + 38.0,
+        x + 26.0,
         y + 4.0,
         escape(text)
     );
@@ -149,7 +162,12 @@ pub fn cdf(
             r#"<path d="{path}" fill="none" stroke="{}" stroke-width="2"/>"#,
             COLOURS[i % COLOURS.len()]
         );
-        legend(&mut out, i, &format!("{name} (n = {})", v.len()));
+        legend(
+            &mut out,
+            i,
+            series.len(),
+            &format!("{name} (n = {})", v.len()),
+        );
     }
     if let Some((name, d)) = reference {
         let x = sx(ms(&d), xmax);
@@ -202,9 +220,10 @@ mod tests {
     #[test]
     fn axes_end_on_round_numbers() {
         assert_eq!(nice(0.0), 1.0);
-        assert_eq!(nice(7.3), 10.0);
+        assert_eq!(nice(7.3), 8.0);
         assert_eq!(nice(180.0), 200.0);
         assert_eq!(nice(4100.0), 5000.0);
+        assert_eq!(nice(53.6), 60.0);
     }
 
     #[test]

@@ -95,7 +95,7 @@ pub async fn end_to_end(
     raw: Option<&Raw>,
     report: &mut String,
 ) -> anyhow::Result<()> {
-    let (task_rate, requests) = run_tasks_counted(
+    let (task_rate, requests, cpu) = run_tasks_counted(
         cluster,
         "bench-e2e",
         n,
@@ -106,7 +106,9 @@ pub async fn end_to_end(
     emit(
         report,
         &format!(
-            "end-to-end: {n} no-op tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n"
+            "end-to-end: {n} no-op tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
+             CPU during the run: {}\n",
+            cpu.line(n)
         ),
     );
     // The protocol's writes (tasks and their status, leases), the user's
