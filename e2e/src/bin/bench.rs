@@ -184,7 +184,7 @@ async fn main() -> anyhow::Result<()> {
         emit(
             &mut report,
             &format!(
-                "kill switch ({killswitch_n} trials, TTL {} s, 2/3·TTL = {:.0} ms; the worker's API connection cut right after a renewal landed → \
+                "kill switch ({killswitch_n} trials, TTL {} s, 2/3·TTL = {:.0} ms; the worker's API connection cut right after it logged a renewal acknowledged → \
                  its handler cancelled, by the worker's log timestamp): from the cut {}; from the last renewal's renewTime {}; \
                  max |from renewal − 2/3·TTL| {:.0} ms\n",
                 killswitch::TTL_SECONDS,

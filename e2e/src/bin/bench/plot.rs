@@ -9,7 +9,7 @@ use std::time::Duration;
 const W: f64 = 640.0;
 const H: f64 = 400.0;
 const LEFT: f64 = 70.0;
-const RIGHT: f64 = 20.0;
+const RIGHT: f64 = 40.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 50.0;
 const COLOURS: [&str; 6] = [

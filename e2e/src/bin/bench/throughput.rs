@@ -13,7 +13,9 @@ use kube::api::{Api, PostParams};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::common::{create_all, create_tasks, emit, run_tasks_counted};
+use crate::common::{
+    component_pid, cpu_seconds, create_all, create_tasks, emit, run_tasks_counted,
+};
 
 /// The raw rate the end-to-end phase is compared with.
 pub struct Raw {
@@ -48,6 +50,8 @@ pub async fn raw(
     // the status subresource carrying the resourceVersion just read.
     let tasks: Api<BatchTask> = ns.api();
     let list = tasks.list(&Default::default()).await?;
+    let apiserver = component_pid("kube-apiserver");
+    let cpu0 = apiserver.and_then(cpu_seconds);
     anyhow::ensure!(
         list.items.len() == n,
         "{} of {n} raw tasks listed",
@@ -73,13 +77,21 @@ pub async fn raw(
         .try_collect::<Vec<_>>()
         .await?;
     let status_updates = n as f64 / start.elapsed().as_secs_f64();
+    // The API server's CPU per raw status update, to set beside its CPU
+    // per task end to end.
+    let status_update_cpu_ms = apiserver
+        .and_then(cpu_seconds)
+        .zip(cpu0)
+        .map(|(b, a)| (b - a) * 1000.0 / n as f64);
     ns.cleanup().await?;
     emit(
         report,
         &format!(
             "raw API writes, {n} each, concurrency {conc}, no operator: ConfigMap creates {configmap_creates:.0}/s; \
-             BatchTask creates {task_creates:.0}/s ({:.2}× ConfigMap); BatchTask status updates (PUT with resourceVersion) {status_updates:.0}/s\n",
-            task_creates / configmap_creates
+             BatchTask creates {task_creates:.0}/s ({:.2}× ConfigMap); BatchTask status updates (PUT with resourceVersion) {status_updates:.0}/s, \
+             kube-apiserver CPU {} per update\n",
+            task_creates / configmap_creates,
+            status_update_cpu_ms.map_or_else(|| "n/a".into(), |m| format!("{m:.2} ms")),
         ),
     );
     Ok(Raw { status_updates })
