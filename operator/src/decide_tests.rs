@@ -720,6 +720,26 @@ fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
 }
 
 #[test]
+fn an_attempt_expired_by_its_deadline_waits_the_backoff() {
+    // It was renewing: the worker did not fail, the task ran too long.
+    let t = task()
+        .phase(TaskPhase::Running, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let mut expired = lease(1, LeasePhase::Expired, Some("w1"));
+    std::sync::Arc::make_mut(&mut expired)
+        .status
+        .get_or_insert_with(Default::default)
+        .reason = Some(ExpiryReason::ActiveDeadlineExceeded.as_str().into());
+    let (st, tr) = into_status(Case::new(t).leases(vec![expired]).run());
+    assert_eq!(st.attempts, 1);
+    assert!(st.next_attempt_after.is_some(), "{st:?}");
+    assert!(
+        matches!(tr, Transition::Retry { expired: true, delay_seconds, .. } if delay_seconds > 0.0),
+        "{tr:?}"
+    );
+}
+
+#[test]
 fn a_second_expiry_in_a_row_waits_the_backoff() {
     let t = task()
         .phase(TaskPhase::Running, 1)
@@ -991,7 +1011,7 @@ fn deleted_task_is_left_to_garbage_collection() {
 }
 
 #[test]
-fn stale_status_after_claim_then_expiry_order() {
+fn a_silent_claim_expires_even_before_running_is_written() {
     // The task still says Ready (its Running write not made yet) while the
     // lease is Held and silent for longer than the TTL: expire at once —
     // Running is informational and must not postpone expiry — and the

@@ -9,6 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::backoff::retry_delay;
+use crate::decide::ExpiryReason;
 use crate::status::{self, push_history, set_condition};
 
 /// What a status write means, for Events, metrics and logs.
@@ -93,6 +94,11 @@ pub fn settle(
         .history
         .last()
         .is_some_and(|h| h.outcome == Outcome::Expired.name());
+    // An attempt expired by activeDeadlineSeconds was renewing: its worker
+    // did not fail, the task ran too long; it waits the backoff as a
+    // failure does.
+    let deadline_expiry =
+        lst.reason.as_deref() == Some(ExpiryReason::ActiveDeadlineExceeded.as_str());
     // A lost swap of an attempt that did not run speculatively (the
     // quarantine, which holds the task's locks and retries in place): the
     // keys are written by tasks that do not name these resources. Free
@@ -225,7 +231,7 @@ pub fn settle(
                 Transition::DeadLettered { reason, expired }
             } else {
                 status.phase = Some(TaskPhase::Pending);
-                let delay = if expired && !repeated_expiry {
+                let delay = if expired && !repeated_expiry && !deadline_expiry {
                     status.next_attempt_after = None;
                     std::time::Duration::ZERO
                 } else {
