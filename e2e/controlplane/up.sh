@@ -118,12 +118,14 @@ contexts:
 current-context: e2e
 KC
 
-# --- kube-controller-manager: garbage collection and namespace deletion ---
+# --- kube-controller-manager: garbage collection, namespace deletion,
+# ServiceAccounts, and the type-checking of ValidatingAdmissionPolicies (the
+# chart's holder-only policy reports its CEL warnings in its status) ---
 kcm_port=$(free_port)
 launch kube-controller-manager "$bin/kube-controller-manager" --kubeconfig="$state/kubeconfig" \
   --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1 --secure-port="$kcm_port" --cert-dir="$state/kcm-certs" \
-  --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller \
+  --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,validatingadmissionpolicy-status-controller \
   --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt"
 # Healthy, and its controllers act: the serviceaccount controller has
 # created the `default` ServiceAccount of the `default` namespace.

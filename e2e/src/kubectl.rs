@@ -90,6 +90,50 @@ pub fn service_account_kubeconfig(
     dir: &crate::secrets::PrivateDir,
 ) -> anyhow::Result<std::path::PathBuf> {
     let token = ok(&["create", "token", sa, "-n", namespace, "--duration=1h"])?;
+    token_kubeconfig(namespace, sa, token.trim(), dir)
+}
+
+/// Like [`service_account_kubeconfig`], with a token bound to Pod `pod`
+/// (`kubectl create token --bound-object-kind Pod`): the API server then
+/// names the pod in the request's user info
+/// (`authentication.kubernetes.io/pod-name`), as it does for a real pod's
+/// projected token.
+pub fn pod_token_kubeconfig(
+    namespace: &str,
+    sa: &str,
+    pod: &str,
+    dir: &crate::secrets::PrivateDir,
+) -> anyhow::Result<std::path::PathBuf> {
+    let uid = ok(&[
+        "get",
+        "pod",
+        pod,
+        "-n",
+        namespace,
+        "-o",
+        "jsonpath={.metadata.uid}",
+    ])?;
+    let token = ok(&[
+        "create",
+        "token",
+        sa,
+        "-n",
+        namespace,
+        "--duration=1h",
+        "--bound-object-kind=Pod",
+        &format!("--bound-object-name={pod}"),
+        &format!("--bound-object-uid={}", uid.trim()),
+    ])?;
+    token_kubeconfig(namespace, pod, token.trim(), dir)
+}
+
+/// A kubeconfig for `token` (user and file named `name`).
+fn token_kubeconfig(
+    namespace: &str,
+    name: &str,
+    token: &str,
+    dir: &crate::secrets::PrivateDir,
+) -> anyhow::Result<std::path::PathBuf> {
     let admin = std::fs::read_to_string(std::env::var("KUBECONFIG")?)?;
     let field = |key: &str| {
         admin
@@ -100,9 +144,8 @@ pub fn service_account_kubeconfig(
     let (server, ca) = (field("server:")?, field("certificate-authority:")?);
     let text = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\n\
-         users:\n- name: {sa}\n  user:\n    token: {}\ncontexts:\n- name: {sa}\n  context: {{cluster: e2e, user: {sa}, namespace: {namespace}}}\n\
-         current-context: {sa}\n",
-        token.trim()
+         users:\n- name: {name}\n  user:\n    token: {token}\ncontexts:\n- name: {name}\n  context: {{cluster: e2e, user: {name}, namespace: {namespace}}}\n\
+         current-context: {name}\n"
     );
-    dir.write(&format!("kubeconfig-{sa}"), &text)
+    dir.write(&format!("kubeconfig-{name}"), &text)
 }

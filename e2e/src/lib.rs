@@ -13,6 +13,7 @@ pub mod api_requests;
 pub mod audit;
 pub mod cluster;
 pub mod controlplane;
+pub mod helm;
 pub mod history;
 pub mod history_graph;
 pub mod history_speculative;

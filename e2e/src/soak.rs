@@ -235,6 +235,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
             metrics_port: Some(port),
             pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
             extra: Vec::new(),
+            pod_name: None,
         };
         fleet.push(Worker {
             process: workers::start(&ns.name, &format!("w{i}"), &opts)?,

@@ -31,6 +31,9 @@ pub struct WorkerOpts {
     pub pg_url: Option<String>,
     /// More flags for the demo worker.
     pub extra: Vec<String>,
+    /// Run as if in Pod `pod_name`: `POD_NAME` set, no `--identity`, so
+    /// the SDK's default identity (`<pod>/<suffix>`) is what is tested.
+    pub pod_name: Option<String>,
 }
 
 impl Default for WorkerOpts {
@@ -43,6 +46,7 @@ impl Default for WorkerOpts {
             metrics_port: None,
             pg_url: None,
             extra: Vec::new(),
+            pod_name: None,
         }
     }
 }
@@ -53,9 +57,11 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
         format!("--namespace={namespace}"),
         format!("--queues={}", opts.queue),
         format!("--slots={}", opts.slots),
-        format!("--identity={identity}"),
         format!("--drain-grace-seconds={}", opts.drain_grace_seconds),
     ];
+    if opts.pod_name.is_none() {
+        args.push(format!("--identity={identity}"));
+    }
     args.extend(opts.extra.iter().cloned());
     if let Some(port) = opts.metrics_port {
         args.push(format!("--metrics-addr=127.0.0.1:{port}"));
@@ -63,7 +69,7 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
     if let Some(kc) = &opts.kubeconfig {
         args.push(format!("--kubeconfig={}", kc.display()));
     }
-    let env = vec![
+    let mut env = vec![
         (
             "RUST_LOG".into(),
             "info,kube=warn,batchlease_worker_sdk=debug".into(),
@@ -74,6 +80,9 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
             opts.pg_url.clone().map_or_else(pg_url, Ok)?,
         ),
     ];
+    if let Some(pod) = &opts.pod_name {
+        env.push(("POD_NAME".into(), pod.clone()));
+    }
     Process::start(
         binary()?,
         namespace,

@@ -5,32 +5,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Command;
 use std::time::Duration;
 
 use batchlease_api::TaskPhase;
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, kubectl, pg};
+use batchlease_e2e::{Cluster, helm, kubectl, pg};
 use serde_json::json;
 
 fn helm(args: &[&str]) -> String {
-    let bin = std::env::var("BATCHLEASE_HELM").expect("BATCHLEASE_HELM unset: run hack/test.sh");
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let out = Command::new(&bin)
-        .args(args)
-        .current_dir(root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm {} failed:\n{}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    helm::ok(args).unwrap()
 }
 
 #[test]
@@ -51,6 +36,156 @@ fn chart_lints_and_ships_the_generated_crds() {
             shown.contains(crd.trim()),
             "chart's {file} differs from crds/{file}"
         );
+    }
+}
+
+#[test]
+fn app_version_follows_the_crate_version() {
+    let chart = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../charts/batchlease-operator/Chart.yaml"
+    ))
+    .unwrap();
+    let chart: serde_json::Value = serde_yaml::from_str(&chart).unwrap();
+    // The workspace shares one version; the image tag defaults to it.
+    assert_eq!(
+        chart["appVersion"].as_str(),
+        Some(env!("CARGO_PKG_VERSION")),
+        "charts/batchlease-operator/Chart.yaml appVersion must be the crates' version"
+    );
+}
+
+#[test]
+fn bad_values_are_refused_with_a_clear_message() {
+    // (value, what the error must say, whether `helm lint` fails too: it
+    // checks the schema, but reports a template's `fail` as [INFO] only)
+    let cases = [
+        (
+            "replicaCount=0",
+            "at '/replicaCount': minimum: got 0, want 1",
+            true,
+        ),
+        (
+            "logFormat=xml",
+            "at '/logFormat': value must be one of 'text', 'json'",
+            true,
+        ),
+        (
+            "watchNamespaces={Not_A_Namespace}",
+            "'Not_A_Namespace' does not match pattern",
+            true,
+        ),
+        ("metrics.port=70000", "at '/metrics/port': maximum", true),
+        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'", true),
+        (
+            "replicas=2",
+            "additional properties 'replicas' not allowed",
+            true,
+        ),
+        (
+            "admission.exemptUsers=alice",
+            "at '/admission/exemptUsers'",
+            true,
+        ),
+        // Two replicas without leader election would both write.
+        (
+            "leaderElection.enabled=false",
+            "at '/replicaCount': maximum: got 2, want 1",
+            true,
+        ),
+        (
+            "metrics.service.enabled=false,metrics.serviceMonitor.enabled=true",
+            "at '/metrics/service/enabled': value must be true",
+            true,
+        ),
+        (
+            "leaderElection.graceSeconds=15",
+            "leaderElection.graceSeconds must be less than leaderElection.leaseDurationSeconds",
+            false,
+        ),
+    ];
+    for (value, says, lint_fails) in cases {
+        let chart = "charts/batchlease-operator";
+        let template = ["template", "r", chart, "--set", value];
+        let lint = ["lint", chart, "--set", value];
+        for args in [template.as_slice(), lint.as_slice()]
+            .into_iter()
+            .take(if lint_fails { 2 } else { 1 })
+        {
+            let out = helm::run(args).unwrap();
+            let cmd = args.join(" ");
+            assert!(!out.success, "helm {cmd} passed:\n{}", out.stdout);
+            assert!(
+                out.combined().contains(says),
+                "helm {cmd} should say {says:?}:\n{}",
+                out.combined()
+            );
+        }
+    }
+    // And good values render what they ask for.
+    let yaml = helm(&[
+        "template",
+        "r",
+        "charts/batchlease-operator",
+        "-n",
+        "ops",
+        "--set",
+        "podDisruptionBudget.enabled=true,metrics.serviceMonitor.enabled=true,replicaCount=1,leaderElection.enabled=false",
+        "--set",
+        "watchNamespaces={a,b}",
+    ]);
+    let pdb = helm::rendered(&yaml, "PodDisruptionBudget").unwrap();
+    assert_eq!(pdb.len(), 1, "{yaml}");
+    assert_eq!(pdb[0]["spec"]["minAvailable"], 1);
+    let sm = helm::rendered(&yaml, "ServiceMonitor").unwrap();
+    assert_eq!(sm[0]["spec"]["endpoints"][0]["port"], "metrics", "{yaml}");
+    let binding = helm::rendered(&yaml, "ValidatingAdmissionPolicyBinding").unwrap();
+    assert_eq!(
+        binding[0]["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"],
+        serde_json::json!(["a", "b"]),
+        "the holder-only policy binds where the release runs tasks"
+    );
+    let policy = helm::rendered(&yaml, "ValidatingAdmissionPolicy").unwrap();
+    assert_eq!(
+        policy[0]["spec"]["matchConditions"][0]["expression"],
+        "!(request.userInfo.username in [\"system:serviceaccount:ops:r-batchlease-operator\"])"
+    );
+    let deploy = &helm::rendered(&yaml, "Deployment").unwrap()[0];
+    let args = &deploy["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert!(
+        args.as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--leader-election=false"),
+        "{args}"
+    );
+    // Off by default: no CRD of the Prometheus Operator needed, no PDB.
+    let plain = helm(&["template", "r", "charts/batchlease-operator"]);
+    assert!(helm::rendered(&plain, "ServiceMonitor").unwrap().is_empty());
+    assert!(
+        helm::rendered(&plain, "PodDisruptionBudget")
+            .unwrap()
+            .is_empty()
+    );
+    // NOTES.txt tells how to look at tasks and leases.
+    let notes = helm(&[
+        "install",
+        "r",
+        "charts/batchlease-operator",
+        "-n",
+        "ops",
+        "--dry-run=client",
+        "--set",
+        "watchNamespaces={a,b}",
+    ]);
+    for says in [
+        "It runs the BatchTasks of: a, b.",
+        "kubectl get taskleases -A",
+        "kubectl get batchtasks -A",
+        "--clusterrole=r-batchlease-operator-worker",
+        "Holder-only admission is on",
+    ] {
+        assert!(notes.contains(says), "NOTES should say {says:?}:\n{notes}");
     }
 }
 
@@ -164,10 +299,23 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         can(n, "worker", "create", "batchtasks.batchlease.dev", n),
         "workers create the children they spawn"
     );
-    let worker_kc = kubectl::service_account_kubeconfig(n, "worker", &dir).unwrap();
+    // A worker as in a pod: a token bound to its Pod object, its identity
+    // the pod's name (the chart's holder-only policy is on by default and
+    // checks both; e2e/tests/admission.rs tests it).
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sa-worker"},
+        "spec": {"serviceAccountName": "worker", "containers": [{"name": "w", "image": "batchlease-demo-worker"}]},
+    }))
+    .unwrap();
+    ns.api::<k8s_openapi::api::core::v1::Pod>()
+        .create(&Default::default(), &pod)
+        .await
+        .unwrap();
+    let worker_kc = kubectl::pod_token_kubeconfig(n, "worker", "sa-worker", &dir).unwrap();
     let _db = pg::connect().await.unwrap();
     let opts = WorkerOpts {
         kubeconfig: Some(worker_kc),
+        pod_name: Some("sa-worker".into()),
         ..Default::default()
     };
     let worker = workers::start(n, "sa-worker", &opts).unwrap();

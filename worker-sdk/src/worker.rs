@@ -84,8 +84,11 @@ impl WorkerBuilder {
         self
     }
 
-    /// The holder identity (default: `POD_NAME`, or the host name, plus a
-    /// per-process random suffix, so a restarted pod is a new holder).
+    /// The holder identity (default: `<POD_NAME or host name>/<random
+    /// suffix>`, so a restarted process is a new holder). Where the chart's
+    /// holder-only admission policy is on, it must be `<principal>/<suffix>`,
+    /// the principal being the pod of the worker's bound service-account
+    /// token, or its user name without one.
     #[must_use]
     pub fn identity(mut self, identity: impl Into<String>) -> Self {
         self.identity = Some(identity.into());
@@ -149,11 +152,25 @@ impl WorkerBuilder {
 const MAX_IDENTITY_CHARS: usize = 253;
 
 fn default_identity() -> String {
-    let base = std::env::var("POD_NAME")
-        .or_else(|_| std::env::var("HOSTNAME"))
-        .unwrap_or_else(|_| "worker".into());
-    let suffix: u32 = rand::rng().random_range(0..0xff_ffff);
-    format!("{base}-{suffix:06x}")
+    identity_of(
+        std::env::var("POD_NAME").ok().as_deref(),
+        std::env::var("HOSTNAME").ok().as_deref(),
+        rand::rng().random_range(0..0xff_ffff),
+    )
+}
+
+/// `<pod name>/<suffix>`: the chart's holder-only admission policy compares
+/// what comes before the last `/` with the pod name in the worker's bound
+/// service-account token, so a worker in a pod is its pod (the host name is
+/// the pod name in a pod without `POD_NAME`); the suffix makes each process
+/// a new holder.
+fn identity_of(pod: Option<&str>, host: Option<&str>, suffix: u32) -> String {
+    let base = [pod, host]
+        .into_iter()
+        .flatten()
+        .find(|s| !s.is_empty())
+        .unwrap_or("worker");
+    format!("{base}/{suffix:06x}")
 }
 
 impl std::fmt::Debug for WorkerBuilder {
@@ -547,5 +564,13 @@ mod tests {
             matches!(e, Error::Config(m) if m.contains("runtime")),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn the_default_identity_is_the_pod_then_a_suffix() {
+        assert_eq!(identity_of(Some("w-0"), Some("h"), 0xab), "w-0/0000ab");
+        assert_eq!(identity_of(None, Some("w-1"), 1), "w-1/000001");
+        assert_eq!(identity_of(Some(""), Some("w-1"), 1), "w-1/000001");
+        assert_eq!(identity_of(None, None, 0xff_fffe), "worker/fffffe");
     }
 }
