@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks for the tests: Debian packages
-# (PostgreSQL server, openssl, curl), the Rust components (rustfmt, clippy),
-# and builds the control plane binaries into the cache (a no-op when cached).
+# (PostgreSQL server, openssl, curl, gcc), the Rust components (rustfmt,
+# clippy), and builds the control plane binaries and the OCI tools (runc,
+# crane) into the cache (a no-op when cached).
 # Needs root (or sudo) only when a Debian package is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,6 +15,10 @@ command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
 command -v runuser >/dev/null || missing+=(util-linux)
+# runc is built with cgo (e2e/oci/build.sh); hack/image.sh unpacks Debian
+# packages with dpkg-deb.
+command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+command -v dpkg-deb >/dev/null || missing+=(dpkg)
 # The e2e harness signals workers (STOP/CONT/TERM) with the kill binary.
 [ -x /bin/kill ] || [ -x /usr/bin/kill ] || missing+=(procps)
 if ((${#missing[@]})); then
@@ -35,3 +40,4 @@ if command -v rustup >/dev/null; then
 fi
 
 "$root/e2e/controlplane/build.sh" >/dev/null
+"$root/e2e/oci/build.sh" >/dev/null

@@ -61,6 +61,13 @@ step "e2e tests"
 cargo build --locked -p batchlease-operator -p batchlease-demo-worker
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/debug/batchlease-demo-worker
+# The images, as hack/image.sh builds them (debug binaries: CI spares a
+# release build; the release images differ only in the binary), and the
+# OCI tools that check and run them (e2e/tests/image.rs).
+oci_bin=$(e2e/oci/build.sh)
+export BATCHLEASE_RUNC=$oci_bin/runc BATCHLEASE_CRANE=$oci_bin/crane
+hack/image.sh --profile debug --out "$run_dir/images" >/dev/null
+export BATCHLEASE_IMAGE_DIR=$run_dir/images
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
 

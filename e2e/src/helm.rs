@@ -50,3 +50,64 @@ pub fn rendered(yaml: &str, kind: &str) -> anyhow::Result<Vec<serde_json::Value>
     }
     Ok(out)
 }
+
+/// Environment variables, in order.
+pub type Env = Vec<(String, String)>;
+
+/// The operator container of the chart's Deployment as `helm template`
+/// renders it for `release` in `namespace` with `sets` (`--set` values):
+/// its args, and its env with the downward-API fields resolved as the
+/// kubelet would for pod `pod`. Fails on an env source it does not know,
+/// so a chart change cannot slip past the tests that run it.
+pub fn rendered_operator(
+    release: &str,
+    namespace: &str,
+    sets: &[&str],
+    pod: &str,
+) -> anyhow::Result<(Vec<String>, Env)> {
+    let mut args = vec![
+        "template",
+        release,
+        "charts/batchlease-operator",
+        "-n",
+        namespace,
+    ];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let yaml = ok(&args)?;
+    let deploy = rendered(&yaml, "Deployment")?
+        .into_iter()
+        .next()
+        .context("no Deployment rendered")?;
+    let container = &deploy["spec"]["template"]["spec"]["containers"][0];
+    anyhow::ensure!(
+        container.get("command").is_none(),
+        "the chart sets a command: the image's entrypoint would not run"
+    );
+    let cargs = container["args"]
+        .as_array()
+        .context("no args")?
+        .iter()
+        .map(|a| {
+            a.as_str()
+                .map(String::from)
+                .context("an arg is not a string")
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut env = Vec::new();
+    for e in container["env"].as_array().into_iter().flatten() {
+        let name = e["name"].as_str().context("env without a name")?.to_owned();
+        let value = if let Some(v) = e["value"].as_str() {
+            v.to_owned()
+        } else {
+            match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+                Some("metadata.name") => pod.to_owned(),
+                Some("metadata.namespace") => namespace.to_owned(),
+                _ => anyhow::bail!("env {name}: a source the tests do not resolve: {e}"),
+            }
+        };
+        env.push((name, value));
+    }
+    Ok((cargs, env))
+}

@@ -19,6 +19,7 @@ pub mod history_graph;
 pub mod history_speculative;
 pub mod identity;
 pub mod kubectl;
+pub mod oci;
 pub mod operator;
 pub mod pg;
 pub mod ports;

@@ -220,7 +220,22 @@ async fn only_the_holder_may_write_a_held_lease() {
     released.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Released);
     assert_denied(
         write(&as_a, &released, false).await,
-        "an Offered lease may only be claimed",
+        "a worker may write an Offered lease only to claim it (phase Held), not leave it Released",
+    );
+    // Naming itself holder while leaving the lease Offered would make the
+    // holder set-once and wedge the offer for everyone else.
+    let mut squatted = offered.clone();
+    squatted.spec.holder_identity = Some("wa/1".into());
+    assert_denied(write(&as_a, &squatted, false).await, "not leave it Offered");
+    // Without a pod-bound token the principal is `user:<user name>`: no
+    // user can pass for a pod.
+    let plain_kc = kubectl::service_account_kubeconfig(n, "worker", &dir).unwrap();
+    let as_plain: Api<TaskLease> = Api::namespaced(client_for(&plain_kc).await, n);
+    assert_denied(
+        write(&as_plain, &claim(offered.clone(), "wb/1"), false).await,
+        &format!(
+            "spec.holderIdentity must be user:system:serviceaccount:{n}:worker/<suffix>, not wb/1"
+        ),
     );
 
     // B claims; from now on only B writes it.

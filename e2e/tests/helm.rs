@@ -148,7 +148,7 @@ fn bad_values_are_refused_with_a_clear_message() {
     let policy = helm::rendered(&yaml, "ValidatingAdmissionPolicy").unwrap();
     assert_eq!(
         policy[0]["spec"]["matchConditions"][0]["expression"],
-        "!(request.userInfo.username in [\"system:serviceaccount:ops:r-batchlease-operator\"])"
+        "!(request.userInfo.username in [\"system:serviceaccount:ops:r-batchlease-operator\",\"system:serviceaccount:kube-system:generic-garbage-collector\",\"system:kube-controller-manager\"])"
     );
     let deploy = &helm::rendered(&yaml, "Deployment").unwrap()[0];
     let args = &deploy["spec"]["template"]["spec"]["containers"][0]["args"];

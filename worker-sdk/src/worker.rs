@@ -88,7 +88,7 @@ impl WorkerBuilder {
     /// suffix>`, so a restarted process is a new holder). Where the chart's
     /// holder-only admission policy is on, it must be `<principal>/<suffix>`,
     /// the principal being the pod of the worker's bound service-account
-    /// token, or its user name without one.
+    /// token, or `user:<user name>` without one.
     #[must_use]
     pub fn identity(mut self, identity: impl Into<String>) -> Self {
         self.identity = Some(identity.into());
@@ -123,6 +123,15 @@ impl WorkerBuilder {
             return Err(Error::Config(
                 "identity must be 1 to 253 characters (spec.holderIdentity)",
             ));
+        }
+        if !identity.contains('/') {
+            // Where the chart's holder-only admission policy is on, every
+            // claim of this worker would be refused (403).
+            warn!(
+                %identity,
+                "the holder identity is not <pod name>/<suffix> (or user:<user name>/<suffix>): \
+                 the chart's holder-only admission policy refuses its claims"
+            );
         }
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::Config(
