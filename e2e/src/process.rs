@@ -13,6 +13,8 @@ pub struct Process {
     bin: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// Start with `env` only, not the test's environment.
+    clean_env: bool,
     pub log: PathBuf,
 }
 
@@ -25,6 +27,29 @@ impl Process {
         args: Vec<String>,
         env: Vec<(String, String)>,
     ) -> anyhow::Result<Self> {
+        Self::launch(bin, group, name, args, env, false)
+    }
+
+    /// Like [`Process::start`], with `env` as the whole environment (as a
+    /// container's is), not added to the test's.
+    pub fn start_clean(
+        bin: String,
+        group: &str,
+        name: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> anyhow::Result<Self> {
+        Self::launch(bin, group, name, args, env, true)
+    }
+
+    fn launch(
+        bin: String,
+        group: &str,
+        name: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        clean_env: bool,
+    ) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(format!("batchlease-e2e-{group}"));
         std::fs::create_dir_all(&dir)?;
         let log = dir.join(format!("{name}.log"));
@@ -33,6 +58,7 @@ impl Process {
             bin,
             args,
             env,
+            clean_env,
             log,
         };
         p.spawn()?;
@@ -44,7 +70,11 @@ impl Process {
             .create(true)
             .append(true)
             .open(&self.log)?;
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        if self.clean_env {
+            cmd.env_clear();
+        }
+        let child = cmd
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::from(log.try_clone()?))
