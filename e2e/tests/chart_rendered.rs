@@ -15,7 +15,7 @@ use batchlease_e2e::ports::free_port;
 use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, TestNamespace, kubectl, pg, wait_for};
+use batchlease_e2e::{Cluster, TestNamespace, helm, kubectl, pg, wait_for};
 use serde_json::json;
 
 /// Waits until the leader Lease in `ns` is held by one of `replicas`.
@@ -162,12 +162,30 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
             );
         }
     }
+    // The rendered probes, asked of the leader on the rendered port.
+    let yaml = helm::ok(&[
+        "template",
+        &name,
+        "charts/batchlease-operator",
+        "-n",
+        n,
+        "--set",
+        &format!("watchNamespaces={{{n}}}"),
+    ])
+    .unwrap();
+    let deploy = &helm::rendered(&yaml, "Deployment").unwrap()[0];
+    let container = &deploy["spec"]["template"]["spec"]["containers"][0];
     let leading = if leader.starts_with(&pods[0]) {
         &r0
     } else {
         &r1
     };
-    assert_eq!(leading.get("/readyz").await.unwrap(), 200);
+    for probe in ["livenessProbe", "readinessProbe"] {
+        let http = &container[probe]["httpGet"];
+        assert_eq!(http["port"], "metrics", "{probe}: {http}");
+        let path = http["path"].as_str().unwrap();
+        assert_eq!(leading.get(path).await.unwrap(), 200, "{probe} {path}");
+    }
 
     // helm upgrade with changed values: the Deployment says so, the
     // optional PodDisruptionBudget appears, the admission policy goes.
