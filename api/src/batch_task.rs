@@ -90,12 +90,24 @@ pub struct BatchTaskSpec {
     #[serde(default)]
     pub backoff: BackoffSpec,
 
+    /// Which failures are not worth a retry.
+    #[serde(default, skip_serializing_if = "RetryPolicy::is_empty")]
+    pub retry_policy: RetryPolicy,
+
     /// Wall-clock bound of one attempt, enforced by the worker's kill switch
     /// and by the operator. At most one year: a bound keeps every clock
     /// addition in the SDK and operator far from overflow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 31_536_000))]
     pub active_deadline_seconds: Option<i64>,
+
+    /// Seconds after the task finished (`Succeeded`, `DeadLettered` or
+    /// `Rejected`; `status.completionTime`) that the operator deletes it,
+    /// and with it its leases, which it owns. Unset: kept. What workers
+    /// committed to storage is the user's and stays. At most one year.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 31_536_000))]
+    pub ttl_seconds_after_finished: Option<i64>,
 
     /// Names of BatchTasks in the same namespace that must succeed first
     /// (a set: duplicates are rejected).
@@ -127,6 +139,31 @@ pub struct BatchTaskSpec {
 }
 
 /// Exponential backoff between attempts.
+/// Which failures are not retried (design §9).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryPolicy {
+    /// Failure reasons — the CamelCase `reason` of a failed attempt, as its
+    /// worker reported it (e.g. `BadInput`), or of an expired one
+    /// (`LeaseExpired`, `ActiveDeadlineExceeded`) — that dead-letter the
+    /// task at once instead of spending a retry. A set of at most 32.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "schema::reasons")]
+    pub non_retryable_reasons: Vec<String>,
+}
+
+impl RetryPolicy {
+    /// Nothing set (serialized as no field at all).
+    pub fn is_empty(&self) -> bool {
+        self.non_retryable_reasons.is_empty()
+    }
+
+    /// Whether a failure with `reason` is retried.
+    pub fn retries(&self, reason: &str) -> bool {
+        !self.non_retryable_reasons.iter().any(|r| r == reason)
+    }
+}
+
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.maxSeconds >= self.initialSeconds")
@@ -245,6 +282,11 @@ pub struct BatchTaskStatus {
     /// Why the last attempt failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<Failure>,
+    /// When the task became `Succeeded`, `DeadLettered` or `Rejected`
+    /// (cleared by a redrive): `spec.ttlSecondsAfterFinished` counts from
+    /// here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
     /// The last 10 attempts, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
@@ -342,7 +384,9 @@ impl BatchTaskSpec {
             lease_duration_seconds: defaults::lease_duration_seconds(),
             max_retries: defaults::max_retries(),
             backoff: BackoffSpec::default(),
+            retry_policy: RetryPolicy::default(),
             active_deadline_seconds: None,
+            ttl_seconds_after_finished: None,
             depends_on: Vec::new(),
             resources: Vec::new(),
             mode: TaskMode::default(),

@@ -5,6 +5,7 @@
 
 mod batch_task;
 mod current;
+mod error_chain;
 pub mod graph;
 mod json;
 pub mod keys;
@@ -14,10 +15,11 @@ mod task_lease;
 mod watch_backoff;
 
 pub use batch_task::{
-    AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, TaskMode,
-    TaskPhase, defaults,
+    AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, RetryPolicy,
+    TaskMode, TaskPhase, defaults,
 };
 pub use current::{NotCurrent, check_current};
+pub use error_chain::{Chain, error_chain};
 pub use json::{
     JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_MESSAGE_CHARS,
     MAX_REASON_CHARS, MAX_RESULT_BYTES,

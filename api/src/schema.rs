@@ -63,6 +63,13 @@ pub fn resources(_: &mut SchemaGenerator) -> Schema {
     name_set(32, 200, Some(DNS_SUBDOMAIN_PATTERN))
 }
 
+/// A set of failure reasons (`retryPolicy.nonRetryableReasons`): at most
+/// 32 CamelCase words of at most 128 characters, the length of a lease's
+/// `status.reason` — a pattern, not CEL, for the same reason as above.
+pub fn reasons(_: &mut SchemaGenerator) -> Schema {
+    name_set(32, 128, Some("^[A-Z][A-Za-z0-9]*$"))
+}
+
 fn name_set(max_items: u32, max_len: u32, pattern: Option<&str>) -> Schema {
     let mut item = serde_json::json!({ "type": "string", "minLength": 1, "maxLength": max_len });
     if let Some(pattern) = pattern {

@@ -32,7 +32,10 @@ use serde::{Deserialize, Serialize};
     printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holderIdentity"),
     printcolumn(name = "Token", type_ = "integer", json_path = ".spec.fencingToken"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Renewed", type_ = "date", json_path = ".spec.renewTime"),
+    // The holder's clock, shown as written: as a `date` column, a renewal
+    // from a worker whose clock runs ahead printed `<invalid>`. Expiry never
+    // reads it (the operator times renewals by when it observes them).
+    printcolumn(name = "Renewed", type_ = "string", json_path = ".spec.renewTime"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     selectable = ".spec.queue",
     selectable = ".spec.taskName",

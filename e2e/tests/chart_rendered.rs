@@ -187,15 +187,15 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         assert_eq!(leading.get(path).await.unwrap(), 200, "{probe} {path}");
     }
 
-    // helm upgrade with changed values: the Deployment says so, the
-    // optional PodDisruptionBudget appears, the admission policy goes.
+    // helm upgrade with changed values (one replica without leader
+    // election, text logs): the Deployment says so, the optional
+    // PodDisruptionBudget appears, the admission policy goes.
     release
         .upgrade(&[
             format!("watchNamespaces={{{n}}}"),
             "replicaCount=1".into(),
             "logFormat=text".into(),
-            "leaderElection.leaseDurationSeconds=10".into(),
-            "leaderElection.graceSeconds=3".into(),
+            "leaderElection.enabled=false".into(),
             "podDisruptionBudget.enabled=true".into(),
             "admission.enabled=false".into(),
         ])
@@ -211,11 +211,7 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
     ])
     .unwrap();
     assert!(deployed.starts_with("1 "), "{deployed}");
-    for flag in [
-        "--log-format=text",
-        "--leader-lease-seconds=10",
-        "--leader-grace-seconds=3",
-    ] {
+    for flag in ["--log-format=text", "--leader-election=false"] {
         assert!(deployed.contains(flag), "{flag} not in {deployed}");
     }
     kubectl::ok(&["get", "poddisruptionbudget", &full, "-n", n]).unwrap();
@@ -238,7 +234,14 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         "{:?}",
         r2.args
     );
-    wait_leader(n, &[&format!("{full}-2")], || r2.process.logs()).await;
+    wait_for(
+        "the new replica ready",
+        Duration::from_secs(60),
+        || r2.process.logs(),
+        || async { Ok((r2.get("/readyz").await.unwrap_or(0) == 200).then_some(())) },
+    )
+    .await
+    .unwrap();
     tasks::create(
         &ns,
         "after",
@@ -260,6 +263,13 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         text.lines().any(|l| l.contains("INFO")) && !text.trim_start().starts_with('{'),
         "logFormat=text: {text}"
     );
+    // A log file gets no colour codes; without election nobody waits.
+    assert!(
+        !text.contains('\u{1b}'),
+        "ANSI escapes in a log file: {text}"
+    );
+    assert!(!text.contains("waiting for leadership"), "{text}");
+    assert!(text.contains("leader election disabled"), "{text}");
 
     // helm uninstall: the release's objects go; the CRDs stay, and with
     // them the tasks.

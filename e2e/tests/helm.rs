@@ -242,13 +242,14 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
         ("watch", "batchtasks.batchlease.dev", n),
         ("create", "taskleases.batchlease.dev", n),
         ("create", "events.events.k8s.io", n),
+        // Tasks past their ttlSecondsAfterFinished.
+        ("delete", "batchtasks.batchlease.dev", n),
         // Resource locks live in the operator's own namespace.
         ("update", "leases.coordination.k8s.io", n),
         ("create", "leases.coordination.k8s.io", n),
     ];
     let no = [
         ("update", "batchtasks.batchlease.dev", n),
-        ("delete", "batchtasks.batchlease.dev", n),
         ("get", "secrets", n),
         ("create", "pods", n),
         ("list", "taskleases.batchlease.dev", "default"),

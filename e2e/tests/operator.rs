@@ -714,3 +714,110 @@ async fn writes_that_are_no_renewals_do_not_keep_a_silent_lease_alive() {
     eprintln!("expiry write conflicts under churn: {conflicts}");
     ns.finish().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_task_with_a_253_character_name_gets_its_events() {
+    // kube-rs names an Event `<task>.<nanoseconds hex>`: 270 characters
+    // here, which the API server refused, so such a task had no Events.
+    let (ns, op) = setup("longname").await;
+    let name = format!("{}-z", "a".repeat(251));
+    assert_eq!(name.len(), 253);
+    tasks::create(&ns, &name, json!({"queue": "q"}))
+        .await
+        .unwrap();
+    wait_phase(&ns, &name, TaskPhase::Ready, T, || op.logs())
+        .await
+        .unwrap();
+    batchlease_e2e::wait_for(
+        "an Event about the long-named task",
+        T,
+        || op.logs(),
+        || {
+            let (ns, name) = (&ns, name.as_str());
+            async move {
+                let reasons = event_reasons(ns, name).await?;
+                Ok(reasons.contains(&"LeaseIssued".to_owned()).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let logs = std::fs::read_to_string(op.log_path()).unwrap();
+    assert!(!logs.contains("publishing event failed"), "{logs}");
+    // Its log is a file, not a terminal: no colour codes in it.
+    assert!(!logs.contains('\u{1b}'), "ANSI escapes in a log file");
+    ns.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tls_failure_is_logged_with_its_cause() {
+    // The API server's certificate checked against a CA that did not sign
+    // it: the log must say why the connection failed, not only
+    // `client error (Connect)`.
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("tls").await.unwrap();
+    let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name).unwrap();
+    let (key, ca) = (dir.path().join("other.key"), dir.path().join("other.crt"));
+    let out = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "1",
+        ])
+        .args([
+            "-subj",
+            "/CN=not-the-cluster-ca",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&ca)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let admin = std::fs::read_to_string(std::env::var("KUBECONFIG").unwrap()).unwrap();
+    let wrong: String = admin
+        .lines()
+        .map(|l| match l.split_once("certificate-authority:") {
+            Some((indent, _)) => format!("{indent}certificate-authority: {}\n", ca.display()),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    let kc = dir.write("kubeconfig-wrong-ca", &wrong).unwrap();
+    let op = Operator::start_with(
+        &ns.name,
+        "tls",
+        vec![format!("--kubeconfig={}", kc.display())],
+    )
+    .unwrap();
+    let log = batchlease_e2e::wait_for(
+        "the operator's first failed request logged",
+        T,
+        || op.logs(),
+        || async {
+            let log = std::fs::read_to_string(op.log_path()).unwrap_or_default();
+            Ok(log
+                .contains("reading the leader lease failed")
+                .then_some(log))
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        log.contains("invalid peer certificate") && log.contains("UnknownIssuer"),
+        "the cause is missing: {log}"
+    );
+    ns.cleanup().await.unwrap();
+}

@@ -206,7 +206,11 @@ impl Cluster {
         match decision {
             // A second read, or locks a pass already read, is the end of
             // the pass (reconcile.rs requeues).
-            Decision::Wait(_) | Decision::LookUpLease(_) | Decision::FetchLocks(_) => None,
+            // The model's tasks set no ttlSecondsAfterFinished.
+            Decision::Wait(_)
+            | Decision::LookUpLease(_)
+            | Decision::FetchLocks(_)
+            | Decision::DeleteTask { .. } => None,
             Decision::TakeLock(lease) => Some(Write::TakeLock {
                 lease: encode(&*lease),
                 pass: Some(Box::new(pass())),

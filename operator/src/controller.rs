@@ -169,6 +169,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
+        reporter: shared.reporter.clone(),
         leadership: shared.leadership.clone(),
         tasks: task_store.clone(),
         index,

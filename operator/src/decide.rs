@@ -17,7 +17,7 @@ use batchlease_api::{
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use tokio::time::Instant;
 
@@ -165,6 +165,14 @@ pub enum Decision {
         resource: String,
         holder: String,
     },
+    /// The task finished `ttlSecondsAfterFinished` ago: delete it (its
+    /// leases go with it by garbage collection), on the condition that it
+    /// is still this object at this resourceVersion (a redrive or an edit
+    /// in between wins).
+    DeleteTask {
+        uid: String,
+        resource_version: Option<String>,
+    },
     /// Nothing to write. Look again after this long, or on the next change.
     Wait(Option<Duration>),
 }
@@ -232,7 +240,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
             (None, Lookup::Occupied) => replace_lost(input, current, phase),
         },
         TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
-            Decision::Wait(None)
+            finished(task, current, input.wall)
         }
     };
     match decision {
@@ -249,6 +257,42 @@ pub fn decide(input: &Input<'_>) -> Decision {
             }
         }
         other => other,
+    }
+}
+
+/// A finished task: kept, or deleted once `ttlSecondsAfterFinished` has
+/// passed since `status.completionTime`. A task finished by an operator
+/// that did not record that time counts from its conditions' latest
+/// transition, else from its creation.
+fn finished(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Decision {
+    let Some(ttl) = task.spec.ttl_seconds_after_finished else {
+        return Decision::Wait(None);
+    };
+    let done = current
+        .completion_time
+        .as_ref()
+        .map(|t| t.0)
+        .or_else(|| {
+            current
+                .conditions
+                .iter()
+                .map(|c| c.last_transition_time.0)
+                .max()
+        })
+        .or_else(|| task.metadata.creation_timestamp.as_ref().map(|t| t.0))
+        .unwrap_or(wall);
+    let left = SignedDuration::from_secs(ttl.max(0)) - wall.duration_since(done);
+    if left.is_positive() {
+        // Whole seconds up: a deletion must not come early.
+        let secs = u64::try_from(left.as_secs()).unwrap_or(0) + u64::from(left.subsec_nanos() > 0);
+        return Decision::Wait(Some(Duration::from_secs(secs)));
+    }
+    match task.metadata.uid.clone() {
+        Some(uid) => Decision::DeleteTask {
+            uid,
+            resource_version: task.metadata.resource_version.clone(),
+        },
+        None => Decision::Wait(None),
     }
 }
 
@@ -356,6 +400,7 @@ fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Deci
         };
     }
     status.phase = Some(TaskPhase::Pending);
+    status.completion_time = None;
     status.attempts = 0;
     status.aborts = 0;
     status.next_attempt_after = None;
@@ -497,6 +542,7 @@ fn reject(
     let task = input.task;
     let mut status = current.clone();
     status.phase = Some(TaskPhase::Rejected);
+    status.completion_time = Some(Time(input.wall));
     status.observed_generation = task.metadata.generation;
     let shown = crate::deps::describe(cycle, task.metadata.name.as_deref());
     let msg = format!("dependency cycle: {shown}");

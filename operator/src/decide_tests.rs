@@ -686,6 +686,55 @@ fn permanent_failure_dead_letters_at_once() {
 }
 
 #[test]
+fn a_non_retryable_reason_dead_letters_at_once_and_another_retries() {
+    let policy = |s: &mut batchlease_api::BatchTaskSpec| {
+        s.max_retries = 10;
+        s.retry_policy.non_retryable_reasons =
+            vec!["BadInput".into(), "ActiveDeadlineExceeded".into()];
+    };
+    // (the lease's phase and reason, dead-lettered?)
+    for (phase, reason, dead) in [
+        (LeasePhase::Completed, "BadInput", true),
+        (LeasePhase::Completed, "Flaky", false),
+        (LeasePhase::Expired, "ActiveDeadlineExceeded", true),
+        (LeasePhase::Expired, "LeaseExpired", false),
+    ] {
+        let t = task()
+            .spec(policy)
+            .phase(TaskPhase::Running, 1)
+            .with(|s| s.holder = Some("w1".into()));
+        let l = if phase == LeasePhase::Completed {
+            completed(1, LeaseOutcome::Failed, |s| s.reason = Some(reason.into()))
+        } else {
+            let mut l = lease(1, LeasePhase::Expired, Some("w1"));
+            std::sync::Arc::make_mut(&mut l)
+                .status
+                .get_or_insert_with(Default::default)
+                .reason = Some(reason.into());
+            l
+        };
+        let (st, tr) = into_status(Case::new(t).leases(vec![l]).run());
+        assert_eq!(st.attempts, 1, "{reason}");
+        if dead {
+            assert_eq!(st.phase, Some(TaskPhase::DeadLettered), "{reason}");
+            assert!(
+                matches!(&tr, Transition::DeadLettered { reason: r, .. } if r == reason),
+                "{reason}: {tr:?}"
+            );
+            let cond = st
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "DeadLettered")
+                .unwrap();
+            assert!(cond.message.contains("nonRetryableReasons"), "{cond:?}");
+        } else {
+            assert_eq!(st.phase, Some(TaskPhase::Pending), "{reason}");
+            assert!(matches!(tr, Transition::Retry { .. }), "{reason}: {tr:?}");
+        }
+    }
+}
+
+#[test]
 fn expired_lease_is_retried_and_the_next_issue_is_a_reassignment() {
     let t = task()
         .phase(TaskPhase::Running, 1)
@@ -1117,4 +1166,66 @@ fn a_completion_before_the_running_write_settles_straight_from_ready() {
     assert_eq!(st.phase, Some(TaskPhase::Succeeded));
     assert_eq!(tr, Transition::Succeeded);
     assert_eq!(st.history.len(), 1);
+}
+
+#[test]
+fn a_finished_task_is_deleted_once_its_ttl_has_passed() {
+    let done = |phase: TaskPhase, ago: i64, ttl: Option<i64>| {
+        let mut t = task()
+            .spec(|s| s.ttl_seconds_after_finished = ttl)
+            .phase(phase, 1)
+            .with(|s| s.completion_time = Some(Time(wall(-ago))));
+        t.metadata.resource_version = Some("rv7".into());
+        Case::new(t).run()
+    };
+    for phase in [
+        TaskPhase::Succeeded,
+        TaskPhase::DeadLettered,
+        TaskPhase::Rejected,
+    ] {
+        // Kept without a TTL.
+        assert_eq!(done(phase, 1_000, None), Decision::Wait(None), "{phase:?}");
+        // Not yet: look again when it is due.
+        assert_eq!(
+            done(phase, 4, Some(10)),
+            Decision::Wait(Some(Duration::from_secs(6))),
+            "{phase:?}"
+        );
+        // Due: deleted, if it is still this object at this version.
+        assert_eq!(
+            done(phase, 10, Some(10)),
+            Decision::DeleteTask {
+                uid: "uid-job".into(),
+                resource_version: Some("rv7".into())
+            },
+            "{phase:?}"
+        );
+        assert!(matches!(
+            done(phase, 0, Some(0)),
+            Decision::DeleteTask { .. }
+        ));
+    }
+}
+
+#[test]
+fn finishing_records_the_completion_time_and_a_redrive_clears_it() {
+    let t = task()
+        .phase(TaskPhase::Running, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let ok = completed(1, LeaseOutcome::Succeeded, |_| {});
+    let (st, _) = into_status(Case::new(t.clone()).leases(vec![ok]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Succeeded));
+    assert_eq!(st.completion_time, Some(Time(wall(0))));
+
+    let t = t.spec(|s| s.max_retries = 0);
+    let failed = completed(1, LeaseOutcome::Failed, |_| {});
+    let (st, _) = into_status(Case::new(t.clone()).leases(vec![failed]).run());
+    assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
+    assert_eq!(st.completion_time, Some(Time(wall(0))));
+
+    let mut redriven = t.spec(|s| s.redrive = 1);
+    redriven.status = Some(st);
+    let (st, _) = into_status(Case::new(redriven).run());
+    assert_eq!(st.phase, Some(TaskPhase::Pending));
+    assert_eq!(st.completion_time, None);
 }

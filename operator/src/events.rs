@@ -33,6 +33,28 @@ impl EventLevel {
     }
 }
 
+/// The longest regarding-object name kube-rs's `Recorder` can name an
+/// Event after: it names it `<name>.<event time in nanoseconds, hex>` (up
+/// to 16 digits), and names may be at most 253 characters.
+pub const MAX_RECORDER_NAME: usize = 253 - 1 - 16;
+
+/// The name of an Event about object `regarding` at `nanos`: kube-rs's
+/// scheme, except that a name too long for it is cut to 200 characters
+/// plus a hash of the whole name, so two long names sharing a prefix do not
+/// share Events (the API server refused the Events of such tasks outright).
+pub fn event_name(regarding: &str, nanos: i128) -> String {
+    if regarding.len() <= MAX_RECORDER_NAME {
+        return format!("{regarding}.{nanos:x}");
+    }
+    let hash = batchlease_api::names::short_hash(regarding);
+    // Names are DNS subdomains (ASCII): cutting at a byte is at a char.
+    let head = regarding
+        .get(..200)
+        .unwrap_or(regarding)
+        .trim_end_matches(['-', '.']);
+    format!("{head}-{hash}.{nanos:x}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,5 +82,24 @@ mod tests {
             );
             assert_eq!(EventLevel::All.wants(&t, reason), all, "{reason}");
         }
+    }
+
+    #[test]
+    fn event_names_fit_the_api_servers_limit() {
+        let short = "job";
+        assert_eq!(event_name(short, 0x1f), "job.1f");
+        let longest_kept = "a".repeat(MAX_RECORDER_NAME);
+        assert_eq!(event_name(&longest_kept, 1), format!("{longest_kept}.1"));
+        let nanos = i128::from(u64::MAX);
+        let a = format!("{}-a", "x".repeat(251));
+        let b = format!("{}-b", "x".repeat(251));
+        for long in [&a, &b] {
+            assert_eq!(long.len(), 253);
+            let name = event_name(long, nanos);
+            assert!(name.len() <= 253, "{} > 253: {name}", name.len());
+            assert!(name.starts_with(&"x".repeat(200)), "{name}");
+        }
+        assert_ne!(event_name(&a, nanos), event_name(&b, nanos));
+        assert_eq!(event_name(&a, nanos), event_name(&a, nanos));
     }
 }

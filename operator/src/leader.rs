@@ -380,7 +380,7 @@ impl Elector {
         let read = match timeout(budget, self.api.get_opt(&self.cfg.lease_name)).await {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
-                warn!(error = %e, "reading the leader lease failed");
+                warn!(error = %batchlease_api::Chain(&e), "reading the leader lease failed");
                 return Ok(false);
             }
             Err(_) => return Ok(false),
@@ -429,7 +429,7 @@ impl Elector {
                 true
             }
             Ok(Err(e)) => {
-                debug!(error = %e, "creating the leader lease failed");
+                debug!(error = %batchlease_api::Chain(&e), "creating the leader lease failed");
                 false
             }
             Err(_) => false,
@@ -458,7 +458,7 @@ impl Elector {
             }
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(false),
             Ok(Err(e)) => {
-                warn!(error = %e, "writing the leader lease failed");
+                warn!(error = %batchlease_api::Chain(&e), "writing the leader lease failed");
                 Err(())
             }
             Err(_) => {
@@ -523,7 +523,9 @@ impl Elector {
         let write = self.api.replace(&self.cfg.lease_name, &pp, &lease);
         match timeout(VACATE_BUDGET, write).await {
             Ok(Ok(_)) => info!("leader lease released"),
-            Ok(Err(e)) => warn!(error = %e, "releasing the leader lease failed"),
+            Ok(Err(e)) => {
+                warn!(error = %batchlease_api::Chain(&e), "releasing the leader lease failed")
+            }
             Err(_) => warn!("releasing the leader lease timed out"),
         }
     }

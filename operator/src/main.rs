@@ -74,14 +74,18 @@ async fn main() -> anyhow::Result<()> {
     let exit = loop {
         // A standby replica is healthy and ready: it serves metrics and waits.
         health.ready.store(true, Ordering::Release);
-        info!("waiting for leadership");
+        if cfg.leader_election {
+            info!("waiting for leadership");
+        } else {
+            info!("leader election disabled (--leader-election=false): this replica leads");
+        }
         let leadership = tokio::select! {
             l = campaign.acquired() => match l {
                 Ok(l) => l,
                 Err(e) => {
                     // The election task died: nothing would ever lead or
                     // renew again. Let Kubernetes restart the process.
-                    error!(error = %e, "leader election ended: exiting");
+                    error!(error = format!("{e:#}"), "leader election ended: exiting");
                     health.live.fail(format!("leader election ended: {e}"));
                     break 1;
                 }
@@ -201,7 +205,11 @@ fn default_identity() -> String {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colours only on a terminal: a log file or a collector gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -74,6 +74,8 @@ pub struct Ctx {
     pub expectations: Expectations,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
+    /// Who reports Events (for those the recorder cannot name).
+    pub reporter: kube::runtime::events::Reporter,
     pub leadership: Leadership,
     /// The task cache (dependencies and lock holders are looked up in it).
     pub tasks: Store<BatchTask>,
@@ -376,6 +378,13 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         Decision::Prune { victims, then } => {
             prune(ctx, &ns, victims).await?;
             Ok(then.map_or_else(Action::await_change, Action::requeue))
+        }
+        Decision::DeleteTask {
+            uid,
+            resource_version,
+        } => {
+            delete_finished(ctx, task, uid, resource_version).await?;
+            Ok(Action::await_change())
         }
         // Handled in the loop above.
         Decision::FetchLocks(_)
@@ -813,6 +822,42 @@ async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> R
     Ok(())
 }
 
+/// Deletes a task whose `ttlSecondsAfterFinished` has passed, in the
+/// background (garbage collection takes its leases), on the condition that
+/// it is the object that was decided on: a precondition failure (redriven
+/// or edited meanwhile) re-decides on the watch event that caused it, and a
+/// task already gone is done.
+async fn delete_finished(
+    ctx: &Ctx,
+    task: &BatchTask,
+    uid: String,
+    resource_version: Option<String>,
+) -> Result<(), Error> {
+    ctx.leadership.ensure()?;
+    let api: Api<BatchTask> =
+        Api::namespaced(ctx.client.clone(), &task.namespace().unwrap_or_default());
+    let dp = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version,
+            uid: Some(uid),
+        }),
+        propagation_policy: Some(kube::api::PropagationPolicy::Background),
+        ..DeleteParams::default()
+    };
+    let deleted = bounded(ctx, "task delete", async {
+        Ok(api.delete(&task.name_any(), &dp).await)
+    })
+    .await?;
+    match deleted {
+        Ok(_) => {
+            info!(task = %task.name_any(), "deleted: ttlSecondsAfterFinished has passed");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+        Err(e) => Err(classify(ctx, e, "task delete")),
+    }
+}
+
 /// Runs a write only as long as this term may still write: a request that
 /// has not answered when the term ends is abandoned (the term's end is the
 /// last moment this replica may believe it leads).
@@ -958,10 +1003,66 @@ async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, no
         action: reason.into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&event, &task.object_ref(&())).await {
+    let regarding = task.object_ref(&());
+    let published = if task.name_any().len() <= crate::events::MAX_RECORDER_NAME {
+        ctx.recorder.publish(&event, &regarding).await
+    } else {
+        publish_long_named(ctx, &event, regarding).await
+    };
+    if let Err(e) = published {
         // Events are best effort: the status already says what happened.
-        warn!(error = %e, task = %task.name_any(), "publishing event failed");
+        warn!(error = %batchlease_api::Chain(&e), task = %task.name_any(), "publishing event failed");
     }
+}
+
+/// An Event about a task whose name is too long for kube-rs's Event names
+/// (see [`crate::events::event_name`]): created as kube-rs would, under a
+/// shortened name, without its aggregation into a series (such names are
+/// rare; each Event is its own object).
+async fn publish_long_named(
+    ctx: &Ctx,
+    ev: &Event,
+    regarding: k8s_openapi::api::core::v1::ObjectReference,
+) -> Result<(), kube::Error> {
+    use k8s_openapi::api::events::v1::Event as K8sEvent;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let namespace = regarding.namespace.clone().unwrap_or_default();
+    let name = crate::events::event_name(
+        regarding.name.as_deref().unwrap_or_default(),
+        now.as_nanosecond(),
+    );
+    let event = K8sEvent {
+        action: Some(ev.action.clone()),
+        reason: Some(ev.reason.clone()),
+        event_time: Some(MicroTime(now)),
+        regarding: Some(regarding),
+        note: ev.note.clone(),
+        metadata: kube::api::ObjectMeta {
+            namespace: Some(namespace.clone()),
+            name: Some(name),
+            ..Default::default()
+        },
+        reporting_controller: Some(ctx.reporter.controller.clone()),
+        reporting_instance: Some(
+            ctx.reporter
+                .instance
+                .clone()
+                .unwrap_or_else(|| ctx.reporter.controller.clone()),
+        ),
+        type_: Some(
+            match ev.type_ {
+                EventType::Normal => "Normal",
+                EventType::Warning => "Warning",
+            }
+            .into(),
+        ),
+        ..Default::default()
+    };
+    kube::Api::<K8sEvent>::namespaced(ctx.client.clone(), &namespace)
+        .create(&kube::api::PostParams::default(), &event)
+        .await
+        .map(|_| ())
 }
 
 /// events.k8s.io/v1 refuses a `note` over 1 kB.
@@ -993,7 +1094,7 @@ pub fn error_policy(task: Arc<BatchTask>, error: &Error, ctx: Arc<Ctx>) -> Actio
         Error::Conflict { .. } => Action::requeue(Duration::from_millis(500)),
         Error::NotLeader => Action::await_change(),
         Error::Kube { .. } | Error::Timeout { .. } => {
-            warn!(task = %task.name_any(), error = %error, "reconcile failed");
+            warn!(task = %task.name_any(), error = %batchlease_api::Chain(&error), "reconcile failed");
             Action::requeue(Duration::from_secs(2))
         }
     }

@@ -160,6 +160,7 @@ pub fn settle(
     let transition = match outcome {
         Outcome::Succeeded => {
             status.phase = Some(TaskPhase::Succeeded);
+            status.completion_time = Some(Time(wall));
             status.result = lst.result.clone();
             status.next_attempt_after = None;
             set_condition(
@@ -214,11 +215,15 @@ pub fn settle(
                 attempt: lease.spec.fencing_token,
                 time: Time(wall),
             });
-            if permanent || status.attempts > task.spec.max_retries {
+            let not_retried = !task.spec.retry_policy.retries(&reason);
+            if permanent || not_retried || status.attempts > task.spec.max_retries {
                 status.phase = Some(TaskPhase::DeadLettered);
+                status.completion_time = Some(Time(wall));
                 status.next_attempt_after = None;
                 let why = if permanent {
                     format!("permanent failure: {reason}")
+                } else if not_retried {
+                    format!("{reason} is in spec.retryPolicy.nonRetryableReasons")
                 } else {
                     format!("{} attempts failed, last: {reason}", status.attempts)
                 };

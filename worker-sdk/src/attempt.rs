@@ -458,7 +458,7 @@ impl Heartbeat {
                         return Verdict::Rejected;
                     }
                     Ok(Err(e)) => {
-                        warn!(lease = %self.lease.name_any(), error = %e, "completion failed; retrying while the fence holds");
+                        warn!(lease = %self.lease.name_any(), error = %batchlease_api::Chain(&e), "completion failed; retrying while the fence holds");
                         next = Instant::now() + retry;
                     }
                     Err(_) => {
@@ -499,7 +499,7 @@ impl Heartbeat {
                     return Verdict::Killed;
                 }
                 Ok(Err(e)) => {
-                    warn!(lease = %self.lease.name_any(), error = %e, "renewal failed; retrying");
+                    warn!(lease = %self.lease.name_any(), error = %batchlease_api::Chain(&e), "renewal failed; retrying");
                     next = Instant::now() + retry;
                 }
                 Err(_) => {

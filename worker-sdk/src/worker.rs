@@ -256,7 +256,7 @@ impl Worker {
                         _ = stop.cancelled() => return,
                         ev = stream.next() => match ev {
                             Some(Ok(_)) => changed.notify_one(),
-                            Some(Err(e)) => warn!(error = %e, "lease watch"),
+                            Some(Err(e)) => warn!(error = %batchlease_api::Chain(&e), "lease watch"),
                             None => return,
                         }
                     }
@@ -304,7 +304,7 @@ impl Worker {
                     Claim::Failed { offers, error } => {
                         let delay = claim_retry_delay(failed_rounds);
                         // One line per round, not one per offer.
-                        warn!(offers, failed_rounds, retry_in = ?delay, error = %error, "claims failed");
+                        warn!(offers, failed_rounds, retry_in = ?delay, error = %batchlease_api::Chain(&error), "claims failed");
                         failed_rounds = failed_rounds.saturating_add(1);
                         retry_at = Some(Instant::now() + delay);
                         break;

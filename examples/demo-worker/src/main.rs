@@ -46,14 +46,16 @@ use clap::Parser;
 use rand::Rng;
 use serde::Deserialize;
 use serde_json::json;
-use tracing::info;
+use tracing::{info, warn};
 
 /// Flags (each also an environment variable).
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
-    /// Namespace whose tasks to run.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    /// Namespace whose tasks to run (not POD_NAMESPACE, which for the
+    /// operator names where its leader Lease lives: the worker's pod may
+    /// run elsewhere than its tasks).
+    #[arg(long, env = "BATCHLEASE_TASK_NAMESPACE", default_value = "default")]
     namespace: String,
     /// Queues to serve (comma-separated).
     #[arg(
@@ -66,7 +68,7 @@ struct Args {
     /// Attempts run at once.
     #[arg(long, env = "BATCHLEASE_SLOTS", default_value_t = 2)]
     slots: usize,
-    /// Holder identity (default: POD_NAME or host name, plus a random suffix).
+    /// Holder identity (default: `<POD_NAME or host name>/<random suffix>`).
     #[arg(long, env = "BATCHLEASE_IDENTITY")]
     identity: Option<String>,
     /// File with the PostgreSQL connection string for the fenced store
@@ -156,6 +158,8 @@ fn two_hundred() -> u64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        // Colours only on a terminal: a log file gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn")),
@@ -170,7 +174,6 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let pg = pg_url::load(args.pg_url_file.as_deref())?;
-    let database = pg_url::describe(&pg);
     let mut builder = WorkerBuilder::new(config, &args.namespace)
         .slots(args.slots)
         .drain_grace(Duration::from_secs(args.drain_grace_seconds));
@@ -185,9 +188,47 @@ async fn main() -> anyhow::Result<()> {
         builder.metrics().register(&mut registry);
         tokio::spawn(serve_metrics(addr, Arc::new(registry)));
     }
-    // A connection per slot: slots commit concurrently.
+    let store = match pg {
+        Some(pg) => Some(fenced_store(pg, args.slots, &builder).await?),
+        None => {
+            warn!(
+                "no PostgreSQL connection string ({} or --pg-url-file): results are NOT committed \
+                 to a fenced store — a zombie attempt's work is refused by the API server only, \
+                 and transfer tasks fail",
+                pg_url::ENV
+            );
+            None
+        }
+    };
+    // Each attempt registers its token before the handler runs (design §4).
+    if let Some(store) = &store {
+        builder = builder.registry(store.clone());
+    }
+    let worker = builder.build()?;
+    let identity = worker.identity().to_owned();
+    info!(%identity, "demo worker starting");
+    worker
+        .run(
+            move |ctx| {
+                let (store, identity) = (store.clone(), identity.clone());
+                async move { work(ctx, store, identity).await }
+            },
+            shutdown(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The fenced store on `pg`: a connection per slot (slots commit
+/// concurrently), its tables migrated.
+async fn fenced_store(
+    pg: tokio_postgres::Config,
+    slots: usize,
+    builder: &WorkerBuilder,
+) -> anyhow::Result<Arc<FencedPool>> {
+    let database = pg_url::describe(&pg);
     let store = Arc::new(FencedPool::new(
-        args.slots,
+        slots,
         builder.metrics().clone(),
         move || {
             let pg = pg.clone();
@@ -218,29 +259,22 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("creating the demo's outbox table")?;
     info!(%database, "fenced store ready");
-    // Each attempt registers its token before the handler runs (design §4).
-    let worker = builder.registry(store.clone()).build()?;
-    let identity = worker.identity().to_owned();
-    info!(%identity, "demo worker starting");
-    worker
-        .run(
-            move |ctx| {
-                let (store, identity) = (store.clone(), identity.clone());
-                async move { work(ctx, store, identity).await }
-            },
-            shutdown(),
-        )
-        .await?;
-    Ok(())
+    Ok(store)
 }
 
 async fn work(
     ctx: TaskContext,
-    store: Arc<FencedPool>,
+    store: Option<Arc<FencedPool>>,
     identity: String,
 ) -> Result<Output, TaskError> {
     let p: Payload = ctx.payload()?;
     if let Some(t) = &p.transfer {
+        let Some(store) = store else {
+            return Err(TaskError::permanent(
+                "a transfer needs the fenced store: start the demo worker with a PostgreSQL connection string",
+            )
+            .with_reason("NoFencedStore"));
+        };
         // Speculative: the executor handles an earlier commit itself.
         return transfer::run(&ctx, store, t, &identity).await;
     }
@@ -313,6 +347,18 @@ async fn work(
     if !ctx.resource_tokens().is_empty() {
         row["resourceTokens"] = json!(ctx.resource_tokens());
     }
+    let Some(store) = store else {
+        // No fenced store: the result goes only into the lease.
+        info!(
+            task = ctx.task_name(),
+            token = ctx.fencing_token(),
+            "done (not committed: no fenced store)"
+        );
+        return Ok(Output::json(tagged(
+            json!({"worker": identity, "resumedFrom": from, "seen": ctx.task_name(), "committed": false}),
+            &p.tag,
+        )));
+    };
     let committed = match store.get().await {
         Ok(mut db) => db.commit(ctx.fence(), ctx.task_uid(), &row).await,
         Err(e) => Err(e),

@@ -18,16 +18,19 @@ use tokio_postgres::config::Host;
 pub const ENV: &str = "BATCHLEASE_PG_URL";
 
 /// The connection string from `file` (surrounding whitespace trimmed: a
-/// Secret's file may end with a newline), or else from [`ENV`].
-pub fn load(file: Option<&Path>) -> anyhow::Result<Config> {
+/// Secret's file may end with a newline), or else from [`ENV`]; `None`
+/// when neither is given (the demo then runs without the fenced store).
+pub fn load(file: Option<&Path>) -> anyhow::Result<Option<Config>> {
     let raw = match file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading --pg-url-file {}", path.display()))?,
-        None => std::env::var(ENV).with_context(|| {
-            format!("no PostgreSQL connection string: set {ENV} or --pg-url-file")
-        })?,
+        None => match std::env::var(ENV) {
+            Ok(raw) => raw,
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("reading {ENV}")),
+        },
     };
-    parse(raw.trim())
+    parse(raw.trim()).map(Some)
 }
 
 /// Parses a `postgres://` URL or libpq `key=value` pairs. The parser's own
@@ -102,9 +105,19 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("url");
         std::fs::write(&file, "postgres://app:pw@h/db\n").unwrap();
-        let config = load(Some(&file)).unwrap();
+        let config = load(Some(&file)).unwrap().unwrap();
         assert_eq!(config.get_password(), Some(&b"pw"[..]));
         assert_eq!(describe(&config), "app@h:5432/db");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_file_is_an_error_not_no_store() {
+        let missing = std::env::temp_dir().join("pg-url-test-no-such-file");
+        let err = load(Some(&missing)).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("reading --pg-url-file"),
+            "{err:#}"
+        );
     }
 }
