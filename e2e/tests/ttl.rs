@@ -73,8 +73,8 @@ async fn finished_tasks_are_deleted_on_time_with_their_leases() {
 }
 
 /// Waits for task `name` to reach `phase`, then to be deleted — not before
-/// `TTL` seconds after its `completionTime`, and within a few seconds of
-/// it — and its leases collected; returns its UID.
+/// `TTL` seconds after its `completionTime`, and within 5 s of it — and
+/// its leases collected; returns its UID.
 async fn deleted_on_time(
     ns: &TestNamespace,
     name: &str,
@@ -105,7 +105,9 @@ async fn deleted_on_time(
     .unwrap();
     let after = gone_at.duration_since(completed).as_secs_f64();
     assert!(
-        after >= TTL as f64 && after <= TTL as f64 + 3.0,
+        // The slack is for a loaded machine (four tests at once, two
+        // cores): the operator's requeue is due at the TTL.
+        after >= TTL as f64 && after <= TTL as f64 + 5.0,
         "{name} deleted {after:.2} s after completionTime, TTL {TTL} s"
     );
     // Its leases go with it (garbage collection: it owns them).
