@@ -796,7 +796,16 @@ async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
             Some("KillSwitch")
         )
     );
-    assert!(w.log_text().contains("lease given back"), "{}", w.logs());
+    // The worker logs it once its write has returned, which may be after
+    // the lease's new state reached this test.
+    batchlease_e2e::wait_for(
+        "the worker's log of the give-back",
+        T,
+        || w.logs(),
+        || async { Ok(w.log_text().contains("lease given back").then_some(())) },
+    )
+    .await
+    .unwrap();
     wait_phase(
         &ns,
         "job",

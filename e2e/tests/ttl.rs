@@ -127,3 +127,85 @@ async fn deleted_on_time(
     .unwrap();
     done.metadata.uid.unwrap()
 }
+
+#[tokio::test]
+async fn a_finished_task_is_kept_past_its_ttl_while_a_dependent_runs() {
+    let (ns, op) = Operator::in_new_namespace("ttl-needed", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let _db = pg::connect().await.unwrap();
+    let worker = workers::start_n(&ns.name, 1, 2).unwrap();
+    // `dep` is due 1 s after it succeeds; `user` depends on it and runs 8 s.
+    tasks::create(
+        &ns,
+        "dep",
+        json!({"queue": "demo", "ttlSecondsAfterFinished": 1, "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    tasks::create(
+        &ns,
+        "user",
+        json!({"queue": "demo", "dependsOn": ["dep"], "payload": {"steps": 1, "stepMillis": 8000}}),
+    )
+    .await
+    .unwrap();
+    let logs = || format!("{}{}", op.logs(), worker[0].logs());
+    let dep = wait_phase(
+        &ns,
+        "dep",
+        TaskPhase::Succeeded,
+        Duration::from_secs(60),
+        logs,
+    )
+    .await
+    .unwrap();
+    let due = dep.status.unwrap().completion_time.unwrap().0
+        + k8s_openapi::jiff::SignedDuration::from_secs(3);
+    // Past its TTL (with 2 s to spare) while `user` still runs: still there.
+    let user = tasks::wait_task(
+        &ns,
+        "user",
+        "running past dep's TTL",
+        Duration::from_secs(30),
+        logs,
+        |t| {
+            Timestamp::now() >= due
+                && t.status.as_ref().and_then(|s| s.phase) == Some(TaskPhase::Running)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(user.status.unwrap().completion_time.is_none());
+    assert!(
+        ns.api::<BatchTask>()
+            .get_opt("dep")
+            .await
+            .unwrap()
+            .is_some(),
+        "dep was deleted while user, which depends on it, ran"
+    );
+    // Once `user` is done, `dep` goes (at the next look, within 10 s).
+    wait_phase(
+        &ns,
+        "user",
+        TaskPhase::Succeeded,
+        Duration::from_secs(60),
+        logs,
+    )
+    .await
+    .unwrap();
+    let tasks: Api<BatchTask> = ns.api();
+    wait_for(
+        "dep deleted once nothing needs it",
+        Duration::from_secs(30),
+        logs,
+        || {
+            let tasks = tasks.clone();
+            async move { Ok(tasks.get_opt("dep").await?.is_none().then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    ns.cleanup().await.unwrap();
+}

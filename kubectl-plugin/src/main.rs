@@ -161,21 +161,39 @@ async fn main() -> anyhow::Result<()> {
             };
             let targets = redrive::targets(&tasks, &selection).map_err(anyhow::Error::msg)?;
             let mut done = Vec::new();
-            for (name, redrive) in targets {
-                let patch = serde_json::json!({"spec": {"redrive": redrive}});
-                tasks_api
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            let mut failed = Vec::new();
+            for t in targets {
+                // The UID makes the patch conditional: a task deleted and
+                // created again under this name meanwhile is not touched.
+                let patch = serde_json::json!({
+                    "metadata": {"uid": t.uid},
+                    "spec": {"redrive": t.redrive},
+                });
+                let name = &t.name;
+                match tasks_api
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .with_context(|| format!("redriving {name}"))?;
-                done.push(serde_json::json!({"task": name, "redrive": redrive}));
-                if !json {
-                    println!("batchtask/{name} redriven (spec.redrive={redrive})");
+                {
+                    Ok(_) => {
+                        done.push(serde_json::json!({"task": name, "redrive": t.redrive}));
+                        if !json {
+                            println!("batchtask/{name} redriven (spec.redrive={})", t.redrive);
+                        }
+                    }
+                    // Gone since the list (its TTL, say): nothing to redrive.
+                    Err(kube::Error::Api(s)) if s.code == 404 => {
+                        eprintln!("batchtask/{name} is gone: skipped");
+                    }
+                    Err(e) => failed.push(format!("{name}: {}", batchlease_api::Chain(&e))),
                 }
             }
             if json {
                 println!("{}", serde_json::to_string_pretty(&done)?);
-            } else if done.is_empty() {
+            } else if done.is_empty() && failed.is_empty() {
                 println!("No DeadLettered tasks to redrive{place}.");
+            }
+            if !failed.is_empty() {
+                bail!("not redriven: {}", failed.join("; "));
             }
         }
     }

@@ -14,10 +14,24 @@ pub enum Selection {
     Queue(String),
 }
 
-/// `(task, new spec.redrive)` for `selection` among `tasks`, or why not.
-pub fn targets(tasks: &[BatchTask], selection: &Selection) -> Result<Vec<(String, i64)>, String> {
+/// A task to redrive: its name, its UID (the patch carries it, so a task
+/// deleted and created again under the name meanwhile is left alone) and
+/// the `spec.redrive` it gets.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Target {
+    pub name: String,
+    pub uid: String,
+    pub redrive: i64,
+}
+
+/// The targets of `selection` among `tasks`, or why not.
+pub fn targets(tasks: &[BatchTask], selection: &Selection) -> Result<Vec<Target>, String> {
     let phase = |t: &BatchTask| t.status.as_ref().and_then(|s| s.phase);
-    let next = |t: &BatchTask| (t.name_any(), t.spec.redrive + 1);
+    let next = |t: &BatchTask| Target {
+        name: t.name_any(),
+        uid: t.metadata.uid.clone().unwrap_or_default(),
+        redrive: t.spec.redrive + 1,
+    };
     match selection {
         Selection::Task(name) => {
             let t = tasks
@@ -59,13 +73,18 @@ mod tests {
             task("run", "q", TaskPhase::Running, |_| {}),
             task("other", "x", TaskPhase::DeadLettered, |_| {}),
         ];
+        let t = |name: &str, redrive| Target {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            redrive,
+        };
         assert_eq!(
             targets(&tasks, &Selection::Task("d".into())),
-            Ok(vec![("d".into(), 3)])
+            Ok(vec![t("d", 3)])
         );
         assert_eq!(
             targets(&tasks, &Selection::Task("r".into())),
-            Ok(vec![("r".into(), 1)])
+            Ok(vec![t("r", 1)])
         );
         assert_eq!(
             targets(&tasks, &Selection::Task("run".into())),
@@ -77,7 +96,7 @@ mod tests {
         );
         assert_eq!(
             targets(&tasks, &Selection::Queue("q".into())),
-            Ok(vec![("d".into(), 3)])
+            Ok(vec![t("d", 3)])
         );
         assert_eq!(
             targets(&tasks, &Selection::Queue("empty".into())),

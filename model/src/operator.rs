@@ -161,6 +161,7 @@ impl Cluster {
                 // (measured: the 2-task 6 s bound went from 873,130 to
                 // 532,157 states with 1 s).
                 running_after: std::time::Duration::ZERO,
+                needed_by: None,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -279,6 +280,7 @@ impl Cluster {
             deps: Readiness::Ready,
             locks: Some(pass.slots()),
             running_after: std::time::Duration::ZERO,
+            needed_by: None,
         });
         self.request(s, &task, decision, || pass)
     }

@@ -62,7 +62,15 @@ pub struct Input<'a> {
     /// fencing, expiry and settling read the lease — so an attempt that
     /// completes sooner settles straight from `Ready`, one write fewer.
     pub running_after: Duration,
+    /// For a finished task: an unfinished task that still needs it (a
+    /// dependent, or a child it spawned), which keeps it past its
+    /// `ttlSecondsAfterFinished` ([`crate::graph_index`]).
+    pub needed_by: Option<String>,
 }
+
+/// How often a finished task kept past its TTL looks again whether it is
+/// still needed.
+pub const TTL_RECHECK: Duration = Duration::from_secs(10);
 
 /// What is known of a current lease the cache does not show.
 ///
@@ -240,7 +248,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
             (None, Lookup::Occupied) => replace_lost(input, current, phase),
         },
         TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
-            finished(task, current, input.wall)
+            finished(task, current, input.wall, input.needed_by.as_deref())
         }
     };
     match decision {
@@ -261,10 +269,17 @@ pub fn decide(input: &Input<'_>) -> Decision {
 }
 
 /// A finished task: kept, or deleted once `ttlSecondsAfterFinished` has
-/// passed since `status.completionTime`. A task finished by an operator
-/// that did not record that time counts from its conditions' latest
-/// transition, else from its creation.
-fn finished(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Decision {
+/// passed since `status.completionTime` — unless an unfinished task still
+/// needs it: a dependent (it would wait for a dependency gone missing) or
+/// a child it spawned (garbage collection would delete it too). A task
+/// finished by an operator that did not record that time counts from its
+/// conditions' latest transition, else from its creation.
+fn finished(
+    task: &BatchTask,
+    current: &BatchTaskStatus,
+    wall: Timestamp,
+    needed_by: Option<&str>,
+) -> Decision {
     let Some(ttl) = task.spec.ttl_seconds_after_finished else {
         return Decision::Wait(None);
     };
@@ -286,6 +301,9 @@ fn finished(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Dec
         // Whole seconds up: a deletion must not come early.
         let secs = u64::try_from(left.as_secs()).unwrap_or(0) + u64::from(left.subsec_nanos() > 0);
         return Decision::Wait(Some(Duration::from_secs(secs)));
+    }
+    if needed_by.is_some() {
+        return Decision::Wait(Some(TTL_RECHECK));
     }
     match task.metadata.uid.clone() {
         Some(uid) => Decision::DeleteTask {

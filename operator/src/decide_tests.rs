@@ -84,6 +84,7 @@ pub(super) struct Case {
     deps: Readiness,
     locks: Option<Vec<Slot>>,
     running_after: Duration,
+    needed_by: Option<String>,
 }
 
 impl Case {
@@ -97,6 +98,7 @@ impl Case {
             deps: Readiness::Ready,
             locks: None,
             running_after: Duration::ZERO,
+            needed_by: None,
         }
     }
     pub(super) fn deps(mut self, deps: Readiness) -> Self {
@@ -115,6 +117,11 @@ impl Case {
         self.leases = l;
         self
     }
+    pub(super) fn needed_by(mut self, name: &str) -> Self {
+        self.needed_by = Some(name.into());
+        self
+    }
+
     pub(super) fn running_after(mut self, d: Duration) -> Self {
         self.running_after = d;
         self
@@ -140,6 +147,7 @@ impl Case {
             deps: self.deps.clone(),
             locks: self.locks.clone(),
             running_after: self.running_after,
+            needed_by: self.needed_by.clone(),
         })
     }
 }
@@ -1205,6 +1213,16 @@ fn a_finished_task_is_deleted_once_its_ttl_has_passed() {
             Decision::DeleteTask { .. }
         ));
     }
+    // Due, but an unfinished dependent or child still needs it: kept, and
+    // looked at again.
+    let due = task()
+        .spec(|s| s.ttl_seconds_after_finished = Some(1))
+        .phase(TaskPhase::Succeeded, 1)
+        .with(|s| s.completion_time = Some(Time(wall(-60))));
+    assert_eq!(
+        Case::new(due).needed_by("follow-up").run(),
+        Decision::Wait(Some(crate::decide::TTL_RECHECK))
+    );
 }
 
 #[test]

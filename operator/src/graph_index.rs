@@ -37,6 +37,9 @@ struct Entry {
     phase: Option<TaskPhase>,
     depends_on: Vec<String>,
     resources: Vec<String>,
+    /// The BatchTask that is its controlling owner (a spawned child's
+    /// parent).
+    parent: Option<String>,
     /// Relist generation in which the entry was last seen.
     seen: u64,
 }
@@ -54,6 +57,8 @@ struct Inner {
     tasks: HashMap<Key, Entry>,
     /// dependency (namespace, name) → names of the tasks that depend on it.
     dependents: HashMap<Key, BTreeSet<String>>,
+    /// parent (namespace, name) → names of the tasks it spawned.
+    children: HashMap<Key, BTreeSet<String>>,
     /// (namespace, resource) → names of the unfinished tasks that need it.
     users: HashMap<Key, BTreeSet<String>>,
     /// Relist generation.
@@ -109,6 +114,11 @@ impl GraphIndex {
             phase: task.status.as_ref().and_then(|s| s.phase),
             depends_on: task.spec.depends_on.clone(),
             resources: task.spec.resources.clone(),
+            parent: task
+                .owner_references()
+                .iter()
+                .find(|o| o.controller == Some(true) && o.kind == "BatchTask")
+                .map(|o| o.name.clone()),
             seen: 0,
         };
         let wake = {
@@ -121,6 +131,7 @@ impl GraphIndex {
                 o.phase == new.phase
                     && o.depends_on == new.depends_on
                     && o.resources == new.resources
+                    && o.parent == new.parent
             });
             if !unchanged {
                 if let Some(o) = &old {
@@ -258,6 +269,26 @@ impl GraphIndex {
     }
 
     /// Names of the tasks in `namespace` that need `resource`.
+    /// An unfinished task that still needs `name`: one that depends on it,
+    /// or one it spawned (deleting it would delete that child with it).
+    /// Its TTL waits for them.
+    pub fn needed_by(&self, namespace: &str, name: &str) -> Option<String> {
+        let inner = self.lock();
+        let key = (namespace.to_owned(), name.to_owned());
+        let unfinished = |n: &&String| {
+            inner
+                .tasks
+                .get(&(namespace.to_owned(), (*n).clone()))
+                .is_some_and(|e| !e.phase.is_some_and(TaskPhase::is_terminal))
+        };
+        [&inner.dependents, &inner.children]
+            .into_iter()
+            .filter_map(|m| m.get(&key))
+            .flat_map(|set| set.iter())
+            .find(unfinished)
+            .cloned()
+    }
+
     pub fn users_of(&self, namespace: &str, resource: &str) -> BTreeSet<String> {
         self.lock()
             .users
@@ -299,6 +330,12 @@ impl GraphIndex {
 
 impl Inner {
     fn link(&mut self, ns: &str, name: &str, e: &Entry) {
+        if let Some(parent) = &e.parent {
+            self.children
+                .entry((ns.to_owned(), parent.clone()))
+                .or_default()
+                .insert(name.to_owned());
+        }
         for d in &e.depends_on {
             self.dependents
                 .entry((ns.to_owned(), d.clone()))
@@ -318,9 +355,11 @@ impl Inner {
     }
 
     fn unlink(&mut self, ns: &str, name: &str, e: &Entry) {
+        let parent: Vec<String> = e.parent.iter().cloned().collect();
         for (map, keys) in [
             (&mut self.dependents, &e.depends_on),
             (&mut self.users, &e.resources),
+            (&mut self.children, &parent),
         ] {
             for k in keys {
                 let key = (ns.to_owned(), k.clone());
@@ -435,6 +474,34 @@ mod tests {
     }
 
     use futures::FutureExt;
+
+    #[test]
+    fn a_finished_task_is_needed_by_unfinished_dependents_and_children() {
+        let (tx, _rx) = unbounded();
+        let idx = GraphIndex::new(tx);
+        idx.apply(&task("a", &[], &[], Some(TaskPhase::Succeeded)));
+        assert_eq!(idx.needed_by("ns", "a"), None);
+        idx.apply(&task("b", &["a"], &[], Some(TaskPhase::Pending)));
+        assert_eq!(idx.needed_by("ns", "a").as_deref(), Some("b"));
+        idx.apply(&task("b", &["a"], &[], Some(TaskPhase::Succeeded)));
+        assert_eq!(idx.needed_by("ns", "a"), None);
+        // A child a spawned (a is its controlling owner).
+        let mut child = task("a-c1", &[], &[], Some(TaskPhase::Running));
+        child.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: "batchlease.dev/v1alpha1".into(),
+                kind: "BatchTask".into(),
+                name: "a".into(),
+                uid: "uid-a".into(),
+                controller: Some(true),
+                block_owner_deletion: Some(false),
+            },
+        ]);
+        idx.apply(&child);
+        assert_eq!(idx.needed_by("ns", "a").as_deref(), Some("a-c1"));
+        idx.delete(&child);
+        assert_eq!(idx.needed_by("ns", "a"), None);
+    }
 
     #[test]
     fn phase_changes_wake_dependents_and_only_them() {

@@ -194,6 +194,15 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     } else {
         Readiness::Ready
     };
+    let finished_with_ttl = task.spec.ttl_seconds_after_finished.is_some()
+        && task
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(TaskPhase::is_terminal);
+    let needed_by = finished_with_ttl
+        .then(|| ctx.index.needed_by(&ns, &name))
+        .flatten();
     let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
         decide(&Input {
             task,
@@ -206,6 +215,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             deps: readiness.clone(),
             locks,
             running_after: ctx.running_after,
+            needed_by: needed_by.clone(),
         })
     };
     let mut slots: Option<Vec<Slot>> = None;
