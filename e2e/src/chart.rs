@@ -143,3 +143,50 @@ impl Replica {
             .unwrap_or(0))
     }
 }
+
+/// A Pod object (no kubelet runs it: it exists so that tokens can be bound
+/// to it, as a real pod's projected token is).
+pub fn pod_object(name: &str, service_account: &str) -> k8s_openapi::api::core::v1::Pod {
+    let mut pod = k8s_openapi::api::core::v1::Pod::default();
+    pod.metadata.name = Some(name.into());
+    pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+        service_account_name: Some(service_account.into()),
+        containers: vec![k8s_openapi::api::core::v1::Container {
+            name: "main".into(),
+            image: Some("batchlease".into()),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    pod
+}
+
+/// A worker as in pod `pod` of `ns`: ServiceAccount `worker` (created if
+/// missing) bound to the chart's worker role `worker_role`, the Pod
+/// object, and a kubeconfig whose token is bound to it (the API server
+/// names the pod in each request: what the holder-only policy checks).
+pub async fn worker_pod(
+    ns: &crate::TestNamespace,
+    worker_role: &str,
+    pod: &str,
+    dir: &PrivateDir,
+) -> anyhow::Result<std::path::PathBuf> {
+    let n = ns.name.as_str();
+    if !crate::kubectl::run(&["get", "serviceaccount", "worker", "-n", n])?.success {
+        crate::kubectl::ok(&["create", "serviceaccount", "worker", "-n", n])?;
+        crate::kubectl::ok(&[
+            "create",
+            "rolebinding",
+            "worker",
+            "-n",
+            n,
+            &format!("--clusterrole={worker_role}"),
+            &format!("--serviceaccount={n}:worker"),
+        ])?;
+    }
+    ns.api::<k8s_openapi::api::core::v1::Pod>()
+        .create(&Default::default(), &pod_object(pod, "worker"))
+        .await
+        .with_context(|| format!("creating pod {pod}"))?;
+    crate::kubectl::pod_token_kubeconfig(n, "worker", pod, dir)
+}

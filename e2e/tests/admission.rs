@@ -16,8 +16,7 @@ use batchlease_e2e::operator::Operator;
 use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
-use batchlease_e2e::{Cluster, helm, kubectl, wait_for};
-use k8s_openapi::api::core::v1::Pod;
+use batchlease_e2e::{Cluster, chart, helm, kubectl, wait_for};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, PostParams, ResourceExt};
 use kube::core::Status;
@@ -80,18 +79,6 @@ fn complete(mut l: TaskLease) -> TaskLease {
     l
 }
 
-fn pod(name: &str) -> Pod {
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "serviceAccountName": "worker",
-            "containers": [{"name": "worker", "image": "batchlease-demo-worker"}],
-        },
-    }))
-    .unwrap()
-}
-
 #[tokio::test]
 async fn only_the_holder_may_write_a_held_lease() {
     let cluster = Cluster::with_crds().await.unwrap();
@@ -140,23 +127,9 @@ async fn only_the_holder_may_write_a_held_lease() {
         Operator::start_with(n, "op", vec![format!("--kubeconfig={}", op_kc.display())]).unwrap();
     op.wait_leading(Duration::from_secs(30)).await.unwrap();
 
-    kubectl::ok(&["create", "serviceaccount", "worker", "-n", n]).unwrap();
-    kubectl::ok(&[
-        "create",
-        "rolebinding",
-        "worker",
-        "-n",
-        n,
-        &format!("--clusterrole={sa}-worker"),
-        &format!("--serviceaccount={n}:worker"),
-    ])
-    .unwrap();
-    let pods: Api<Pod> = ns.api();
-    for p in ["wa", "wb"] {
-        pods.create(&PostParams::default(), &pod(p)).await.unwrap();
-    }
-    let a_kc = kubectl::pod_token_kubeconfig(n, "worker", "wa", &dir).unwrap();
-    let b_kc = kubectl::pod_token_kubeconfig(n, "worker", "wb", &dir).unwrap();
+    let role = format!("{sa}-worker");
+    let a_kc = chart::worker_pod(&ns, &role, "wa", &dir).await.unwrap();
+    let b_kc = chart::worker_pod(&ns, &role, "wb", &dir).await.unwrap();
     let as_a: Api<TaskLease> = Api::namespaced(client_for(&a_kc).await, n);
     let as_b: Api<TaskLease> = Api::namespaced(client_for(&b_kc).await, n);
 

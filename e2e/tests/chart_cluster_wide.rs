@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use batchlease_api::TaskPhase;
-use batchlease_e2e::chart::Release;
+use batchlease_e2e::chart::{self, Release};
 use batchlease_e2e::ports::free_port;
 use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_phase};
@@ -79,28 +79,9 @@ async fn cluster_wide_release_runs_tasks_in_every_namespace() {
     .unwrap();
 
     // A worker pod in the tenant namespace.
-    kubectl::ok(&["create", "serviceaccount", "worker", "-n", b]).unwrap();
-    kubectl::ok(&[
-        "create",
-        "rolebinding",
-        "worker",
-        "-n",
-        b,
-        &format!("--clusterrole={full}-worker"),
-        &format!("--serviceaccount={b}:worker"),
-    ])
-    .unwrap();
-    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"},
-        "spec": {"serviceAccountName": "worker", "containers": [{"name": "w", "image": "batchlease-demo-worker"}]},
-    }))
-    .unwrap();
-    tenant
-        .api::<k8s_openapi::api::core::v1::Pod>()
-        .create(&Default::default(), &pod)
+    let kc = chart::worker_pod(&tenant, &format!("{full}-worker"), "w-0", &dir)
         .await
         .unwrap();
-    let kc = kubectl::pod_token_kubeconfig(b, "worker", "w-0", &dir).unwrap();
     let _db = pg::connect().await.unwrap();
     let worker = workers::start(
         b,

@@ -49,27 +49,9 @@ async fn pod_worker(
     dir: &PrivateDir,
 ) -> batchlease_e2e::process::Process {
     let n = ns.name.as_str();
-    kubectl::ok(&["create", "serviceaccount", "worker", "-n", n]).unwrap();
-    kubectl::ok(&[
-        "create",
-        "rolebinding",
-        "worker",
-        "-n",
-        n,
-        &format!("--clusterrole={worker_role}"),
-        &format!("--serviceaccount={n}:worker"),
-    ])
-    .unwrap();
-    let obj: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
-        "spec": {"serviceAccountName": "worker", "containers": [{"name": "w", "image": "batchlease-demo-worker"}]},
-    }))
-    .unwrap();
-    ns.api::<k8s_openapi::api::core::v1::Pod>()
-        .create(&Default::default(), &obj)
+    let kc = batchlease_e2e::chart::worker_pod(ns, worker_role, pod, dir)
         .await
         .unwrap();
-    let kc = kubectl::pod_token_kubeconfig(n, "worker", pod, dir).unwrap();
     let _db = pg::connect().await.unwrap();
     let opts = WorkerOpts {
         kubeconfig: Some(kc),

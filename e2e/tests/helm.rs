@@ -303,16 +303,14 @@ async fn helm_install_rbac_is_sufficient_and_least_privilege() {
     // A worker as in a pod: a token bound to its Pod object, its identity
     // the pod's name (the chart's holder-only policy is on by default and
     // checks both; e2e/tests/admission.rs tests it).
-    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sa-worker"},
-        "spec": {"serviceAccountName": "worker", "containers": [{"name": "w", "image": "batchlease-demo-worker"}]},
-    }))
+    let worker_kc = batchlease_e2e::chart::worker_pod(
+        &ns,
+        &format!("{release}-batchlease-operator-worker"),
+        "sa-worker",
+        &dir,
+    )
+    .await
     .unwrap();
-    ns.api::<k8s_openapi::api::core::v1::Pod>()
-        .create(&Default::default(), &pod)
-        .await
-        .unwrap();
-    let worker_kc = kubectl::pod_token_kubeconfig(n, "worker", "sa-worker", &dir).unwrap();
     let _db = pg::connect().await.unwrap();
     let opts = WorkerOpts {
         kubeconfig: Some(worker_kc),

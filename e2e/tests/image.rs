@@ -139,11 +139,7 @@ async fn the_operator_image_runs_and_issues_a_lease() {
     let sa = format!("{release}-batchlease-operator");
     // The pod the kubelet would run: its token is bound to it.
     let pod = format!("{sa}-0");
-    let obj: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
-        "spec": {"serviceAccountName": sa, "containers": [{"name": "operator", "image": format!("ghcr.io/batchlease/batchlease-operator:{VERSION}")}]},
-    }))
-    .unwrap();
+    let obj = batchlease_e2e::chart::pod_object(&pod, &sa);
     ns.api::<k8s_openapi::api::core::v1::Pod>()
         .create(&Default::default(), &obj)
         .await
