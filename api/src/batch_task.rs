@@ -52,6 +52,14 @@ use serde::{Deserialize, Serialize};
     .message("status.fencingToken must never decrease: it fences every lease issued for this task")
     .field_path(".status.fencingToken")
     .reason(Reason::FieldValueForbidden),
+    // On the root: a transition rule on the field itself would not run
+    // when a writer drops it.
+    validation = Rule::new(
+        "!has(oldSelf.spec.cancel) || !oldSelf.spec.cancel || (has(self.spec.cancel) && self.spec.cancel)"
+    )
+    .message("spec.cancel may only go from false to true: a cancelled task stays cancelled")
+    .field_path(".spec.cancel")
+    .reason(Reason::FieldValueForbidden),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct BatchTaskSpec {
@@ -101,8 +109,8 @@ pub struct BatchTaskSpec {
     #[schemars(range(min = 1, max = 31_536_000))]
     pub active_deadline_seconds: Option<i64>,
 
-    /// Seconds after the task finished (`Succeeded`, `DeadLettered` or
-    /// `Rejected`; `status.completionTime`) that the operator deletes it,
+    /// Seconds after the task finished (`Succeeded`, `DeadLettered`,
+    /// `Rejected` or `Cancelled`; `status.completionTime`) that the operator deletes it,
     /// and with it its leases, which it owns. Unset: kept. What workers
     /// committed to storage is the user's and stays. At most one year.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -136,6 +144,14 @@ pub struct BatchTaskSpec {
     #[schemars(range(min = 0))]
     #[x_kube(validation = Rule::new("self >= oldSelf").message("redrive may only increase"))]
     pub redrive: i64,
+
+    /// Set to stop the task for good: an offered lease is withdrawn, a
+    /// held one released (its holder's next renewal fails and its kill
+    /// switch fires), and the task ends `Cancelled` once no attempt can
+    /// still be running. May only go from false to true. A task that had
+    /// already succeeded stays `Succeeded`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cancel: bool,
 }
 
 /// Exponential backoff between attempts.
@@ -218,6 +234,8 @@ pub enum TaskPhase {
     DeadLettered,
     /// The task can never run as specified (e.g. a dependency cycle).
     Rejected,
+    /// `spec.cancel` was set; no attempt runs and none will. Final.
+    Cancelled,
 }
 
 impl TaskPhase {
@@ -230,13 +248,30 @@ impl TaskPhase {
             Self::Succeeded => "Succeeded",
             Self::DeadLettered => "DeadLettered",
             Self::Rejected => "Rejected",
+            Self::Cancelled => "Cancelled",
         }
     }
 
-    /// A task in a terminal phase gets no more leases until redriven.
+    /// A task in a terminal phase gets no more leases (until redriven,
+    /// for `DeadLettered` and `Rejected`; `Succeeded` and `Cancelled`
+    /// are final).
     pub fn is_terminal(self) -> bool {
-        matches!(self, Self::Succeeded | Self::DeadLettered | Self::Rejected)
+        matches!(
+            self,
+            Self::Succeeded | Self::DeadLettered | Self::Rejected | Self::Cancelled
+        )
     }
+
+    /// Every phase, in lifecycle order (for metrics and summaries).
+    pub const ALL: [Self; 7] = [
+        Self::Pending,
+        Self::Ready,
+        Self::Running,
+        Self::Succeeded,
+        Self::DeadLettered,
+        Self::Rejected,
+        Self::Cancelled,
+    ];
 }
 
 /// What the operator knows about a task. Users never write it.
@@ -282,7 +317,8 @@ pub struct BatchTaskStatus {
     /// Why the last attempt failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<Failure>,
-    /// When the task became `Succeeded`, `DeadLettered` or `Rejected`
+    /// When the task became `Succeeded`, `DeadLettered`, `Rejected` or
+    /// `Cancelled`
     /// (cleared by a redrive): `spec.ttlSecondsAfterFinished` counts from
     /// here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -392,6 +428,7 @@ impl BatchTaskSpec {
             mode: TaskMode::default(),
             max_speculative_aborts: defaults::max_speculative_aborts(),
             redrive: 0,
+            cancel: false,
         }
     }
 }

@@ -27,4 +27,15 @@ pub mod condition {
     /// the queue's recent abort rate is healthy (False above 30 %: a
     /// livelock, design §6); the message gives the rate.
     pub const SPECULATION_HEALTHY: &str = "SpeculationHealthy";
+    /// True once the task is `Cancelled` (`spec.cancel`).
+    pub const CANCELLED: &str = "Cancelled";
+}
+
+/// Reasons of the leases the operator releases (phase `Released`).
+pub mod release_reason {
+    /// The task's `spec.cancel` was set.
+    pub const CANCELLED: &str = "Cancelled";
+    /// The queue's TaskQueue is paused: an offer nobody claimed yet is
+    /// withdrawn.
+    pub const QUEUE_PAUSED: &str = "QueuePaused";
 }

@@ -1,4 +1,5 @@
-//! The `batchlease.dev/v1alpha1` API: `BatchTask` and `TaskLease`.
+//! The `batchlease.dev/v1alpha1` API: `BatchTask`, `TaskLease` and
+//! `TaskQueue`.
 //!
 //! Both the operator and the worker SDK depend on this crate and on nothing
 //! of each other. It picks no `k8s-openapi` version feature: binaries do.
@@ -12,6 +13,7 @@ pub mod keys;
 pub mod names;
 mod schema;
 mod task_lease;
+mod task_queue;
 mod watch_backoff;
 
 pub use batch_task::{
@@ -25,6 +27,9 @@ pub use json::{
     MAX_REASON_CHARS, MAX_RESULT_BYTES,
 };
 pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+pub use task_queue::{
+    TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,
+};
 pub use watch_backoff::WatchBackoff;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -40,5 +45,5 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     for version in &mut lease.spec.versions {
         version.subresources = None;
     }
-    vec![BatchTask::crd(), lease]
+    vec![BatchTask::crd(), lease, TaskQueue::crd()]
 }
