@@ -445,12 +445,7 @@ pub fn check_final(tasks: &[Recorded]) -> Vec<String> {
         }
     }
     last.into_iter()
-        .filter(|(_, p)| {
-            !matches!(
-                p,
-                Some(TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected)
-            )
-        })
+        .filter(|(_, p)| !p.is_some_and(TaskPhase::is_terminal))
         .map(|(name, p)| format!("task {name} is stuck in {p:?}"))
         .collect()
 }

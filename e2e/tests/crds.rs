@@ -16,6 +16,7 @@ async fn crd_files_install_and_reach_established() {
         "--timeout=60s",
         "crd/batchtasks.batchlease.dev",
         "crd/taskleases.batchlease.dev",
+        "crd/taskqueues.batchlease.dev",
     ])
     .unwrap();
     assert!(
@@ -66,10 +67,21 @@ async fn crd_files_install_and_reach_established() {
         ],
         "{resources}"
     );
+    assert_eq!(
+        row("taskqueues"),
+        [
+            "taskqueues",
+            "tq",
+            "batchlease.dev/v1alpha1",
+            "true",
+            "TaskQueue"
+        ],
+        "{resources}"
+    );
 }
 
 #[tokio::test]
-async fn only_batchtask_has_a_status_subresource() {
+async fn batchtask_and_taskqueue_have_a_status_subresource_tasklease_not() {
     let _cluster = Cluster::with_crds().await.unwrap();
     let sub = |crd: &str| {
         kubectl::ok(&[
@@ -84,4 +96,6 @@ async fn only_batchtask_has_a_status_subresource() {
     assert_eq!(sub("batchtasks.batchlease.dev"), r#"{"status":{}}"#);
     // TaskLease: spec and status are written together, like coordination/v1 Lease.
     assert_eq!(sub("taskleases.batchlease.dev"), "");
+    // TaskQueue: users write spec, the operator status.
+    assert_eq!(sub("taskqueues.batchlease.dev"), r#"{"status":{}}"#);
 }

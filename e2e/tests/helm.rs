@@ -29,6 +29,7 @@ fn chart_lints_and_ships_the_generated_crds() {
     for file in [
         "batchtasks.batchlease.dev.yaml",
         "taskleases.batchlease.dev.yaml",
+        "taskqueues.batchlease.dev.yaml",
     ] {
         let crd = std::fs::read_to_string(format!("{}/../crds/{file}", env!("CARGO_MANIFEST_DIR")))
             .unwrap();

@@ -89,14 +89,7 @@ pub fn summarize(tasks: &[BatchTask], leases: &[TaskLease], now: Timestamp) -> V
 }
 
 /// The phases shown as columns, in lifecycle order.
-const COLUMNS: [TaskPhase; 6] = [
-    TaskPhase::Pending,
-    TaskPhase::Ready,
-    TaskPhase::Running,
-    TaskPhase::Succeeded,
-    TaskPhase::DeadLettered,
-    TaskPhase::Rejected,
-];
+const COLUMNS: [TaskPhase; 7] = TaskPhase::ALL;
 
 /// A table like `kubectl get` prints.
 pub fn table(queues: &[QueueStatus], all_namespaces: bool) -> String {

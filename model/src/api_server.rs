@@ -146,6 +146,16 @@ impl ApiServer {
             .unwrap_or(0)
     }
 
+    /// A user sets `spec.cancel` on task `i` (an update of the spec: a new
+    /// resourceVersion and generation, status kept).
+    pub fn cancel_task(&mut self, i: usize) {
+        let mut t = self.task(i);
+        t.spec.cancel = true;
+        t.metadata.generation = Some(t.metadata.generation.unwrap_or(1) + 1);
+        t.metadata.resource_version = Some(self.next_rv(&format!("task/{}", t.name_any())));
+        self.tasks[i] = encode(&t);
+    }
+
     /// `PUT …/status` carrying the writer's resourceVersion.
     pub fn replace_status(&mut self, new: &BatchTask) -> Result<(), Refused> {
         let i = self.task_index(&new.name_any()).ok_or(Refused::NotFound)?;

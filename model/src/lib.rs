@@ -33,6 +33,7 @@
 //! someone else. See `docs/model.md`.
 
 pub mod api_server;
+pub mod cancel;
 pub mod locks;
 pub mod operator;
 mod properties;
@@ -132,6 +133,10 @@ pub struct Config {
     /// one abort), the others `Speculative` (with
     /// [`Config::start_pending`]).
     pub start_quarantined: bool,
+    /// A user may set `spec.cancel` on the first task, once, at any step
+    /// (design §9; see [`cancel`]).
+    pub cancel: bool,
+    pub cancel_rule: cancel::CancelRule,
 }
 
 impl Config {
@@ -158,6 +163,8 @@ impl Config {
             speculative: false,
             cas: CasRule::InFence,
             start_quarantined: false,
+            cancel: false,
+            cancel_rule: cancel::CancelRule::WaitTtl,
         }
     }
 }
@@ -253,6 +260,8 @@ pub struct State {
     pub locks: LockGhosts,
     /// Ghosts of speculative mode.
     pub spec: SpecGhosts,
+    /// Ghosts of cancellation.
+    pub cancel: cancel::CancelGhosts,
 }
 
 /// A step.
@@ -288,6 +297,8 @@ pub enum Action {
     ReadKey(usize),
     CommitLands(usize),
     Complete(usize),
+    /// A user sets `spec.cancel` on task `i`.
+    Cancel(usize),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -387,6 +398,7 @@ impl Model for Cluster {
             tombstones: 0,
             locks: LockGhosts::default(),
             spec: SpecGhosts::default(),
+            cancel: cancel::CancelGhosts::default(),
         });
         states.map(|s| self.started(s)).collect()
     }
@@ -471,6 +483,9 @@ impl Cluster {
         }
         for i in 0..s.late.len() {
             actions.push(Action::LateWrite(i));
+        }
+        if self.cfg.cancel && !s.api.task(0).spec.cancel {
+            actions.push(Action::Cancel(0));
         }
         if s.deletions < self.cfg.lease_deletions {
             for (name, l) in &s.api.leases {
@@ -560,6 +575,10 @@ impl Cluster {
                 if self.send(&mut s, w).applied {
                     s.late_landed = true;
                 }
+            }
+            Action::Cancel(i) => {
+                s.api.cancel_task(*i);
+                cancel::requested(&mut s, *i);
             }
             Action::DeleteLease(name) => {
                 s.deletions += 1;

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use batchlease_api::{BatchTask, LeasePhase, TaskLease, check_current};
-use batchlease_operator::decide::{Decision, Input, Lookup, decide};
+use batchlease_operator::decide::{Decision, Input, Lookup, QueueGate, decide};
 use batchlease_operator::deps::Readiness;
 use batchlease_operator::lease_build::offered_lease;
 use batchlease_operator::locks::{self as operator_locks, Slot};
@@ -122,10 +122,29 @@ impl Cluster {
                 .filter(|l| l.spec.task_uid == uid)
                 .collect();
         let current = task.status.as_ref().and_then(|st| st.current_lease.clone());
-        let observation = current
+        let mut observation = current
             .as_deref()
             .and_then(|c| s.op.seen.get(c))
             .map(|seen| seen.observation);
+        if self.cfg.cancel_rule == crate::cancel::CancelRule::EndAtRelease {
+            // The mutation: a released holder is taken as long silent.
+            let released = current
+                .as_deref()
+                .and_then(|c| leases.iter().find(|l| l.name_any() == c))
+                .is_some_and(|l| {
+                    phase(l) == Some(LeasePhase::Released) && l.spec.holder_identity.is_some()
+                });
+            if released {
+                let long_ago = self
+                    .instant(0)
+                    .checked_sub(std::time::Duration::from_secs(3600))
+                    .unwrap_or(self.instant(0));
+                observation = Some(batchlease_operator::observe::Observation {
+                    last_renewal: long_ago,
+                    claimed_at: long_ago,
+                });
+            }
+        }
         let mut lookup = Lookup::CacheOnly;
         if let Some(cur) = current.as_deref() {
             if leases.iter().any(|l| l.name_any() == cur) {
@@ -162,6 +181,7 @@ impl Cluster {
                 // 532,157 states with 1 s).
                 running_after: std::time::Duration::ZERO,
                 needed_by: None,
+                queue: QueueGate::Open,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -208,7 +228,9 @@ impl Cluster {
             // A second read, or locks a pass already read, is the end of
             // the pass (reconcile.rs requeues).
             // The model's tasks set no ttlSecondsAfterFinished.
+            // The model's queue has no TaskQueue: nothing is held back.
             Decision::Wait(_)
+            | Decision::HeldBack(_)
             | Decision::LookUpLease(_)
             | Decision::FetchLocks(_)
             | Decision::DeleteTask { .. } => None,
@@ -254,7 +276,9 @@ impl Cluster {
                     }
                 }))
             }
-            Decision::Expire { lease, .. } => Some(Write::Lease(encode(&*lease))),
+            Decision::Expire { lease, .. } | Decision::Release { lease, .. } => {
+                Some(Write::Lease(encode(&*lease)))
+            }
             // One delete per pass is enough for the model (it keeps few leases).
             Decision::Prune { victims, .. } => victims
                 .into_iter()
@@ -281,6 +305,7 @@ impl Cluster {
             locks: Some(pass.slots()),
             running_after: std::time::Duration::ZERO,
             needed_by: None,
+            queue: QueueGate::Open,
         });
         self.request(s, &task, decision, || pass)
     }
@@ -364,6 +389,7 @@ impl Cluster {
                 if s.api.replace_status(&t).is_ok() {
                     if let Some(new) = &t.status {
                         crate::speculate::status_written(s, old.as_ref(), new);
+                        crate::cancel::status_written(s, old.as_ref(), new);
                     }
                     sent.applied = true;
                     sent.next = then_create.map(Write::Create);
@@ -387,6 +413,7 @@ impl Cluster {
                     Ok(_) => {
                         if let Some(ti) = s.api.task_index(&l.spec.task_name) {
                             s.created[ti].push(l.spec.fencing_token);
+                            crate::cancel::lease_created(s, ti);
                         }
                         locks::lease_created(s, &l);
                     }

@@ -18,6 +18,7 @@ impl Cluster {
         let mut p = self.lease_properties();
         p.extend(Self::lock_properties());
         p.extend(Self::speculative_properties());
+        p.extend(crate::cancel::properties());
         p
     }
 

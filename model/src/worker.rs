@@ -106,6 +106,7 @@ fn stored(s: &mut State, w: usize, a: &Attempt, answer: Result<(), Refusal>) -> 
             if s.expired[a.task].contains(&a.token) {
                 s.write_after_expiry = true;
             }
+            crate::cancel::storage_write(s, a.task);
             crate::locks::wrote(s, a.task, &a.resource_tokens);
             true
         }
@@ -129,7 +130,12 @@ impl Cluster {
     pub(crate) fn claim(&self, s: &mut State, w: usize, name: &str) -> Option<TaskLease> {
         let lease = s.api.lease(name)?;
         let task = s.api.task_index(&lease.spec.task_name)?;
-        check_current(&s.api.task(task), &lease).ok()?;
+        let t = s.api.task(task);
+        check_current(&t, &lease).ok()?;
+        // The SDK does not claim a task it read with spec.cancel set.
+        if t.spec.cancel {
+            return None;
+        }
         let mut l = lease;
         l.spec.holder_identity = Some(worker_name(w));
         l.spec.acquire_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(name))));

@@ -8,12 +8,13 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use batchlease_model::cancel::CancelRule;
 use batchlease_model::locks::LockRule;
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, KillRule, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
 
-const SAFETY: [&str; 14] = [
+const SAFETY: [&str; 18] = [
     "at most one attempt's effect is committed",
     "a token is used by at most one lease",
     "tokens of created leases strictly increase",
@@ -28,6 +29,10 @@ const SAFETY: [&str; 14] = [
     "each write of the key sets the next version",
     "a speculative abort spends no retry",
     "a round's side effect stays only if it committed",
+    "no lease is created for a Cancelled task",
+    "Cancelled is final",
+    "no lease of a Cancelled task is live",
+    "no storage write is accepted after the task is Cancelled",
 ];
 
 /// How long one bound may take; stateright's `is_done()` is true after a
@@ -219,6 +224,59 @@ fn commit_without_registration_is_caught() {
     let mut cfg = config(4, 0, 0);
     cfg.storage = StorageRule::CommitOnly;
     let p = "at most one attempt's effect is committed";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// A user cancels the task at any step: before its first issue, while
+/// offered (racing a claim), while held (racing renewals, the commit and
+/// the completion), while being expired or retried.
+#[test]
+fn safe_when_a_task_is_cancelled() {
+    let mut cfg = config(3, 0, 0);
+    cfg.cancel = true;
+    assert_safe(
+        cfg,
+        &[
+            "a task is cancelled",
+            "a task cancelled while held ends Cancelled",
+        ],
+    );
+}
+
+/// Cancel and an operator crash: the release, the task's end and an
+/// issue's create may land late.
+#[test]
+fn safe_when_a_task_is_cancelled_and_the_operator_crashes() {
+    let mut cfg = config(2, 1, 0);
+    cfg.cancel = true;
+    assert_safe(cfg, &["a task is cancelled"]);
+}
+
+/// Liveness with cancel: the task still finishes (Succeeded or Cancelled).
+#[test]
+fn a_cancelled_task_finishes_under_fairness() {
+    let mut cfg = config(6, 0, 0);
+    cfg.workers = 1;
+    cfg.fair = true;
+    cfg.cancel = true;
+    let (checker, finished) = run(cfg, None);
+    assert!(finished);
+    checker.assert_no_discovery("the task finishes");
+    for p in SAFETY {
+        checker.assert_no_discovery(p);
+    }
+}
+
+/// Ending the task as soon as its held lease is released (a mutation of
+/// `decide`'s wait): the holder, which learns at its next renewal or its
+/// kill switch, commits after the task is Cancelled.
+#[test]
+fn ending_a_cancelled_task_at_the_release_is_caught() {
+    let mut cfg = config(4, 0, 0);
+    cfg.cancel = true;
+    cfg.cancel_rule = CancelRule::EndAtRelease;
+    let p = "no storage write is accepted after the task is Cancelled";
     let path = run(cfg, Some(p)).0.assert_any_discovery(p);
     eprintln!("counterexample: {:?}", path.into_actions());
 }

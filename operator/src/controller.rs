@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use batchlease_api::{BatchTask, TaskLease, WatchBackoff};
+use batchlease_api::{BatchTask, TaskLease, TaskQueue, WatchBackoff};
 use futures::{StreamExt, TryStreamExt};
 use kube::ResourceExt;
 use kube::api::Api;
@@ -19,6 +19,7 @@ use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::observe::Tracker;
+use crate::queues::QueueBook;
 use crate::reconcile::{Ctx, error_policy, reconcile};
 
 /// Counts the watches that have not finished their initial list yet; the
@@ -66,6 +67,7 @@ fn jitter() -> f64 {
 /// Handles of one running controller.
 pub struct Running {
     pub tasks: Store<BatchTask>,
+    pub leases: Store<TaskLease>,
     pub done: tokio::task::JoinHandle<()>,
 }
 
@@ -97,16 +99,19 @@ impl std::fmt::Debug for Shared {
 
 /// Starts the controller for `namespace` (`None`: all namespaces).
 pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) -> Running {
-    let (tasks_api, leases_api): (Api<BatchTask>, Api<TaskLease>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(shared.client.clone(), ns),
-            Api::namespaced(shared.client.clone(), ns),
-        ),
-        None => (
-            Api::all(shared.client.clone()),
-            Api::all(shared.client.clone()),
-        ),
-    };
+    let (tasks_api, leases_api, queues_api): (Api<BatchTask>, Api<TaskLease>, Api<TaskQueue>) =
+        match namespace {
+            Some(ns) => (
+                Api::namespaced(shared.client.clone(), ns),
+                Api::namespaced(shared.client.clone(), ns),
+                Api::namespaced(shared.client.clone(), ns),
+            ),
+            None => (
+                Api::all(shared.client.clone()),
+                Api::all(shared.client.clone()),
+                Api::all(shared.client.clone()),
+            ),
+        };
     let (lease_store, lease_writer) = reflector::store();
     let (task_store, task_writer) = reflector::store();
     // One tracker per watch: a relist prunes exactly what this watch covers.
@@ -128,7 +133,12 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     // Dependents and resource users of a changed task are woken through
     // this channel (see graph_index).
     let (wake_tx, wake_rx) = futures::channel::mpsc::unbounded();
+    // Tasks held back by their queue are woken through it too.
+    let queues = Arc::new(QueueBook::new(wake_tx.clone()));
     let index = Arc::new(GraphIndex::new(wake_tx));
+    let lease_queues = queues.clone();
+    let watch_queues = queues.clone();
+    let task_queues = queues.clone();
     let watch_index = index.clone();
     let lease_index = index.clone();
     // Observations are stamped as the watch delivers each event, before the
@@ -144,9 +154,13 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             }
             let now = Instant::now();
             match event {
-                watcher::Event::Apply(l) | watcher::Event::InitApply(l) => tracker.observe(l, now),
+                watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
+                    tracker.observe(l, now);
+                    lease_queues.lease_seen(l, now);
+                }
                 watcher::Event::Delete(l) => {
                     tracker.forget(l);
+                    lease_queues.lease_gone(l, now);
                     // A deleted task's lock is held until its lease is gone
                     // (see locks::holder): then its waiters may go.
                     if !l.spec.resource_tokens.is_empty() {
@@ -155,11 +169,42 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                         lease_index.wake_users(&l.namespace().unwrap_or_default(), &resources);
                     }
                 }
-                watcher::Event::Init => tracker.list_started(),
-                watcher::Event::InitDone => tracker.list_done(),
+                watcher::Event::Init => {
+                    tracker.list_started();
+                    lease_queues.list_started();
+                }
+                watcher::Event::InitDone => {
+                    tracker.list_done();
+                    lease_queues.list_done(now);
+                }
             }
         })
         .reflect(lease_writer)
+        .touched_objects();
+    // TaskQueues: their specs go to the queue book (which wakes the tasks
+    // a change concerns); no task is reconciled for a TaskQueue event
+    // itself. Tasks are not decided before the first list is in, so a
+    // paused queue is never issued to by a fresh leader.
+    let (queue_store, queue_writer) = reflector::store();
+    let queue_synced = shared.synced.register();
+    let queues_listed = Arc::new(AtomicBool::new(false));
+    let q_listed = queues_listed.clone();
+    let queue_stream = watcher(queues_api, watcher::Config::default())
+        .backoff(WatchBackoff::new(jitter))
+        .modify(forget_managed_fields)
+        .inspect_ok(move |event| {
+            queue_synced(matches!(event, watcher::Event::InitDone));
+            let now = Instant::now();
+            match event {
+                watcher::Event::Apply(q) | watcher::Event::InitApply(q) => {
+                    watch_queues.queue_seen(q, now);
+                }
+                watcher::Event::Delete(q) => watch_queues.queue_gone(q),
+                watcher::Event::Init => {}
+                watcher::Event::InitDone => q_listed.store(true, Ordering::Release),
+            }
+        })
+        .reflect(queue_writer)
         .touched_objects();
     let ctx = Arc::new(Ctx {
         client: shared.client.clone(),
@@ -177,7 +222,18 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         events: shared.events,
         running_after: shared.running_after,
         overwritten: Default::default(),
+        queues: queues.clone(),
+        queues_listed,
     });
+    let status_sources = crate::queue_status::Sources {
+        client: shared.client.clone(),
+        queues: queue_store,
+        tasks: task_store.clone(),
+        leases: ctx.leases.clone(),
+        book: queues.clone(),
+        leadership: shared.leadership.clone(),
+    };
+    let lease_store = ctx.leases.clone();
     // The index is fed after the store: a woken task reads the change that
     // woke it.
     let task_stream = watcher(tasks_api, watcher::Config::default())
@@ -188,7 +244,14 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             task_synced(matches!(event, watcher::Event::InitDone));
             match event {
                 watcher::Event::Apply(t) | watcher::Event::InitApply(t) => watch_index.apply(t),
-                watcher::Event::Delete(t) => watch_index.delete(t),
+                watcher::Event::Delete(t) => {
+                    watch_index.delete(t);
+                    task_queues.release_waiter(
+                        &t.namespace().unwrap_or_default(),
+                        &t.spec.queue,
+                        &t.name_any(),
+                    );
+                }
                 watcher::Event::Init => watch_index.list_started(),
                 watcher::Event::InitDone => {
                     watch_index.list_done();
@@ -207,9 +270,14 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                     .within(&l.namespace().unwrap_or_default()),
             )
         })
+        .watches_stream(queue_stream, |_: TaskQueue| std::iter::empty())
         .reconcile_all_on(relisted)
         .reconcile_on(wake_rx)
-        .graceful_shutdown_on(async move { stop.cancelled().await });
+        .graceful_shutdown_on({
+            let stop = stop.clone();
+            async move { stop.cancelled().await }
+        });
+    let status_loop = tokio::spawn(crate::queue_status::run(status_sources, stop));
     let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();
     let done = tokio::spawn(async move {
@@ -225,9 +293,14 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                 }
             })
             .await;
+        status_loop.abort();
         info!(namespace = %scope, "controller stopped");
     });
-    Running { tasks, done }
+    Running {
+        tasks,
+        leases: lease_store,
+        done,
+    }
 }
 
 /// Drops `metadata.managedFields` from a watched object before it is

@@ -27,7 +27,8 @@ use crate::locks::{self, Slot, Step};
 use crate::observe::Observation;
 use crate::settle::{Transition, settle};
 use crate::status::{self, set_condition};
-use batchlease_api::keys::condition;
+use batchlease_api::LeaseOutcome;
+use batchlease_api::keys::{condition, release_reason};
 
 /// Leases kept per task besides the current one; older ones are pruned.
 pub const KEEP_LEASES: usize = 3;
@@ -66,7 +67,45 @@ pub struct Input<'a> {
     /// dependent, or a child it spawned), which keeps it past its
     /// `ttlSecondsAfterFinished` ([`crate::graph_index`]).
     pub needed_by: Option<String>,
+    /// What the task's queue allows now ([`crate::queues`]): checked
+    /// before a lease is issued, and a paused queue's offers nobody
+    /// claimed yet are withdrawn.
+    pub queue: QueueGate,
 }
+
+/// What a queue's `TaskQueue` allows at this moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueGate {
+    /// Issue (no TaskQueue, or one with room and a rate token).
+    #[default]
+    Open,
+    /// `spec.paused`: no issue; unclaimed offers are withdrawn. The task is
+    /// woken when the queue changes.
+    Paused,
+    /// `spec.maxConcurrent` leases are Offered or Held: the task is woken
+    /// when one ends.
+    Full,
+    /// `spec.maxIssuesPerSecond` spent: look again after this long.
+    Throttled(Duration),
+}
+
+impl QueueGate {
+    /// How long a held-back task waits before it looks again unwoken.
+    pub fn wait(self) -> Option<Duration> {
+        match self {
+            Self::Open => Some(Duration::ZERO),
+            // Woken when the queue is resumed (a TaskQueue change).
+            Self::Paused => None,
+            Self::Full => Some(QUEUE_RECHECK),
+            Self::Throttled(after) => Some(after),
+        }
+    }
+}
+
+/// How long a task held back by a full queue waits at most for a wake-up
+/// (the queue wakes its waiters as leases end; this covers a wake-up that
+/// went to a task that no longer needed it).
+pub const QUEUE_RECHECK: Duration = Duration::from_secs(30);
 
 /// How often a finished task kept past its TTL looks again whether it is
 /// still needed.
@@ -181,8 +220,38 @@ pub enum Decision {
         uid: String,
         resource_version: Option<String>,
     },
+    /// End an Offered or Held lease by releasing it (conditional on the
+    /// lease's resourceVersion: a claim or a renewal that lands first wins,
+    /// and the next pass decides on the lease as it then is).
+    Release {
+        lease: Box<TaskLease>,
+        why: ReleaseWhy,
+    },
+    /// The queue holds the issue back (its TaskQueue is paused, full or
+    /// out of rate tokens): wait to be woken, or as [`QueueGate::wait`]
+    /// says.
+    HeldBack(QueueGate),
     /// Nothing to write. Look again after this long, or on the next change.
     Wait(Option<Duration>),
+}
+
+/// Why the operator releases a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseWhy {
+    /// `spec.cancel` (an Offered or a Held lease).
+    Cancelled,
+    /// The queue is paused (an Offered lease only: held ones run on).
+    QueuePaused,
+}
+
+impl ReleaseWhy {
+    /// The reason written to the lease.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cancelled => release_reason::CANCELLED,
+            Self::QueuePaused => release_reason::QUEUE_PAUSED,
+        }
+    }
 }
 
 /// Why locks are given back.
@@ -247,9 +316,10 @@ pub fn decide(input: &Input<'_>) -> Decision {
             }
             (None, Lookup::Occupied) => replace_lost(input, current, phase),
         },
-        TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected => {
-            finished(task, current, input.wall, input.needed_by.as_deref())
-        }
+        TaskPhase::Succeeded
+        | TaskPhase::DeadLettered
+        | TaskPhase::Rejected
+        | TaskPhase::Cancelled => finished(task, current, input.wall, input.needed_by.as_deref()),
     };
     match decision {
         Decision::Wait(after) => {
@@ -264,6 +334,7 @@ pub fn decide(input: &Input<'_>) -> Decision {
                 _ => Decision::Wait(after),
             }
         }
+        Decision::HeldBack(gate) => stray(task, input.leases).unwrap_or(Decision::HeldBack(gate)),
         other => other,
     }
 }
@@ -447,6 +518,9 @@ fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Deci
 }
 
 fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
+    if input.task.spec.cancel {
+        return cancel_unleased(input, current.clone(), false);
+    }
     if let Some(after) = &current.next_attempt_after {
         let wait = after.0.duration_since(input.wall);
         if wait.is_positive() {
@@ -551,6 +625,41 @@ fn has_condition(status: &BatchTaskStatus, type_: &str) -> bool {
     status.conditions.iter().any(|c| c.type_ == type_)
 }
 
+/// Cancels a task without a live lease: it gives back the locks it may
+/// hold (it will never run), then ends `Cancelled`. `holds_locks`: the
+/// locks were taken for the current token (a lost lease's), so they go
+/// back as an ended attempt's would.
+fn cancel_unleased(input: &Input<'_>, status: BatchTaskStatus, holds_locks: bool) -> Decision {
+    let task = input.task;
+    let needed = locks::needed(task);
+    if !needed.is_empty() {
+        let Some(slots) = &input.locks else {
+            return Decision::FetchLocks(needed);
+        };
+        let held = if holds_locks {
+            locks::release_all(slots, status.fencing_token)
+        } else {
+            locks::release_any(slots)
+        };
+        let held = if held.is_empty() {
+            locks::release_any(slots)
+        } else {
+            held
+        };
+        if !held.is_empty() {
+            return Decision::ReleaseLocks {
+                leases: held,
+                why: LockRelease::NotRunnable,
+            };
+        }
+    }
+    let (status, transition) = crate::settle::cancelled(task, &status, None, input.wall);
+    Decision::WriteStatus {
+        status: Box::new(status),
+        transition,
+    }
+}
+
 /// The task is on a dependency cycle: it can never run.
 fn reject(
     input: &Input<'_>,
@@ -593,6 +702,9 @@ fn with_locks(
     cause: IssueCause,
     fair: bool,
 ) -> Decision {
+    if input.queue != QueueGate::Open {
+        return Decision::HeldBack(input.queue);
+    }
     let task = input.task;
     let needed = locks::needed(task);
     if needed.is_empty() {
@@ -649,6 +761,9 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
                 reason: Some("LeaseMissing".into()),
             },
         );
+    }
+    if input.task.spec.cancel {
+        return cancel_unleased(input, status, true);
     }
     with_locks(input, status, IssueCause::Replaced, false)
 }
@@ -707,10 +822,34 @@ fn leased(
     if retired {
         return replace_lost(input, current, phase);
     }
+    let cancel = input.task.spec.cancel;
     match lease_phase {
+        LeasePhase::Offered if cancel => release(lease, ReleaseWhy::Cancelled),
+        LeasePhase::Offered if input.queue == QueueGate::Paused => {
+            release(lease, ReleaseWhy::QueuePaused)
+        }
         LeasePhase::Offered => Decision::Wait(None),
+        LeasePhase::Held if cancel => release(lease, ReleaseWhy::Cancelled),
         LeasePhase::Held => held(input, current, phase, lease),
         LeasePhase::Completed | LeasePhase::Expired | LeasePhase::Released => {
+            // A held lease the operator released (spec.cancel): its holder
+            // learns at its next renewal, or stops by its kill switch at
+            // the latest. Until a whole TTL has passed since its last
+            // renewal was observed — the expiry rule — it may still be
+            // running: its locks stay taken and the task does not end.
+            if lease_phase == LeasePhase::Released && lease.spec.holder_identity.is_some() {
+                let Some(obs) = input.observation else {
+                    return Decision::Wait(Some(Duration::from_secs(1)));
+                };
+                let ttl = Duration::from_secs(
+                    u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1),
+                );
+                let left =
+                    ttl.saturating_sub(input.now.saturating_duration_since(obs.last_renewal));
+                if !left.is_zero() {
+                    return Decision::Wait(Some(left));
+                }
+            }
             // The attempt's locks go back before the task settles, so the
             // phase change that wakes their waiters finds them free.
             if !lease.spec.resource_tokens.is_empty() {
@@ -729,7 +868,20 @@ fn leased(
                     };
                 }
             }
-            let (status, transition) = settle(input.task, current, lease, input.wall, input.jitter);
+            let reason = lease.status.as_ref().and_then(|s| s.reason.as_deref());
+            let succeeded = lease_phase == LeasePhase::Completed
+                && lease.status.as_ref().and_then(|s| s.outcome) == Some(LeaseOutcome::Succeeded);
+            let (status, transition) = if cancel && !succeeded {
+                // Cancel wins over a retry; a success that landed first
+                // stands (its result is committed).
+                crate::settle::cancelled(input.task, current, Some(lease), input.wall)
+            } else if lease_phase == LeasePhase::Released
+                && reason == Some(release_reason::QUEUE_PAUSED)
+            {
+                crate::settle::withdrawn(input.task, current, input.wall)
+            } else {
+                settle(input.task, current, lease, input.wall, input.jitter)
+            };
             Decision::WriteStatus {
                 status: Box::new(status),
                 transition,
@@ -822,6 +974,22 @@ fn held(
     }
 }
 
+/// `lease` released for `why` (see [`Decision::Release`]).
+fn release(lease: &TaskLease, why: ReleaseWhy) -> Decision {
+    let mut ended = lease.clone();
+    let st = ended.status.get_or_insert_with(Default::default);
+    st.phase = Some(LeasePhase::Released);
+    st.reason = Some(why.as_str().into());
+    st.message = Some(match why {
+        ReleaseWhy::Cancelled => "the task was cancelled (spec.cancel)".into(),
+        ReleaseWhy::QueuePaused => format!("queue {} is paused", lease.spec.queue),
+    });
+    Decision::Release {
+        lease: Box::new(ended),
+        why,
+    }
+}
+
 /// Final leases other than the current one, beyond the newest
 /// [`KEEP_LEASES`], oldest first.
 fn prunable(leases: &[Arc<TaskLease>], current: Option<&str>) -> Vec<(String, Option<String>)> {
@@ -853,3 +1021,7 @@ mod tests;
 #[cfg(test)]
 #[path = "decide_graph_tests.rs"]
 mod graph_tests;
+
+#[cfg(test)]
+#[path = "decide_cancel_tests.rs"]
+mod cancel_tests;

@@ -85,6 +85,7 @@ pub(super) struct Case {
     locks: Option<Vec<Slot>>,
     running_after: Duration,
     needed_by: Option<String>,
+    queue: QueueGate,
 }
 
 impl Case {
@@ -99,7 +100,12 @@ impl Case {
             locks: None,
             running_after: Duration::ZERO,
             needed_by: None,
+            queue: QueueGate::Open,
         }
+    }
+    pub(super) fn queue(mut self, gate: QueueGate) -> Self {
+        self.queue = gate;
+        self
     }
     pub(super) fn deps(mut self, deps: Readiness) -> Self {
         self.deps = deps;
@@ -148,6 +154,7 @@ impl Case {
             locks: self.locks.clone(),
             running_after: self.running_after,
             needed_by: self.needed_by.clone(),
+            queue: self.queue,
         })
     }
 }

@@ -123,7 +123,9 @@ pub fn assess(
         match lookup(name).as_deref().map(phase_of) {
             None => missing.push(name.clone()),
             Some(Some(TaskPhase::Succeeded)) => {}
-            Some(Some(TaskPhase::DeadLettered | TaskPhase::Rejected)) => failed.push(name.clone()),
+            Some(Some(TaskPhase::DeadLettered | TaskPhase::Rejected | TaskPhase::Cancelled)) => {
+                failed.push(name.clone())
+            }
             Some(_) => unfinished.push(name.clone()),
         }
     }

@@ -22,7 +22,7 @@ pub enum EventLevel {
 }
 
 /// Normal Events kept at `important`.
-const IMPORTANT_NORMAL: [&str; 2] = ["Reassigned", "Redriven"];
+const IMPORTANT_NORMAL: [&str; 3] = ["Reassigned", "Redriven", "Cancelled"];
 
 impl EventLevel {
     /// Whether an Event of `type_` with `reason` is published.

@@ -252,10 +252,7 @@ pub fn attempt_alive(task: &BatchTask, token: i64) -> bool {
     }
     // Ahead of the task: acquiring for its next attempt (or our cache of
     // the task lags). Alive, unless the task can never run again.
-    !matches!(
-        phase,
-        TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Rejected
-    )
+    !phase.is_terminal()
 }
 
 /// One lock as the acquiring task sees it.

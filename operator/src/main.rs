@@ -10,6 +10,8 @@ mod graph_index;
 mod http;
 mod leader;
 mod metrics;
+mod queue_status;
+mod queues;
 mod reconcile;
 mod supervise;
 
@@ -118,13 +120,15 @@ async fn main() -> anyhow::Result<()> {
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();
         let mut stores = Vec::new();
+        let mut lease_stores = Vec::new();
         for ns in &namespaces {
             let running = controller::start(&shared, ns.as_deref(), stop.clone());
             stores.push(running.tasks);
+            lease_stores.push(running.leases);
             let scope = ns.as_deref().unwrap_or("*");
             tasks.adopt(format!("controller for namespace {scope}"), running.done);
         }
-        metrics.watch_tasks(stores);
+        metrics.watch_tasks(stores, lease_stores);
         let ready = {
             let (health, synced) = (health.clone(), synced.clone());
             tokio::spawn(async move {
@@ -158,7 +162,7 @@ async fn main() -> anyhow::Result<()> {
         ready.abort();
         stop.cancel();
         metrics.is_leader.set(0);
-        metrics.watch_tasks(Vec::new());
+        metrics.watch_tasks(Vec::new(), Vec::new());
         let drain = tasks.drain();
         // The old term's writes are refused by their generation and bounded
         // by its end; still, let in-flight reconciles finish (bounded)

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use batchlease_api::BatchTask;
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::Store;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -54,6 +55,7 @@ pub struct Metrics {
     pub speculative_attempts: Family<QueueLabels, Counter>,
     pub speculative_aborts: Family<QueueLabels, Counter>,
     pub speculative_abort_rate: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    pub queue_issues_throttled: Family<ReasonLabels, Counter>,
     abort_window: Mutex<AbortWindow>,
     tasks: TaskPhases,
 }
@@ -78,6 +80,7 @@ impl Metrics {
             speculative_attempts: Family::default(),
             speculative_aborts: Family::default(),
             speculative_abort_rate: Family::default(),
+            queue_issues_throttled: Family::default(),
             abort_window: Mutex::new(AbortWindow::default()),
             tasks: TaskPhases::default(),
         };
@@ -162,6 +165,11 @@ impl Metrics {
             "Aborted share of the queue's last 100 speculative attempts (over 0.3: livelock)",
             m.speculative_abort_rate.clone(),
         );
+        r.register(
+            "queue_issues_throttled",
+            "Tasks a TaskQueue held back from being issued, by reason (paused, max_concurrent, rate); counted once per wait",
+            m.queue_issues_throttled.clone(),
+        );
         r.register_collector(Box::new(m.tasks.clone()));
         Arc::new(m)
     }
@@ -194,8 +202,9 @@ impl Metrics {
 
     /// Lets `batchlease_tasks{queue,phase}` count the tasks in these caches
     /// (the current term's; a standby counts none).
-    pub fn watch_tasks(&self, stores: Vec<Store<BatchTask>>) {
+    pub fn watch_tasks(&self, stores: Vec<Store<BatchTask>>, leases: Vec<Store<TaskLease>>) {
         *self.tasks.stores.lock().unwrap_or_else(|e| e.into_inner()) = stores;
+        *self.tasks.leases.lock().unwrap_or_else(|e| e.into_inner()) = leases;
     }
 }
 
@@ -204,18 +213,29 @@ impl Metrics {
 #[derive(Clone, Debug, Default)]
 struct TaskPhases {
     stores: Arc<Mutex<Vec<Store<BatchTask>>>>,
+    leases: Arc<Mutex<Vec<Store<TaskLease>>>>,
 }
 
 impl prometheus_client::collector::Collector for TaskPhases {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let mut counts: BTreeMap<(String, String), i64> = BTreeMap::new();
+        let mut oldest: BTreeMap<String, Timestamp> = BTreeMap::new();
         for store in self.stores.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             for task in store.state() {
-                let phase = task
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.phase)
-                    .map_or("New", |p| p.as_str());
+                let phase = task.status.as_ref().and_then(|s| s.phase);
+                if phase == Some(TaskPhase::Ready) {
+                    let since = task.status.as_ref().and_then(|s| {
+                        s.conditions
+                            .iter()
+                            .find(|c| c.type_ == batchlease_api::keys::condition::LEASED)
+                            .map(|c| c.last_transition_time.0)
+                    });
+                    if let Some(since) = since {
+                        let o = oldest.entry(task.spec.queue.clone()).or_insert(since);
+                        *o = (*o).min(since);
+                    }
+                }
+                let phase = phase.map_or("New", |p| p.as_str());
                 *counts
                     .entry((task.spec.queue.clone(), phase.to_owned()))
                     .or_default() += 1;
@@ -231,6 +251,35 @@ impl prometheus_client::collector::Collector for TaskPhases {
         for ((queue, phase), n) in counts {
             let labels = [("queue", queue), ("phase", phase)];
             ConstGauge::new(n).encode(family.encode_family(&labels)?)?;
+        }
+        let mut held: BTreeMap<String, i64> = BTreeMap::new();
+        for store in self.leases.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            for l in store.state() {
+                if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held) {
+                    *held.entry(l.spec.queue.clone()).or_default() += 1;
+                }
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "batchlease_queue_leases_held",
+            "TaskLeases Held, by queue",
+            None,
+            gauge.metric_type(),
+        )?;
+        for (queue, n) in held {
+            ConstGauge::new(n).encode(family.encode_family(&[("queue", queue)])?)?;
+        }
+        let now = Timestamp::now();
+        let age = ConstGauge::new(0f64);
+        let mut family = encoder.encode_descriptor(
+            "batchlease_queue_oldest_ready_seconds",
+            "Age of the longest-waiting Ready task's offer, by queue",
+            None,
+            age.metric_type(),
+        )?;
+        for (queue, since) in oldest {
+            let secs = now.duration_since(since).as_secs_f64().max(0.0);
+            ConstGauge::new(secs).encode(family.encode_family(&[("queue", queue)])?)?;
         }
         Ok(())
     }

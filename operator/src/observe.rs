@@ -35,10 +35,15 @@ pub struct Seen {
 }
 
 /// Pure: the new record for `lease` seen at `now`, given the previous one.
-/// `None` when the lease is not held (nothing to time).
+/// `None` when the lease is not held, nor a held lease released (nothing
+/// to time).
 pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option<Seen> {
     let phase = lease.status.as_ref().and_then(|s| s.phase);
-    if phase != Some(LeasePhase::Held) {
+    // A held lease the operator released (spec.cancel) stays timed: its
+    // holder may run until its kill switch, and the task ends only a TTL
+    // after its last renewal was observed (see `decide`).
+    let released_held = phase == Some(LeasePhase::Released) && lease.spec.holder_identity.is_some();
+    if phase != Some(LeasePhase::Held) && !released_held {
         return None;
     }
     let uid = lease.uid().unwrap_or_default();
@@ -264,10 +269,26 @@ mod tests {
             LeasePhase::Offered,
             LeasePhase::Completed,
             LeasePhase::Expired,
-            LeasePhase::Released,
         ] {
             assert!(next_seen(Some(&first), &lease("u1", Some("w1"), phase, 100), t1).is_none());
         }
+        // Released unclaimed (a withdrawn offer, a tombstone): nothing to time.
+        assert!(next_seen(None, &lease("u1", None, LeasePhase::Released, 100), t1).is_none());
+        // A held lease released by a cancel keeps its clock: the holder may
+        // run until its kill switch, timed from its last renewal.
+        let released = lease("u1", Some("w1"), LeasePhase::Released, 100);
+        assert_eq!(
+            next_seen(Some(&first), &released, t1).unwrap().observation,
+            first.observation
+        );
+        // First seen released (a new leader): a full TTL from now.
+        assert_eq!(
+            next_seen(None, &released, t1)
+                .unwrap()
+                .observation
+                .last_renewal,
+            t1
+        );
     }
 
     #[test]

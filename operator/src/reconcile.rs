@@ -16,7 +16,9 @@ use rand::Rng;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::decide::{Decision, ExpiryReason, Input, IssueCause, LockRelease, Lookup, decide};
+use crate::decide::{
+    Decision, ExpiryReason, Input, IssueCause, LockRelease, Lookup, QueueGate, ReleaseWhy, decide,
+};
 use crate::deps::{self, Readiness};
 use crate::expectations::Expectations;
 use crate::graph_index::GraphIndex;
@@ -86,6 +88,11 @@ pub struct Ctx {
     pub events: crate::events::EventLevel,
     /// `--running-status-delay-ms` ([`Input::running_after`]).
     pub running_after: std::time::Duration,
+    /// The queues' controls and counts ([`crate::queues`]).
+    pub queues: Arc<crate::queues::QueueBook>,
+    /// Set once the TaskQueue watch delivered its first list: until then a
+    /// paused queue would look like one without controls.
+    pub queues_listed: Arc<std::sync::atomic::AtomicBool>,
     /// Per task, the resourceVersion this process last wrote its status
     /// over: a cached copy still at that version has not seen our write.
     pub overwritten: std::sync::Mutex<std::collections::HashMap<(String, String), String>>,
@@ -140,7 +147,9 @@ pub async fn reconcile(task: Arc<BatchTask>, ctx: Arc<Ctx>) -> Result<Action, Er
 const RESYNC: Duration = Duration::from_secs(300);
 
 async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
-    if !ctx.leases_listed.load(std::sync::atomic::Ordering::Acquire) {
+    if !ctx.leases_listed.load(std::sync::atomic::Ordering::Acquire)
+        || !ctx.queues_listed.load(std::sync::atomic::Ordering::Acquire)
+    {
         return Ok(Action::requeue(Duration::from_millis(200)));
     }
     let ns = task.namespace().unwrap_or_default();
@@ -203,6 +212,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     let needed_by = finished_with_ttl
         .then(|| ctx.index.needed_by(&ns, &name))
         .flatten();
+    let queue_gate = ctx.queues.peek(&ns, &task.spec.queue, &name, now);
     let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
         decide(&Input {
             task,
@@ -216,6 +226,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             locks,
             running_after: ctx.running_after,
             needed_by: needed_by.clone(),
+            queue: queue_gate,
         })
     };
     let mut slots: Option<Vec<Slot>> = None;
@@ -277,7 +288,25 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     let queue = QueueLabels {
         queue: task.spec.queue.clone(),
     };
+    if !matches!(decision, Decision::HeldBack(_) | Decision::Issue { .. }) {
+        ctx.queues.release_waiter(&ns, &queue.queue, &name);
+    }
     match decision {
+        Decision::HeldBack(gate) => {
+            if ctx.queues.hold(&ns, &queue.queue, &name, gate) {
+                ctx.metrics
+                    .queue_issues_throttled
+                    .get_or_create(&ReasonLabels {
+                        queue: queue.queue.clone(),
+                        reason: throttle_reason(gate).into(),
+                    })
+                    .inc();
+            }
+            Ok(gate
+                .wait()
+                .map_or_else(Action::await_change, Action::requeue))
+        }
+        Decision::Release { lease, why } => release(ctx, task, &lease, why).await,
         Decision::Wait(after) => Ok(after.map_or_else(Action::await_change, Action::requeue)),
         Decision::WriteStatus {
             mut status,
@@ -321,10 +350,27 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             cause,
         } => {
             let token = status.fencing_token;
+            let lease_name = lease.name_any();
+            // The queue's slot and rate token are taken before the writes
+            // (two concurrent issues cannot both take the last one), and
+            // given back if the issue fails.
+            if !ctx
+                .queues
+                .reserve(&ns, &queue.queue, &name, &lease_name, Instant::now())
+            {
+                return Ok(Action::requeue(Duration::from_millis(100)));
+            }
+            let unreserve = || {
+                ctx.queues
+                    .unreserve(&ns, &queue.queue, &lease_name, Instant::now());
+            };
             // Taken before the write: the watch event of the write ends the
             // wait in the index as soon as it arrives.
             let lock_wait = ctx.index.lock_wait_done(&ns, &name);
-            write_status(ctx, task, *status).await?;
+            if let Err(e) = write_status(ctx, task, *status).await {
+                unreserve();
+                return Err(e);
+            }
             if let Some(since) = lock_wait {
                 ctx.metrics
                     .lock_acquisition_duration
@@ -334,9 +380,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             if cause != IssueCause::New {
                 ctx.metrics.reassignments.get_or_create(&queue).inc();
             }
-            create_lease(ctx, &lease).await?;
+            if let Err(e) = create_lease(ctx, &lease).await {
+                unreserve();
+                return Err(e);
+            }
             info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
-            let lease_name = lease.name_any();
             let locked = if lease.spec.resource_tokens.is_empty() {
                 String::new()
             } else {
@@ -718,6 +766,68 @@ async fn create_lease(ctx: &Ctx, lease: &TaskLease) -> Result<(), Error> {
     }
 }
 
+/// The metric label of a held-back issue.
+fn throttle_reason(gate: QueueGate) -> &'static str {
+    match gate {
+        QueueGate::Paused => "paused",
+        QueueGate::Full => "max_concurrent",
+        QueueGate::Throttled(_) => "rate",
+        QueueGate::Open => "none",
+    }
+}
+
+/// Releases an Offered or Held lease (CAS on the cached copy). A conflict
+/// means a claim, a renewal or a completion landed first: the watch brings
+/// the lease as it now is and the next pass decides on that.
+async fn release(
+    ctx: &Ctx,
+    task: &BatchTask,
+    lease: &TaskLease,
+    why: ReleaseWhy,
+) -> Result<Action, Error> {
+    let ns = lease.namespace().unwrap_or_default();
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    ctx.leadership.ensure()?;
+    let written = bounded(ctx, "lease release", async {
+        Ok(api
+            .replace(&lease.name_any(), &PostParams::default(), lease)
+            .await)
+    })
+    .await?;
+    match written {
+        Ok(_) => {
+            let holder = lease.spec.holder_identity.clone();
+            info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), holder = holder.as_deref().unwrap_or(""), reason = why.as_str(), "lease released");
+            if why == ReleaseWhy::Cancelled
+                && let Some(h) = holder
+            {
+                let ttl = lease.spec.lease_duration_seconds;
+                publish(
+                        ctx,
+                        task,
+                        EventType::Normal,
+                        "Cancelling",
+                        format!(
+                            "spec.cancel: released lease {} of {h}; its next renewal fails and stops it; the task ends Cancelled once it cannot be running (at most {ttl}s)",
+                            lease.name_any()
+                        ),
+                    )
+                    .await;
+            }
+            Ok(Action::await_change())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            ctx.metrics.write_conflicts.inc();
+            debug!(lease = %lease.name_any(), "release lost to a newer write; deciding again on it");
+            Ok(Action::requeue(Duration::from_millis(200)))
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            Ok(Action::requeue(Duration::from_millis(200)))
+        }
+        Err(e) => Err(classify(ctx, e, "lease release")),
+    }
+}
+
 async fn expire(
     ctx: &Ctx,
     task: &BatchTask,
@@ -996,6 +1106,20 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             "Redriven",
             "spec.redrive raised: back to Pending with a fresh retry budget".to_owned(),
         ),
+        Transition::Cancelled { holder } => (
+            EventType::Normal,
+            "Cancelled",
+            match holder {
+                Some(h) => format!(
+                    "cancelled (spec.cancel): the lease of {h} with fencing token {token} was released and its attempt has stopped"
+                ),
+                None => "cancelled (spec.cancel) before any worker held it".to_owned(),
+            },
+        ),
+        Transition::Withdrawn => {
+            debug!(task = %task.name_any(), %queue, "queue paused: offer withdrawn");
+            return;
+        }
     };
     info!(task = %task.name_any(), namespace = %task.namespace().unwrap_or_default(), reason, "transition");
     publish(ctx, task, type_, reason, note).await;

@@ -11,6 +11,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use crate::backoff::retry_delay;
 use crate::decide::ExpiryReason;
 use crate::status::{self, push_history, set_condition};
+use batchlease_api::keys::{condition, release_reason};
 
 /// What a status write means, for Events, metrics and logs.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +46,11 @@ pub enum Transition {
     WaitingForDependencies,
     /// A dependency is dead-lettered or rejected (condition updated).
     DependencyFailed,
+    /// `spec.cancel` was set; `holder`: the attempt that was running.
+    Cancelled { holder: Option<String> },
+    /// The queue was paused: the offer nobody claimed was withdrawn and
+    /// the task waits, no retry spent.
+    Withdrawn,
 }
 
 /// Consecutive `Interrupted` attempts retried at once; from this many on,
@@ -254,6 +260,96 @@ pub fn settle(
         }
     };
     (status, transition)
+}
+
+/// The status of a task whose `spec.cancel` ended it: `lease`, if any, is
+/// the attempt's final lease (released by the operator, expired, or
+/// completed without success).
+pub fn cancelled(
+    task: &BatchTask,
+    current: &BatchTaskStatus,
+    lease: Option<&TaskLease>,
+    wall: Timestamp,
+) -> (BatchTaskStatus, Transition) {
+    let mut status = current.clone();
+    let holder = lease.and_then(|l| l.spec.holder_identity.clone());
+    if let Some(l) = lease.filter(|l| l.spec.holder_identity.is_some()) {
+        let lst = l.status.clone().unwrap_or_default();
+        let outcome = match lst.phase {
+            Some(LeasePhase::Expired) => "Expired",
+            Some(LeasePhase::Completed) => match lst.outcome {
+                Some(LeaseOutcome::Interrupted) => "Interrupted",
+                Some(LeaseOutcome::Aborted) => "Aborted",
+                _ => "Failed",
+            },
+            _ => "Cancelled",
+        };
+        if lst.checkpoint.is_some() {
+            status.checkpoint = lst.checkpoint.clone();
+        }
+        push_history(
+            &mut status,
+            AttemptRecord {
+                token: l.spec.fencing_token,
+                holder: holder.clone(),
+                outcome: outcome.into(),
+                start: l.metadata.creation_timestamp.clone(),
+                end: Some(Time(wall)),
+                reason: Some(lst.reason.unwrap_or_else(|| "Cancelled".into())),
+            },
+        );
+    }
+    status.phase = Some(TaskPhase::Cancelled);
+    status.completion_time = Some(Time(wall));
+    status.holder = None;
+    status.next_attempt_after = None;
+    status.observed_generation = task.metadata.generation;
+    let msg = match &holder {
+        Some(h) => format!("spec.cancel was set; the attempt of {h} was stopped"),
+        None => "spec.cancel was set".to_owned(),
+    };
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::leased(false, "Cancelled", "the task was cancelled"),
+    );
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::cond(condition::CANCELLED, true, "CancelRequested", &msg),
+    );
+    (status, Transition::Cancelled { holder })
+}
+
+/// The status of a task whose unclaimed offer was withdrawn because its
+/// queue was paused: `Pending` again, no attempt counted, no backoff (the
+/// issue waits for the queue anyway).
+pub fn withdrawn(
+    task: &BatchTask,
+    current: &BatchTaskStatus,
+    wall: Timestamp,
+) -> (BatchTaskStatus, Transition) {
+    let mut status = current.clone();
+    status.phase = Some(TaskPhase::Pending);
+    status.holder = None;
+    status.next_attempt_after = None;
+    status.observed_generation = task.metadata.generation;
+    set_condition(
+        &mut status,
+        task,
+        wall,
+        status::leased(
+            false,
+            release_reason::QUEUE_PAUSED,
+            &format!(
+                "queue {} is paused: the offer was withdrawn",
+                task.spec.queue
+            ),
+        ),
+    );
+    (status, Transition::Withdrawn)
 }
 
 /// `wall + delay`, rounded *up* to a whole second: `metav1.Time` is

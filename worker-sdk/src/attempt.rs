@@ -488,6 +488,11 @@ impl Heartbeat {
                     next = sent + every;
                     debug!(lease = %self.lease.name_any(), "renewed");
                 }
+                Ok(Ok(Renewal::Cancelled)) => {
+                    info!(lease = %self.lease.name_any(), "the task was cancelled: stopping the attempt");
+                    self.fence.kill(KillReason::Cancelled);
+                    return Verdict::Killed;
+                }
                 Ok(Ok(Renewal::Lost(why))) => {
                     warn!(lease = %self.lease.name_any(), why, "renewal found the lease lost");
                     self.fence.kill(KillReason::LeaseLost);

@@ -39,6 +39,9 @@ pub enum KillReason {
     /// The API server refused our own write of the lease as invalid (422):
     /// the same write would be refused again.
     WriteRefused,
+    /// The operator released the lease because the task was cancelled
+    /// (`spec.cancel`).
+    Cancelled,
 }
 
 impl KillReason {
@@ -49,6 +52,7 @@ impl KillReason {
             Self::LeaseLost => "lease_lost",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::WriteRefused => "write_refused",
+            Self::Cancelled => "cancelled",
         }
     }
 }

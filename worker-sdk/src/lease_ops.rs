@@ -16,6 +16,8 @@ pub enum Renewal {
     Renewed(Box<TaskLease>),
     /// The lease is no longer held by us: fire the kill switch.
     Lost(&'static str),
+    /// The operator released the lease: the task was cancelled.
+    Cancelled,
 }
 
 fn now() -> MicroTime {
@@ -28,6 +30,14 @@ pub fn held_by(lease: &TaskLease, holder: &str) -> bool {
         && lease.spec.holder_identity.as_deref() == Some(holder)
 }
 
+/// True if the operator released `lease` because its task was cancelled.
+pub fn released_by_cancel(lease: &TaskLease) -> bool {
+    let st = lease.status.as_ref();
+    st.and_then(|s| s.phase) == Some(LeasePhase::Released)
+        && st.and_then(|s| s.reason.as_deref())
+            == Some(batchlease_api::keys::release_reason::CANCELLED)
+}
+
 /// True if `lease` carries the completion `c` written by `holder`.
 fn completed_by(lease: &TaskLease, holder: &str, c: &Completion) -> bool {
     let st = lease.status.as_ref();
@@ -36,15 +46,16 @@ fn completed_by(lease: &TaskLease, holder: &str, c: &Completion) -> bool {
         && st.and_then(|s| s.outcome) == Some(c.outcome)
 }
 
-/// Re-reads a lease after a conflict: `Some(fresh)` while it is still held
-/// by `holder`, `None` once it is not (or is gone).
+/// Re-reads a lease after a conflict: `Ok(fresh)` while it is still held
+/// by `holder`, `Err(fresh)` once it is not (`None`: gone).
 async fn still_ours(
     api: &Api<TaskLease>,
     name: &str,
     holder: &str,
-) -> Result<Option<TaskLease>, Error> {
+) -> Result<Result<TaskLease, Option<TaskLease>>, Error> {
     match api.get_opt(name).await {
-        Ok(fresh) => Ok(fresh.filter(|f| held_by(f, holder))),
+        Ok(Some(fresh)) if held_by(&fresh, holder) => Ok(Ok(fresh)),
+        Ok(other) => Ok(Err(other)),
         Err(source) => Err(Error::Kube {
             what: "re-read after conflict",
             source,
@@ -98,14 +109,14 @@ pub async fn renew(
                 // 422 on a lease still ours: the API server refuses the
                 // write itself (our checkpoint?). The same write would be
                 // refused again: end the attempt, saying why.
-                Some(_) if s.code == 422 => Err(Error::Invalid {
+                Ok(_) if s.code == 422 => Err(Error::Invalid {
                     what: "renewal",
                     lease: l.name_any(),
                     message: s.message,
                 }),
                 // Still ours (e.g. our own earlier write whose answer was
                 // lost): retry on the fresh copy right away.
-                Some(fresh) => {
+                Ok(fresh) => {
                     Box::pin(renew(
                         api,
                         &fresh,
@@ -114,7 +125,8 @@ pub async fn renew(
                     ))
                     .await
                 }
-                None => Ok(Renewal::Lost("lease no longer held by us")),
+                Err(Some(f)) if released_by_cancel(&f) => Ok(Renewal::Cancelled),
+                Err(_) => Ok(Renewal::Lost("lease no longer held by us")),
             }
         }
         Err(source) => Err(Error::Kube {

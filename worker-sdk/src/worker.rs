@@ -403,6 +403,13 @@ impl Worker {
                     continue;
                 }
             };
+            if task.spec.cancel {
+                // The operator withdraws the offer; never start a task a
+                // user cancelled.
+                self.metrics.claims_refused.inc();
+                debug!(lease = %candidate.name_any(), "task cancelled; not claiming");
+                continue;
+            }
             if let Err(why) = check_current(&task, &candidate) {
                 // A stale offer (the task moved on; the watch will show it
                 // ended) or a forgery: never claimed.

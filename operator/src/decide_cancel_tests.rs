@@ -1,0 +1,255 @@
+//! Table tests of [`decide`] for `spec.cancel` and the queue gate
+//! (TaskQueue pause, concurrency cap, issue rate).
+
+use super::tests::{Case, TaskFixture, completed, into_status, lease, task};
+use super::*;
+use batchlease_api::LeaseOutcome;
+use batchlease_api::keys::{condition, release_reason};
+
+fn cancelled(t: BatchTask) -> BatchTask {
+    t.spec(|s| s.cancel = true)
+}
+
+fn released_reason(d: &Decision) -> (&TaskLease, ReleaseWhy) {
+    match d {
+        Decision::Release { lease, why } => {
+            let st = lease.status.as_ref().unwrap();
+            assert_eq!(st.phase, Some(LeasePhase::Released));
+            assert_eq!(st.reason.as_deref(), Some(why.as_str()));
+            (lease, *why)
+        }
+        other => panic!("expected a release, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_cancelled_task_without_a_lease_ends_at_once() {
+    for (name, t) in [
+        ("new", cancelled(task())),
+        ("pending", cancelled(task().phase(TaskPhase::Pending, 2))),
+        (
+            "pending in backoff",
+            cancelled(task().phase(TaskPhase::Pending, 2).with(|s| {
+                s.next_attempt_after = Some(Time(tests::wall(600)));
+            })),
+        ),
+    ] {
+        let (st, tr) = into_status(Case::new(t).run());
+        assert_eq!(st.phase, Some(TaskPhase::Cancelled), "{name}");
+        assert!(st.completion_time.is_some(), "{name}");
+        assert_eq!(tr, Transition::Cancelled { holder: None }, "{name}");
+        let c = st
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition::CANCELLED)
+            .unwrap();
+        assert_eq!(c.status, "True", "{name}");
+    }
+}
+
+#[test]
+fn a_cancelled_task_never_issues_even_when_its_lease_is_gone() {
+    let t = cancelled(task().phase(TaskPhase::Ready, 3));
+    // The lease is missing: looked up, then its token retired (a create on
+    // its way must not become live) — but no new token is issued.
+    assert_eq!(
+        Case::new(t.clone()).run(),
+        Decision::LookUpLease("job-3".into())
+    );
+    assert!(matches!(
+        Case::new(t.clone()).lookup(Lookup::Absent).run(),
+        Decision::RetireToken(_)
+    ));
+    let mut tomb = (*lease(3, LeasePhase::Released, None)).clone();
+    tomb.status.as_mut().unwrap().reason = Some(TOKEN_RETIRED.into());
+    let (st, _) = into_status(Case::new(t).leases(vec![Arc::new(tomb)]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    assert_eq!(st.fencing_token, 3, "no token issued after the cancel");
+}
+
+#[test]
+fn an_offered_or_held_lease_of_a_cancelled_task_is_released() {
+    let offered = cancelled(task().phase(TaskPhase::Ready, 3));
+    let d = Case::new(offered)
+        .leases(vec![lease(3, LeasePhase::Offered, None)])
+        .run();
+    let (l, why) = released_reason(&d);
+    assert_eq!(why, ReleaseWhy::Cancelled);
+    assert_eq!(
+        l.metadata.resource_version.as_deref(),
+        Some("rv3"),
+        "a CAS on the copy read"
+    );
+
+    let running = cancelled(
+        task()
+            .phase(TaskPhase::Running, 3)
+            .with(|s| s.holder = Some("w1".into())),
+    );
+    let d = Case::new(running)
+        .leases(vec![lease(3, LeasePhase::Held, Some("w1"))])
+        .observed(0, 10)
+        .run();
+    let (l, _) = released_reason(&d);
+    assert_eq!(
+        l.spec.holder_identity.as_deref(),
+        Some("w1"),
+        "the holder stays named"
+    );
+}
+
+#[test]
+fn a_released_held_lease_ends_the_task_only_a_ttl_after_its_last_renewal() {
+    let t = cancelled(
+        task()
+            .phase(TaskPhase::Running, 3)
+            .with(|s| s.holder = Some("w1".into())),
+    );
+    let mut rel = (*lease(3, LeasePhase::Released, Some("w1"))).clone();
+    rel.status.as_mut().unwrap().reason = Some(release_reason::CANCELLED.into());
+    let rel = Arc::new(rel);
+    let ttl = u64::try_from(rel.spec.lease_duration_seconds).unwrap();
+    // The holder may still run (its kill switch fires within 2/3 TTL of
+    // its last renewal): wait the rest of the TTL.
+    assert_eq!(
+        Case::new(t.clone())
+            .leases(vec![rel.clone()])
+            .observed(1, 20)
+            .run(),
+        Decision::Wait(Some(Duration::from_secs(ttl - 1)))
+    );
+    // No observation (cannot happen: the tracker times released held
+    // leases): look again soon, never end early.
+    assert_eq!(
+        Case::new(t.clone()).leases(vec![rel.clone()]).run(),
+        Decision::Wait(Some(Duration::from_secs(1)))
+    );
+    let (st, tr) = into_status(Case::new(t).leases(vec![rel]).observed(ttl, 40).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    assert_eq!(st.holder, None);
+    assert_eq!(st.attempts, 0, "a cancel spends no retry");
+    assert_eq!(st.history.last().unwrap().outcome, "Cancelled");
+    assert_eq!(
+        tr,
+        Transition::Cancelled {
+            holder: Some("w1".into())
+        }
+    );
+}
+
+#[test]
+fn cancel_meets_an_attempt_that_already_ended() {
+    let t = cancelled(
+        task()
+            .phase(TaskPhase::Running, 3)
+            .with(|s| s.holder = Some("w1".into())),
+    );
+    // A success that landed before the release stands: its result is
+    // committed.
+    let ok = completed(3, LeaseOutcome::Succeeded, |_| {});
+    let (st, _) = into_status(Case::new(t.clone()).leases(vec![ok]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Succeeded));
+    // A failure, an expiry: cancelled, not retried.
+    let failed = completed(3, LeaseOutcome::Failed, |s| s.reason = Some("Boom".into()));
+    let (st, _) = into_status(Case::new(t.clone()).leases(vec![failed]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    assert_eq!(st.history.last().unwrap().outcome, "Failed");
+    let expired = lease(3, LeasePhase::Expired, Some("w1"));
+    let (st, _) = into_status(Case::new(t).leases(vec![expired]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    assert_eq!(st.history.last().unwrap().outcome, "Expired");
+}
+
+#[test]
+fn cancelled_is_final() {
+    let t = cancelled(task().phase(TaskPhase::Cancelled, 3)).spec(|s| s.redrive = 1);
+    let (st, tr) = into_status(Case::new(t.clone()).run());
+    assert_eq!(
+        st.phase,
+        Some(TaskPhase::Cancelled),
+        "a redrive does not revive it"
+    );
+    assert_eq!(tr, Transition::RedriveIgnored);
+    let t = t.with(|s| s.observed_redrive = 1);
+    assert_eq!(Case::new(t).run(), Decision::Wait(None));
+}
+
+#[test]
+fn the_queue_gate_holds_back_issues() {
+    let t = task().phase(TaskPhase::Pending, 2);
+    for gate in [
+        QueueGate::Paused,
+        QueueGate::Full,
+        QueueGate::Throttled(Duration::from_millis(250)),
+    ] {
+        assert_eq!(
+            Case::new(t.clone()).queue(gate).run(),
+            Decision::HeldBack(gate),
+            "{gate:?}"
+        );
+    }
+    assert!(matches!(
+        Case::new(t).queue(QueueGate::Open).run(),
+        Decision::Issue { .. }
+    ));
+    // A new task is written Pending first, then waits.
+    let (st, _) = into_status(Case::new(task()).queue(QueueGate::Paused).run());
+    assert_eq!(st.phase, Some(TaskPhase::Pending));
+    // A cancelled task is not held back by its queue: it ends.
+    let (st, _) = into_status(Case::new(cancelled(task())).queue(QueueGate::Paused).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+}
+
+#[test]
+fn a_paused_queue_withdraws_offers_but_not_held_leases() {
+    let ready = task().phase(TaskPhase::Ready, 3);
+    let d = Case::new(ready.clone())
+        .leases(vec![lease(3, LeasePhase::Offered, None)])
+        .queue(QueueGate::Paused)
+        .run();
+    assert_eq!(released_reason(&d).1, ReleaseWhy::QueuePaused);
+    // A full queue or a rate limit withdraws nothing.
+    for gate in [
+        QueueGate::Full,
+        QueueGate::Throttled(Duration::from_secs(1)),
+    ] {
+        assert_eq!(
+            Case::new(ready.clone())
+                .leases(vec![lease(3, LeasePhase::Offered, None)])
+                .queue(gate)
+                .run(),
+            Decision::Wait(None)
+        );
+    }
+    // Held: runs to its end.
+    let running = task()
+        .phase(TaskPhase::Running, 3)
+        .with(|s| s.holder = Some("w1".into()));
+    assert_eq!(
+        Case::new(running)
+            .leases(vec![lease(3, LeasePhase::Held, Some("w1"))])
+            .observed(0, 10)
+            .queue(QueueGate::Paused)
+            .run(),
+        Decision::Wait(Some(Duration::from_secs(30)))
+    );
+    // The withdrawn offer: Pending again, nothing spent.
+    let mut w = (*lease(3, LeasePhase::Released, None)).clone();
+    w.status.as_mut().unwrap().reason = Some(release_reason::QUEUE_PAUSED.into());
+    let (st, tr) = into_status(
+        Case::new(ready)
+            .leases(vec![Arc::new(w)])
+            .queue(QueueGate::Paused)
+            .run(),
+    );
+    assert_eq!(tr, Transition::Withdrawn);
+    assert_eq!(st.phase, Some(TaskPhase::Pending));
+    assert_eq!((st.attempts, st.next_attempt_after.clone()), (0, None));
+    assert!(st.history.is_empty(), "no attempt ran");
+    let leased = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::LEASED)
+        .unwrap();
+    assert_eq!(leased.reason, "QueuePaused");
+}

@@ -1,0 +1,321 @@
+//! `TaskQueue.status`: a summary of the queue from the caches, written at
+//! most every [`PERIOD`] and only when it changed, so it never dominates
+//! API traffic (one write per queue per period at most, none while idle).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchlease_api::{
+    BatchTask, LeasePhase, TaskCounts, TaskLease, TaskPhase, TaskQueue, TaskQueueStatus,
+    ThrottleCounts, keys::condition, queue_condition,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::leader::Leadership;
+use crate::queues::QueueBook;
+
+/// How often the summaries are computed (and written, if changed).
+pub const PERIOD: Duration = Duration::from_secs(3);
+
+/// What the operator knows of a queue beyond its tasks and leases.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Extra {
+    pub throttled: ThrottleCounts,
+    pub workers: i64,
+}
+
+/// Pure: the status of `tq` given the tasks and leases of its namespace
+/// (any queue; filtered here).
+pub fn summarize<'a>(
+    tq: &TaskQueue,
+    tasks: impl IntoIterator<Item = &'a BatchTask>,
+    leases: impl IntoIterator<Item = &'a TaskLease>,
+    extra: Extra,
+    wall: Timestamp,
+) -> TaskQueueStatus {
+    let queue = tq.name_any();
+    let mut counts = TaskCounts::default();
+    let mut oldest_ready: Option<Timestamp> = None;
+    let (mut aborts, mut attempts) = (0i64, 0i64);
+    for t in tasks.into_iter().filter(|t| t.spec.queue == queue) {
+        let st = t.status.as_ref();
+        let phase = st.and_then(|s| s.phase);
+        counts.add(phase);
+        if phase == Some(TaskPhase::Ready) {
+            let since = st
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == condition::LEASED))
+                .map(|c| c.last_transition_time.0);
+            if let Some(since) = since {
+                oldest_ready = Some(oldest_ready.map_or(since, |o| o.min(since)));
+            }
+        }
+        if let Some(s) = st {
+            aborts += i64::from(s.aborts);
+            attempts += i64::from(s.attempts) + i64::from(s.aborts);
+        }
+    }
+    let (mut offered, mut held) = (0, 0);
+    for l in leases.into_iter().filter(|l| l.spec.queue == queue) {
+        match l.status.as_ref().and_then(|s| s.phase) {
+            None | Some(LeasePhase::Offered) => offered += 1,
+            Some(LeasePhase::Held) => held += 1,
+            _ => {}
+        }
+    }
+    let old = tq.status.clone().unwrap_or_default();
+    let mut status = TaskQueueStatus {
+        observed_generation: tq.metadata.generation,
+        tasks: counts,
+        leases_offered: offered,
+        leases_held: held,
+        workers: extra.workers,
+        oldest_ready_since: oldest_ready.map(Time),
+        abort_rate_percent: (aborts > 0)
+            .then(|| i32::try_from(aborts * 100 / attempts.max(1)).unwrap_or(100)),
+        throttled: extra.throttled,
+        conditions: old.conditions.clone(),
+    };
+    let paused = tq.spec.paused;
+    set(
+        &mut status.conditions,
+        queue_condition::PAUSED,
+        paused,
+        if paused { "Paused" } else { "Running" },
+        if paused {
+            "spec.paused: no leases are offered; unclaimed offers were withdrawn; held leases run to their end"
+        } else {
+            "leases are offered"
+        },
+        tq.metadata.generation,
+        wall,
+    );
+    let at_cap = tq
+        .spec
+        .max_concurrent
+        .is_some_and(|m| offered + held >= i64::from(m));
+    set(
+        &mut status.conditions,
+        queue_condition::AT_CAPACITY,
+        at_cap,
+        if at_cap {
+            "MaxConcurrentReached"
+        } else {
+            "BelowMaxConcurrent"
+        },
+        &match tq.spec.max_concurrent {
+            Some(m) => format!("{} of at most {m} leases offered or held", offered + held),
+            None => "no spec.maxConcurrent".to_owned(),
+        },
+        tq.metadata.generation,
+        wall,
+    );
+    status
+}
+
+/// Sets condition `type_`, keeping its transition time while its status
+/// does not change.
+fn set(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    on: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    wall: Timestamp,
+) {
+    let status = if on { "True" } else { "False" };
+    let since = conditions
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map_or(Time(wall), |c| c.last_transition_time.clone());
+    conditions.retain(|c| c.type_ != type_);
+    conditions.push(Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        last_transition_time: since,
+        observed_generation: generation,
+    });
+    conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
+}
+
+/// Everything the status loop reads.
+pub struct Sources {
+    pub client: kube::Client,
+    pub queues: Store<TaskQueue>,
+    pub tasks: Store<BatchTask>,
+    pub leases: Store<TaskLease>,
+    pub book: Arc<QueueBook>,
+    pub leadership: Leadership,
+}
+
+/// Writes the summaries every [`PERIOD`] until `stop`.
+pub async fn run(src: Sources, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if !src.leadership.is_leader() {
+            continue;
+        }
+        let queues = src.queues.state();
+        if queues.is_empty() {
+            continue;
+        }
+        let tasks = src.tasks.state();
+        let leases = src.leases.state();
+        let now = Instant::now();
+        for tq in queues {
+            let ns = tq.namespace().unwrap_or_default();
+            let (throttled, workers) = src.book.summary(&ns, &tq.name_any(), now);
+            let status = summarize(
+                &tq,
+                tasks
+                    .iter()
+                    .filter(|t| t.namespace().as_deref() == Some(&ns))
+                    .map(|t| &**t),
+                leases
+                    .iter()
+                    .filter(|l| l.namespace().as_deref() == Some(&ns))
+                    .map(|l| &**l),
+                Extra { throttled, workers },
+                Timestamp::now(),
+            );
+            if tq.status.as_ref() == Some(&status) {
+                continue;
+            }
+            if src.leadership.ensure().is_err() {
+                break;
+            }
+            let api: Api<TaskQueue> = Api::namespaced(src.client.clone(), &ns);
+            let patch = serde_json::json!({ "status": status });
+            match tokio::time::timeout(
+                PERIOD,
+                api.patch_status(
+                    &tq.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                ),
+            )
+            .await
+            {
+                Ok(Ok(_)) => {
+                    debug!(queue = %tq.name_any(), namespace = %ns, "queue status written")
+                }
+                Ok(Err(kube::Error::Api(s))) if s.code == 404 => {}
+                Ok(Err(e)) => {
+                    warn!(queue = %tq.name_any(), namespace = %ns, error = %e, "queue status write failed")
+                }
+                Err(_) => {
+                    warn!(queue = %tq.name_any(), namespace = %ns, "queue status write timed out")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchlease_api::{
+        BatchTaskSpec, BatchTaskStatus, TaskLeaseSpec, TaskLeaseStatus, TaskQueueSpec,
+    };
+
+    fn task(name: &str, queue: &str, phase: TaskPhase, ready_since: i64) -> BatchTask {
+        let mut t = BatchTask::new(name, BatchTaskSpec::for_queue(queue));
+        t.status = Some(BatchTaskStatus {
+            phase: Some(phase),
+            attempts: 1,
+            aborts: i32::from(name == "c"),
+            conditions: vec![Condition {
+                type_: condition::LEASED.into(),
+                status: "True".into(),
+                reason: "Offered".into(),
+                message: String::new(),
+                last_transition_time: Time(Timestamp::from_second(ready_since).unwrap()),
+                observed_generation: None,
+            }],
+            ..Default::default()
+        });
+        t
+    }
+
+    fn lease(task: &str, queue: &str, phase: LeasePhase) -> TaskLease {
+        let mut l = TaskLease::new(
+            &format!("{task}-1"),
+            TaskLeaseSpec::offered(task, "u", queue, 1, 30),
+        );
+        l.status = Some(TaskLeaseStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        l
+    }
+
+    #[test]
+    fn a_summary_of_the_queue_and_only_of_it() {
+        let mut tq = TaskQueue::new(
+            "q",
+            TaskQueueSpec {
+                paused: true,
+                max_concurrent: Some(2),
+                max_issues_per_second: None,
+            },
+        );
+        tq.metadata.generation = Some(4);
+        let tasks = [
+            task("a", "q", TaskPhase::Ready, 200),
+            task("b", "q", TaskPhase::Ready, 100),
+            task("c", "q", TaskPhase::Running, 50),
+            task("d", "q", TaskPhase::DeadLettered, 50),
+            task("x", "other", TaskPhase::Ready, 1),
+        ];
+        let leases = [
+            lease("a", "q", LeasePhase::Offered),
+            lease("c", "q", LeasePhase::Held),
+            lease("d", "q", LeasePhase::Expired),
+            lease("x", "other", LeasePhase::Held),
+        ];
+        let wall = Timestamp::from_second(1000).unwrap();
+        let extra = Extra {
+            throttled: ThrottleCounts {
+                paused: 3,
+                ..Default::default()
+            },
+            workers: 1,
+        };
+        let s = summarize(&tq, &tasks, &leases, extra.clone(), wall);
+        assert_eq!(
+            (s.tasks.ready, s.tasks.running, s.tasks.dead_lettered),
+            (2, 1, 1)
+        );
+        assert_eq!((s.leases_offered, s.leases_held, s.workers), (1, 1, 1));
+        assert_eq!(
+            s.oldest_ready_since,
+            Some(Time(Timestamp::from_second(100).unwrap()))
+        );
+        // One abort among 4 attempts + 1 abort.
+        assert_eq!(s.abort_rate_percent, Some(20));
+        assert_eq!(s.throttled.paused, 3);
+        assert_eq!(s.observed_generation, Some(4));
+        let cond = |t: &str| s.conditions.iter().find(|c| c.type_ == t).unwrap().clone();
+        assert_eq!(cond("Paused").status, "True");
+        assert_eq!(cond("AtCapacity").status, "True");
+        // Written again with nothing changed: equal, so no write, and the
+        // transition times stay.
+        tq.status = Some(s.clone());
+        let later = Timestamp::from_second(2000).unwrap();
+        assert_eq!(summarize(&tq, &tasks, &leases, extra, later), s);
+    }
+}

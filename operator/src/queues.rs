@@ -1,0 +1,457 @@
+//! The issuer's side of `TaskQueue` (design §9): pause, concurrency cap and
+//! issue rate, enforced where leases are issued.
+//!
+//! The lease cache lags the API server, and the controller reconciles many
+//! tasks at once, so "how many leases are live" is counted here, not read
+//! from the cache alone: every issue reserves its slot (and its rate token)
+//! under one lock *before* its writes, and the reservation is dropped once
+//! the lease watch shows the lease (which then counts as live) or the issue
+//! failed. Two concurrent issues can therefore never both take the last
+//! slot. The count starts from the lease watch's list, so a new leader
+//! counts what its predecessor left live.
+//!
+//! Tasks held back wait without polling: the queue wakes them (through the
+//! controller's wake-up channel) when the TaskQueue changes, and — for a
+//! full queue — the oldest waiters, one per freed slot, when a lease ends.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use batchlease_api::{LeasePhase, TaskLease, TaskQueue, TaskQueueSpec, ThrottleCounts};
+use futures::channel::mpsc::UnboundedSender;
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+use tokio::time::Instant;
+
+use crate::decide::QueueGate;
+
+/// A reservation the watch never confirmed (the create failed without us
+/// learning, the process lost the answer) is given up after this long.
+const RESERVATION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A token bucket holding one second's worth of `rate` (at least one).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Bucket {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl Bucket {
+    fn refill(&mut self, rate: u32, now: Instant) {
+        let cap = f64::from(rate.max(1));
+        self.tokens = match self.at {
+            None => cap,
+            Some(t) => (self.tokens
+                + f64::from(rate) * now.saturating_duration_since(t).as_secs_f64())
+            .min(cap),
+        };
+        self.at = Some(now);
+    }
+
+    /// How long until a token is there (zero: now).
+    pub fn wait(&mut self, rate: u32, now: Instant) -> Duration {
+        self.refill(rate, now);
+        if self.tokens >= 1.0 || rate == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_secs_f64((1.0 - self.tokens) / f64::from(rate))
+    }
+
+    /// Takes a token (call after [`Bucket::wait`] said zero).
+    pub fn take(&mut self, rate: u32, now: Instant) -> bool {
+        self.refill(rate, now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Pure: what `spec` allows with `live` leases live (reserved included)
+/// and `token_wait` until the next rate token. `position`: how many tasks
+/// wait ahead of this one (a throttled task comes back when its turn is
+/// due, not all at once).
+pub fn gate(
+    spec: Option<&TaskQueueSpec>,
+    live: usize,
+    token_wait: Duration,
+    position: usize,
+) -> QueueGate {
+    let Some(spec) = spec else {
+        return QueueGate::Open;
+    };
+    if spec.paused {
+        return QueueGate::Paused;
+    }
+    if let Some(max) = spec.max_concurrent
+        && live >= usize::try_from(max.max(0)).unwrap_or(0)
+    {
+        return QueueGate::Full;
+    }
+    if let Some(rate) = spec
+        .max_issues_per_second
+        .and_then(|r| u32::try_from(r).ok())
+    {
+        // Whoever finds a token takes it; without one, a waiter comes back
+        // when its turn in the line is due rather than all at once.
+        if !token_wait.is_zero() {
+            let turn = Duration::from_secs_f64(position as f64 / f64::from(rate.max(1)));
+            return QueueGate::Throttled(token_wait + turn);
+        }
+    }
+    QueueGate::Open
+}
+
+type Key = (String, String);
+
+#[derive(Debug, Default)]
+struct Queue {
+    spec: Option<TaskQueueSpec>,
+    /// Offered or Held leases as the watch shows them: name → task.
+    live: HashMap<String, String>,
+    /// Issues of this process not yet shown by the watch: lease name →
+    /// (task, since).
+    reserved: HashMap<String, (String, Instant)>,
+    bucket: Bucket,
+    /// Tasks held back, oldest first (sequence → task), and each task's
+    /// sequence.
+    waiters: BTreeMap<u64, String>,
+    waiting: HashMap<String, u64>,
+    throttled: ThrottleCounts,
+    /// Holders of the queue's leases → until when they count as seen (the
+    /// last observation plus the lease's TTL).
+    holders: HashMap<String, Instant>,
+}
+
+impl Queue {
+    fn occupied(&mut self, now: Instant) -> usize {
+        self.reserved
+            .retain(|_, (_, since)| now.saturating_duration_since(*since) < RESERVATION_TIMEOUT);
+        self.live.len()
+            + self
+                .reserved
+                .keys()
+                .filter(|k| !self.live.contains_key(*k))
+                .count()
+    }
+
+    fn rate(&self) -> Option<u32> {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.max_issues_per_second)
+            .and_then(|r| u32::try_from(r).ok())
+    }
+
+    fn gate_for(&mut self, task: &str, now: Instant) -> QueueGate {
+        let live = self.occupied(now);
+        let token_wait = match self.rate() {
+            Some(r) => self.bucket.wait(r, now),
+            None => Duration::ZERO,
+        };
+        let position = match self.waiting.get(task) {
+            Some(seq) => self.waiters.range(..*seq).count(),
+            None => self.waiters.len(),
+        };
+        gate(self.spec.as_ref(), live, token_wait, position)
+    }
+
+    fn wait(&mut self, task: &str, seq: &mut u64, why: QueueGate) -> bool {
+        if self.waiting.contains_key(task) {
+            return false;
+        }
+        *seq += 1;
+        self.waiters.insert(*seq, task.to_owned());
+        self.waiting.insert(task.to_owned(), *seq);
+        match why {
+            QueueGate::Paused => self.throttled.paused += 1,
+            QueueGate::Full => self.throttled.max_concurrent += 1,
+            QueueGate::Throttled(_) => self.throttled.rate += 1,
+            QueueGate::Open => {}
+        }
+        true
+    }
+
+    fn stop_waiting(&mut self, task: &str) {
+        if let Some(seq) = self.waiting.remove(task) {
+            self.waiters.remove(&seq);
+        }
+    }
+
+    /// The oldest waiters, one per free slot (all of them without a cap),
+    /// removed from the list: a woken task that is still held back waits
+    /// again, at the back.
+    fn wake(&mut self, now: Instant) -> Vec<String> {
+        let free = match self.spec.as_ref() {
+            Some(s) if s.paused => 0,
+            Some(TaskQueueSpec {
+                max_concurrent: Some(max),
+                ..
+            }) => usize::try_from(*max)
+                .unwrap_or(0)
+                .saturating_sub(self.occupied(now)),
+            _ => usize::MAX,
+        };
+        let seqs: Vec<u64> = self.waiters.keys().take(free).copied().collect();
+        seqs.into_iter()
+            .filter_map(|s| self.waiters.remove(&s))
+            .inspect(|t| {
+                self.waiting.remove(t);
+            })
+            .collect()
+    }
+}
+
+/// Per (namespace, queue): the TaskQueue's spec, live leases,
+/// reservations, rate bucket and waiters.
+#[derive(Debug)]
+pub struct QueueBook {
+    state: Mutex<Book>,
+    wake: UnboundedSender<ObjectRef<batchlease_api::BatchTask>>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    queues: HashMap<Key, Queue>,
+    seq: u64,
+    /// During a (re)list of the leases: the live ones listed so far.
+    listing: Option<HashMap<Key, HashMap<String, String>>>,
+}
+
+fn live(l: &TaskLease) -> bool {
+    matches!(
+        l.status.as_ref().and_then(|s| s.phase),
+        None | Some(LeasePhase::Offered | LeasePhase::Held)
+    )
+}
+
+fn key_of(l: &TaskLease) -> Key {
+    (l.namespace().unwrap_or_default(), l.spec.queue.clone())
+}
+
+impl QueueBook {
+    /// An empty book that wakes tasks through `wake`.
+    pub fn new(wake: UnboundedSender<ObjectRef<batchlease_api::BatchTask>>) -> Self {
+        Self {
+            state: Mutex::new(Book::default()),
+            wake,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn send(&self, ns: &str, tasks: Vec<String>) {
+        for t in tasks {
+            let _ = self.wake.unbounded_send(ObjectRef::new(&t).within(ns));
+        }
+    }
+
+    /// What the queue allows task `task` now (for [`crate::decide::Input`]).
+    pub fn peek(&self, ns: &str, queue: &str, task: &str, now: Instant) -> QueueGate {
+        let mut book = self.lock();
+        match book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) {
+            Some(q) if q.spec.is_some() => q.gate_for(task, now),
+            _ => QueueGate::Open,
+        }
+    }
+
+    /// The decision held `task` back for `why`: it joins the queue's
+    /// waiting list (counted as throttled once per wait).
+    /// `true` when it was not waiting yet.
+    pub fn hold(&self, ns: &str, queue: &str, task: &str, why: QueueGate) -> bool {
+        let mut book = self.lock();
+        let Book { queues, seq, .. } = &mut *book;
+        queues
+            .get_mut(&(ns.to_owned(), queue.to_owned()))
+            .is_some_and(|q| q.wait(task, seq, why))
+    }
+
+    /// `task` is not held back (any other decision, or it is gone).
+    pub fn release_waiter(&self, ns: &str, queue: &str, task: &str) {
+        let mut book = self.lock();
+        if let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) {
+            q.stop_waiting(task);
+        }
+    }
+
+    /// Reserves the slot and the rate token of an issue of `lease` for
+    /// `task`, if the queue (checked again, under the lock) still allows
+    /// it. `false`: held back after all (another issue took the slot).
+    pub fn reserve(&self, ns: &str, queue: &str, task: &str, lease: &str, now: Instant) -> bool {
+        let mut book = self.lock();
+        let Book { queues, seq, .. } = &mut *book;
+        let q = queues.entry((ns.to_owned(), queue.to_owned())).or_default();
+        if q.spec.is_some() {
+            let g = q.gate_for(task, now);
+            if g != QueueGate::Open {
+                q.wait(task, seq, g);
+                return false;
+            }
+            if let Some(r) = q.rate()
+                && !q.bucket.take(r, now)
+            {
+                q.wait(task, seq, QueueGate::Throttled(Duration::ZERO));
+                return false;
+            }
+        }
+        q.stop_waiting(task);
+        q.reserved.insert(lease.to_owned(), (task.to_owned(), now));
+        true
+    }
+
+    /// The issue of `lease` failed: its slot is free again.
+    pub fn unreserve(&self, ns: &str, queue: &str, lease: &str, now: Instant) {
+        let woken = {
+            let mut book = self.lock();
+            let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
+                return;
+            };
+            q.reserved.remove(lease);
+            q.wake(now)
+        };
+        self.send(ns, woken);
+    }
+
+    /// The lease watch showed `l` (an add or a change).
+    pub fn lease_seen(&self, l: &TaskLease, now: Instant) {
+        let key = key_of(l);
+        let name = l.name_any();
+        let woken = {
+            let mut book = self.lock();
+            if let Some(listing) = book.listing.as_mut()
+                && live(l)
+            {
+                listing
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(name.clone(), l.spec.task_name.clone());
+            }
+            let q = book.queues.entry(key.clone()).or_default();
+            q.reserved.remove(&name);
+            if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held)
+                && let Some(h) = l.spec.holder_identity.clone()
+            {
+                let ttl = Duration::from_secs(
+                    u64::try_from(l.spec.lease_duration_seconds.max(1)).unwrap_or(1),
+                );
+                q.holders.insert(h, now + ttl);
+            }
+            if live(l) {
+                q.live.insert(name, l.spec.task_name.clone());
+                Vec::new()
+            } else if q.live.remove(&name).is_some() {
+                q.wake(now)
+            } else {
+                Vec::new()
+            }
+        };
+        self.send(&key.0, woken);
+    }
+
+    /// The lease watch showed `l` deleted.
+    pub fn lease_gone(&self, l: &TaskLease, now: Instant) {
+        let key = key_of(l);
+        let woken = {
+            let mut book = self.lock();
+            let Some(q) = book.queues.get_mut(&key) else {
+                return;
+            };
+            q.reserved.remove(&l.name_any());
+            if q.live.remove(&l.name_any()).is_some() {
+                q.wake(now)
+            } else {
+                Vec::new()
+            }
+        };
+        self.send(&key.0, woken);
+    }
+
+    /// A (re)list of the leases begins.
+    pub fn list_started(&self) {
+        self.lock().listing = Some(HashMap::new());
+    }
+
+    /// The (re)list ended: the live leases are exactly those it listed.
+    pub fn list_done(&self, now: Instant) {
+        let mut woken = Vec::new();
+        {
+            let mut book = self.lock();
+            let Some(mut listed) = book.listing.take() else {
+                return;
+            };
+            for (key, q) in &mut book.queues {
+                q.live = listed.remove(key).unwrap_or_default();
+                woken.push((key.0.clone(), q.wake(now)));
+            }
+            for (key, live) in listed {
+                book.queues.entry(key).or_default().live = live;
+            }
+        }
+        for (ns, tasks) in woken {
+            self.send(&ns, tasks);
+        }
+    }
+
+    /// A TaskQueue was added or changed: its spec is in force from now.
+    /// Every waiter is woken (a resume, a raised cap), and on a pause the
+    /// tasks with live leases too, so their unclaimed offers are withdrawn.
+    pub fn queue_seen(&self, tq: &TaskQueue, now: Instant) {
+        let key = (tq.namespace().unwrap_or_default(), tq.name_any());
+        let woken = {
+            let mut book = self.lock();
+            let q = book.queues.entry(key.clone()).or_default();
+            let changed = q.spec.as_ref() != Some(&tq.spec);
+            q.spec = Some(tq.spec.clone());
+            if !changed {
+                Vec::new()
+            } else {
+                let mut w = q.wake(now);
+                if tq.spec.paused {
+                    w.extend(q.live.values().cloned());
+                } else {
+                    w.extend(std::mem::take(&mut q.waiters).into_values());
+                    q.waiting.clear();
+                }
+                w
+            }
+        };
+        self.send(&key.0, woken);
+    }
+
+    /// A TaskQueue was deleted: its queue has no controls any more.
+    pub fn queue_gone(&self, tq: &TaskQueue) {
+        let key = (tq.namespace().unwrap_or_default(), tq.name_any());
+        let woken = {
+            let mut book = self.lock();
+            let Some(q) = book.queues.get_mut(&key) else {
+                return;
+            };
+            q.spec = None;
+            q.waiting.clear();
+            std::mem::take(&mut q.waiters).into_values().collect()
+        };
+        self.send(&key.0, woken);
+    }
+
+    /// Issues held back so far, and the distinct holders seen within one
+    /// TTL, of a queue.
+    pub fn summary(&self, ns: &str, queue: &str, now: Instant) -> (ThrottleCounts, i64) {
+        let mut book = self.lock();
+        let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
+            return (ThrottleCounts::default(), 0);
+        };
+        q.holders.retain(|_, until| *until > now);
+        (
+            q.throttled.clone(),
+            i64::try_from(q.holders.len()).unwrap_or(i64::MAX),
+        )
+    }
+}
+
+#[cfg(test)]
+#[path = "queues_tests.rs"]
+mod tests;

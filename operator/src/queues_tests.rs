@@ -1,0 +1,256 @@
+use super::*;
+use batchlease_api::{TaskLeaseSpec, TaskLeaseStatus};
+
+fn spec(paused: bool, max: Option<i32>, rate: Option<i32>) -> TaskQueueSpec {
+    TaskQueueSpec {
+        paused,
+        max_concurrent: max,
+        max_issues_per_second: rate,
+    }
+}
+
+#[test]
+fn gate_table() {
+    let s = Duration::from_secs;
+    for (name, spec, live, wait, pos, want) in [
+        ("no TaskQueue", None, 100, s(0), 0, QueueGate::Open),
+        (
+            "all unset",
+            Some(spec(false, None, None)),
+            100,
+            s(0),
+            5,
+            QueueGate::Open,
+        ),
+        (
+            "paused",
+            Some(spec(true, None, None)),
+            0,
+            s(0),
+            0,
+            QueueGate::Paused,
+        ),
+        (
+            "paused beats full",
+            Some(spec(true, Some(1), None)),
+            5,
+            s(0),
+            0,
+            QueueGate::Paused,
+        ),
+        (
+            "below the cap",
+            Some(spec(false, Some(2), None)),
+            1,
+            s(0),
+            0,
+            QueueGate::Open,
+        ),
+        (
+            "at the cap",
+            Some(spec(false, Some(2), None)),
+            2,
+            s(0),
+            0,
+            QueueGate::Full,
+        ),
+        (
+            "full beats the rate",
+            Some(spec(false, Some(2), Some(1))),
+            2,
+            s(1),
+            0,
+            QueueGate::Full,
+        ),
+        (
+            "a token is there",
+            Some(spec(false, None, Some(2))),
+            0,
+            s(0),
+            7,
+            QueueGate::Open,
+        ),
+        (
+            "no token: the head waits for it",
+            Some(spec(false, None, Some(2))),
+            0,
+            Duration::from_millis(300),
+            0,
+            QueueGate::Throttled(Duration::from_millis(300)),
+        ),
+        (
+            "no token: the fifth in line waits its turn",
+            Some(spec(false, None, Some(2))),
+            0,
+            Duration::from_millis(300),
+            4,
+            QueueGate::Throttled(Duration::from_millis(2300)),
+        ),
+    ] {
+        assert_eq!(gate(spec.as_ref(), live, wait, pos), want, "{name}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_bucket_holds_one_second_and_refills_at_the_rate() {
+    let t0 = Instant::now();
+    let mut b = Bucket::default();
+    for _ in 0..4 {
+        assert_eq!(b.wait(4, t0), Duration::ZERO);
+        assert!(b.take(4, t0));
+    }
+    assert!(!b.take(4, t0), "a burst of one second's worth, no more");
+    assert_eq!(b.wait(4, t0), Duration::from_millis(250));
+    let t1 = t0 + Duration::from_millis(250);
+    assert!(b.take(4, t1));
+    assert!(!b.take(4, t1));
+    // An idle queue does not save up more than one second.
+    let t2 = t1 + Duration::from_secs(60);
+    for _ in 0..4 {
+        assert!(b.take(4, t2));
+    }
+    assert!(!b.take(4, t2));
+}
+
+fn book() -> (
+    QueueBook,
+    futures::channel::mpsc::UnboundedReceiver<ObjectRef<batchlease_api::BatchTask>>,
+) {
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    (QueueBook::new(tx), rx)
+}
+
+fn queue(spec: TaskQueueSpec) -> TaskQueue {
+    let mut q = TaskQueue::new("q", spec);
+    q.metadata.namespace = Some("ns".into());
+    q
+}
+
+fn lease(task: &str, phase: LeasePhase) -> TaskLease {
+    let mut l = TaskLease::new(
+        &format!("{task}-1"),
+        TaskLeaseSpec::offered(task, "u", "q", 1, 30),
+    );
+    l.metadata.namespace = Some("ns".into());
+    l.status = Some(TaskLeaseStatus {
+        phase: Some(phase),
+        ..Default::default()
+    });
+    if phase != LeasePhase::Offered {
+        l.spec.holder_identity = Some("w".into());
+    }
+    l
+}
+
+fn woken(
+    rx: &mut futures::channel::mpsc::UnboundedReceiver<ObjectRef<batchlease_api::BatchTask>>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Ok(r) = rx.try_recv() {
+        out.push(r.name);
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn reservations_count_before_the_watch_shows_the_lease() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(2), None)), now);
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+    assert!(b.reserve("ns", "q", "b", "b-1", now));
+    // Two issues in flight, nothing in the cache yet: the third waits.
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Full);
+    assert!(!b.reserve("ns", "q", "c", "c-1", now));
+    // The watch shows them: still two live, still full.
+    b.lease_seen(&lease("a", LeasePhase::Offered), now);
+    b.lease_seen(&lease("b", LeasePhase::Held), now);
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Full);
+    // A failed issue gives its slot back.
+    b.unreserve("ns", "q", "a-1", now);
+    assert_eq!(
+        b.peek("ns", "q", "c", now),
+        QueueGate::Full,
+        "a-1 is live in the watch"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_ends_wakes_the_oldest_waiter_only() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    for t in ["c", "d", "e"] {
+        let g = b.peek("ns", "q", t, now);
+        assert_eq!(g, QueueGate::Full);
+        b.hold("ns", "q", t, g);
+    }
+    assert_eq!(woken(&mut rx), Vec::<String>::new());
+    b.lease_seen(&lease("a", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    assert!(b.reserve("ns", "q", "c", "c-1", now));
+    assert_eq!(b.summary("ns", "q", now).0.max_concurrent, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pause_wakes_the_holders_of_live_leases_and_resume_every_waiter() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, None, None)), now);
+    b.lease_seen(&lease("a", LeasePhase::Offered), now);
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    assert_eq!(woken(&mut rx), vec!["a"], "a's offer is to be withdrawn");
+    for t in ["x", "y"] {
+        let g = b.peek("ns", "q", t, now);
+        assert_eq!(g, QueueGate::Paused);
+        b.hold("ns", "q", t, g);
+    }
+    // The same spec again (a status write, a resync): nobody is woken.
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    assert!(woken(&mut rx).iter().all(|t| t == "a"));
+    b.queue_seen(&queue(spec(false, None, None)), now);
+    let mut w = woken(&mut rx);
+    w.sort();
+    assert_eq!(w, vec!["x", "y"]);
+    assert_eq!(b.summary("ns", "q", now).0.paused, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_relist_replaces_the_live_set() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Full);
+    // The lease ended while the watch was down: the relist does not show it.
+    b.list_started();
+    b.list_done(now);
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_rate_is_taken_by_reservations() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, None, Some(2))), now);
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+    assert!(b.reserve("ns", "q", "b", "b-1", now));
+    assert!(!b.reserve("ns", "q", "c", "c-1", now));
+    assert_eq!(
+        b.peek("ns", "q", "d", now),
+        QueueGate::Throttled(Duration::from_millis(1000)),
+        "c waits ahead of d"
+    );
+    let later = now + Duration::from_millis(500);
+    assert!(b.reserve("ns", "q", "c", "c-1", later));
+}
+
+#[tokio::test(start_paused = true)]
+async fn holders_count_for_one_ttl() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    assert_eq!(b.summary("ns", "q", now).1, 1);
+    assert_eq!(b.summary("ns", "q", now + Duration::from_secs(31)).1, 0);
+}
