@@ -28,7 +28,6 @@ use serde::{Deserialize, Serialize};
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63")
         .message("a TaskQueue is named for its queue (spec.queue of its tasks): a DNS label of at most 63 characters")
-        .field_path(".metadata.name")
         .reason(Reason::FieldValueInvalid),
 )]
 #[serde(rename_all = "camelCase")]

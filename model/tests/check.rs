@@ -253,6 +253,16 @@ fn safe_when_a_task_is_cancelled_and_the_operator_crashes() {
     assert_safe(cfg, &["a task is cancelled"]);
 }
 
+/// Cancel and a deleted held lease: the token is retired and the task
+/// ends only once the lost lease's holder cannot be running any more (no
+/// successor's token fences it out of storage).
+#[test]
+fn safe_when_a_cancelled_task_loses_its_lease() {
+    let mut cfg = config(2, 0, 1);
+    cfg.cancel = true;
+    assert_safe(cfg, &["a task is cancelled", "a tombstone retires a token"]);
+}
+
 /// Liveness with cancel: the task still finishes (Succeeded or Cancelled).
 #[test]
 fn a_cancelled_task_finishes_under_fairness() {

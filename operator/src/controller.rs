@@ -196,12 +196,17 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             queue_synced(matches!(event, watcher::Event::InitDone));
             let now = Instant::now();
             match event {
-                watcher::Event::Apply(q) | watcher::Event::InitApply(q) => {
+                watcher::Event::Apply(q) => watch_queues.queue_seen(q, now),
+                watcher::Event::InitApply(q) => {
                     watch_queues.queue_seen(q, now);
+                    watch_queues.queue_listed(q);
                 }
                 watcher::Event::Delete(q) => watch_queues.queue_gone(q),
-                watcher::Event::Init => {}
-                watcher::Event::InitDone => q_listed.store(true, Ordering::Release),
+                watcher::Event::Init => watch_queues.queues_list_started(),
+                watcher::Event::InitDone => {
+                    watch_queues.queues_list_done();
+                    q_listed.store(true, Ordering::Release);
+                }
             }
         })
         .reflect(queue_writer)

@@ -519,6 +519,11 @@ fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timestamp) -> Deci
 
 fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
     if input.task.spec.cancel {
+        // A lost attempt of a cancelled task may still be running (see
+        // `replace_lost`): the task ends when it cannot be any more.
+        if let Some(wait) = lost_attempt_wait(input.task, current, input.wall) {
+            return Decision::Wait(Some(wait));
+        }
         return cancel_unleased(input, current.clone(), false);
     }
     if let Some(after) = &current.next_attempt_after {
@@ -625,6 +630,34 @@ fn has_condition(status: &BatchTaskStatus, type_: &str) -> bool {
     status.conditions.iter().any(|c| c.type_ == type_)
 }
 
+/// Reason of the history record of an attempt whose lease went missing.
+pub const LEASE_MISSING: &str = "LeaseMissing";
+
+/// How long until every attempt whose lease went missing (recorded `Lost`
+/// in the history, with the time the loss was seen) has surely stopped:
+/// its holder, if it had one, runs at most until its kill switch, within a
+/// TTL of the loss. `None`: nothing to wait for.
+///
+/// A cancelled task must not end before then. Otherwise nothing fences
+/// such a zombie out of storage: its successor — the attempt that would
+/// register a higher token first — is the one the cancel withdrew.
+fn lost_attempt_wait(
+    task: &BatchTask,
+    current: &BatchTaskStatus,
+    wall: Timestamp,
+) -> Option<Duration> {
+    let ttl = SignedDuration::from_secs(i64::from(task.spec.lease_duration_seconds.max(1)) + 1);
+    current
+        .history
+        .iter()
+        .filter(|h| h.outcome == "Lost")
+        .filter_map(|h| h.end.as_ref())
+        .map(|end| end.0.checked_add(ttl).unwrap_or(end.0).duration_since(wall))
+        .filter(|left| left.is_positive())
+        .max()
+        .map(|left| Duration::try_from(left).unwrap_or(Duration::from_secs(1)))
+}
+
 /// Cancels a task without a live lease: it gives back the locks it may
 /// hold (it will never run), then ends `Cancelled`. `holds_locks`: the
 /// locks were taken for the current token (a lost lease's), so they go
@@ -703,6 +736,21 @@ fn with_locks(
     fair: bool,
 ) -> Decision {
     if input.queue != QueueGate::Open {
+        // A task the queue holds back holds no locks: it would keep the
+        // users of its resources in other queues waiting for nothing.
+        let needed = locks::needed(input.task);
+        if !needed.is_empty() {
+            let Some(slots) = &input.locks else {
+                return Decision::FetchLocks(needed);
+            };
+            let held = locks::release_any(slots);
+            if !held.is_empty() {
+                return Decision::ReleaseLocks {
+                    leases: held,
+                    why: LockRelease::NotRunnable,
+                };
+            }
+        }
         return Decision::HeldBack(input.queue);
     }
     let task = input.task;
@@ -749,7 +797,10 @@ fn with_locks(
 /// spent, since the loss was not the worker's doing.
 fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) -> Decision {
     let mut status = current.clone();
-    if phase == TaskPhase::Running {
+    let cancel = input.task.spec.cancel;
+    // A Ready task's lease may have been claimed too (the Running write
+    // comes a moment after the claim): its loss is recorded as well.
+    if matches!(phase, TaskPhase::Running | TaskPhase::Ready) {
         crate::status::push_history(
             &mut status,
             AttemptRecord {
@@ -758,12 +809,44 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
                 outcome: "Lost".into(),
                 start: None,
                 end: Some(Time(input.wall)),
-                reason: Some("LeaseMissing".into()),
+                reason: Some(LEASE_MISSING.into()),
             },
         );
     }
-    if input.task.spec.cancel {
-        return cancel_unleased(input, status, true);
+    if cancel {
+        // The lost lease may have been claimed, and its holder may run
+        // until its kill switch: with no successor whose token would fence
+        // it out of storage, the task must not end (nor give back its
+        // locks) before then. The wait is recorded in status (Pending, the
+        // loss in the history, `nextAttemptAfter` a TTL from now), so a
+        // restart keeps it; the token is retired already (the current
+        // lease's name is occupied), so nothing can be claimed meanwhile.
+        status.phase = Some(TaskPhase::Pending);
+        status.holder = None;
+        status.observed_generation = input.task.metadata.generation;
+        let ttl = u64::try_from(input.task.spec.lease_duration_seconds.max(1)).unwrap_or(1);
+        status.next_attempt_after = Some(Time(
+            input
+                .wall
+                .checked_add(SignedDuration::from_secs(
+                    i64::try_from(ttl).unwrap_or(i64::MAX) + 1,
+                ))
+                .unwrap_or(input.wall),
+        ));
+        set_condition(
+            &mut status,
+            input.task,
+            input.wall,
+            status::leased(
+                false,
+                LEASE_MISSING,
+                "the current lease is missing; the task ends Cancelled once its holder, if any, has stopped",
+            ),
+        );
+        return Decision::WriteStatus {
+            status: Box::new(status),
+            transition: Transition::CancelAwaitsLostHolder,
+        };
     }
     with_locks(input, status, IssueCause::Replaced, false)
 }
@@ -850,6 +933,14 @@ fn leased(
                     return Decision::Wait(Some(left));
                 }
             }
+            let succeeded = lease_phase == LeasePhase::Completed
+                && lease.status.as_ref().and_then(|s| s.outcome) == Some(LeaseOutcome::Succeeded);
+            if cancel
+                && !succeeded
+                && let Some(wait) = lost_attempt_wait(input.task, current, input.wall)
+            {
+                return Decision::Wait(Some(wait));
+            }
             // The attempt's locks go back before the task settles, so the
             // phase change that wakes their waiters finds them free.
             if !lease.spec.resource_tokens.is_empty() {
@@ -869,8 +960,6 @@ fn leased(
                 }
             }
             let reason = lease.status.as_ref().and_then(|s| s.reason.as_deref());
-            let succeeded = lease_phase == LeasePhase::Completed
-                && lease.status.as_ref().and_then(|s| s.outcome) == Some(LeaseOutcome::Succeeded);
             let (status, transition) = if cancel && !succeeded {
                 // Cancel wins over a retry; a success that landed first
                 // stands (its result is committed).

@@ -62,9 +62,102 @@ fn a_cancelled_task_never_issues_even_when_its_lease_is_gone() {
     ));
     let mut tomb = (*lease(3, LeasePhase::Released, None)).clone();
     tomb.status.as_mut().unwrap().reason = Some(TOKEN_RETIRED.into());
-    let (st, _) = into_status(Case::new(t).leases(vec![Arc::new(tomb)]).run());
-    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    let tomb = Arc::new(tomb);
+    // The lost lease may have been claimed: its holder may run until its
+    // kill switch, and no successor's token fences it out of storage. The
+    // task waits a TTL (recorded in status, so a restart keeps it).
+    let (st, tr) = into_status(Case::new(t.clone()).leases(vec![tomb.clone()]).run());
+    assert_eq!(tr, Transition::CancelAwaitsLostHolder);
+    assert_eq!(st.phase, Some(TaskPhase::Pending));
     assert_eq!(st.fencing_token, 3, "no token issued after the cancel");
+    let lost = st.history.last().unwrap();
+    assert_eq!((lost.outcome.as_str(), lost.token), ("Lost", 3));
+    let ttl = t.spec.lease_duration_seconds;
+    assert_eq!(
+        st.next_attempt_after,
+        Some(Time(tests::wall(i64::from(ttl) + 1)))
+    );
+    let waiting = t.clone().with(|s| *s = st.clone());
+    assert_eq!(
+        Case::new(waiting.clone()).leases(vec![tomb.clone()]).run(),
+        Decision::Wait(Some(Duration::from_secs(u64::try_from(ttl).unwrap() + 1)))
+    );
+    // Once the wait is over (the loss was seen a TTL ago): Cancelled,
+    // still no new token.
+    let over = waiting.with(|s| {
+        s.next_attempt_after = Some(Time(tests::wall(-1)));
+        s.history.last_mut().unwrap().end = Some(Time(tests::wall(-i64::from(ttl) - 2)));
+    });
+    let (st, tr) = into_status(Case::new(over).leases(vec![tomb]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+    assert_eq!(st.fencing_token, 3);
+    assert_eq!(tr, Transition::Cancelled { holder: None });
+}
+
+#[test]
+fn a_cancelled_replacement_waits_for_the_lost_attempt_before_it() {
+    // Token 1's lease was deleted while held (Lost, seen 2 s ago); token 2
+    // was offered and the cancel withdrew it. The zombie of token 1 may
+    // still run, and token 2 never registered to fence it out of storage:
+    // the task ends only a TTL after the loss.
+    let t = cancelled(task().phase(TaskPhase::Ready, 2).with(|s| {
+        s.history.push(batchlease_api::AttemptRecord {
+            token: 1,
+            holder: Some("w1".into()),
+            outcome: "Lost".into(),
+            start: None,
+            end: Some(Time(tests::wall(-2))),
+            reason: Some(LEASE_MISSING.into()),
+        });
+    }));
+    let mut w = (*lease(2, LeasePhase::Released, None)).clone();
+    w.status.as_mut().unwrap().reason = Some(release_reason::CANCELLED.into());
+    let w = Arc::new(w);
+    let ttl = u64::try_from(t.spec.lease_duration_seconds).unwrap();
+    assert_eq!(
+        Case::new(t.clone()).leases(vec![w.clone()]).run(),
+        Decision::Wait(Some(Duration::from_secs(ttl + 1 - 2)))
+    );
+    let later = t.with(|s| {
+        s.history[0].end = Some(Time(tests::wall(-i64::try_from(ttl).unwrap() - 1)));
+    });
+    let (st, _) = into_status(Case::new(later).leases(vec![w]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+}
+
+#[test]
+fn a_task_its_queue_holds_back_gives_back_its_locks_first() {
+    use crate::locks::{Holder, Slot, lock_name};
+    let t = task()
+        .phase(TaskPhase::Pending, 2)
+        .spec(|s| s.resources = vec!["db".into()]);
+    assert_eq!(
+        Case::new(t.clone()).queue(QueueGate::Paused).run(),
+        Decision::FetchLocks(vec!["db".into()])
+    );
+    let mut held = k8s_openapi::api::coordination::v1::Lease::default();
+    held.metadata.name = Some(lock_name("ns", "db"));
+    let slot = |holder| Slot {
+        resource: "db".into(),
+        name: lock_name("ns", "db"),
+        lease: Some(held.clone()),
+        holder,
+        older_waiter: None,
+    };
+    assert!(matches!(
+        Case::new(t.clone())
+            .queue(QueueGate::Full)
+            .locks(vec![slot(Holder::Ours { token: 3 })])
+            .run(),
+        Decision::ReleaseLocks { .. }
+    ));
+    assert_eq!(
+        Case::new(t)
+            .queue(QueueGate::Full)
+            .locks(vec![slot(Holder::Free)])
+            .run(),
+        Decision::HeldBack(QueueGate::Full)
+    );
 }
 
 #[test]

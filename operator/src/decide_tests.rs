@@ -347,11 +347,9 @@ fn a_missing_current_lease_is_looked_up_then_replaced_under_a_new_token() {
             .iter()
             .map(|h| (h.token, h.outcome.as_str(), h.reason.as_deref()))
             .collect();
-        if phase == TaskPhase::Running {
-            assert_eq!(lost, [(3, "Lost", Some("LeaseMissing"))]);
-        } else {
-            assert!(lost.is_empty(), "{lost:?}");
-        }
+        // Ready too: the lease may have been claimed before the Running
+        // write (a cancel must wait for such a holder).
+        assert_eq!(lost, [(3, "Lost", Some("LeaseMissing"))], "{phase:?}");
     }
 }
 

@@ -26,9 +26,12 @@ use tokio::time::Instant;
 
 use crate::decide::QueueGate;
 
-/// A reservation the watch never confirmed (the create failed without us
-/// learning, the process lost the answer) is given up after this long.
-const RESERVATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// A reservation the watch never confirmed (an issue whose outcome was
+/// unknown and that did not happen after all) is given up after this
+/// long: longer than two bounded writes (a status write and a create, each
+/// at most a leader term or a minute), so a create still on its way when
+/// the reservation goes cannot exist.
+const RESERVATION_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A token bucket holding one second's worth of `rate` (at least one).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -146,7 +149,7 @@ impl Queue {
     }
 
     fn gate_for(&mut self, task: &str, now: Instant) -> QueueGate {
-        let live = self.occupied(now);
+        let occupied = self.occupied(now);
         let token_wait = match self.rate() {
             Some(r) => self.bucket.wait(r, now),
             None => Duration::ZERO,
@@ -155,7 +158,14 @@ impl Queue {
             Some(seq) => self.waiters.range(..*seq).count(),
             None => self.waiters.len(),
         };
-        gate(self.spec.as_ref(), live, token_wait, position)
+        // Slots go to the waiters in order: those ahead of this task count
+        // as taken (a woken waiter keeps its place; a newcomer queues).
+        gate(
+            self.spec.as_ref(),
+            occupied + position,
+            token_wait,
+            position,
+        )
     }
 
     fn wait(&mut self, task: &str, seq: &mut u64, why: QueueGate) -> bool {
@@ -180,9 +190,9 @@ impl Queue {
         }
     }
 
-    /// The oldest waiters, one per free slot (all of them without a cap),
-    /// removed from the list: a woken task that is still held back waits
-    /// again, at the back.
+    /// The oldest waiters, one per free slot (all of them without a cap).
+    /// They keep their places until they issue (or are no longer held
+    /// back), so a newcomer cannot overtake them.
     fn wake(&mut self, now: Instant) -> Vec<String> {
         let free = match self.spec.as_ref() {
             Some(s) if s.paused => 0,
@@ -194,13 +204,7 @@ impl Queue {
                 .saturating_sub(self.occupied(now)),
             _ => usize::MAX,
         };
-        let seqs: Vec<u64> = self.waiters.keys().take(free).copied().collect();
-        seqs.into_iter()
-            .filter_map(|s| self.waiters.remove(&s))
-            .inspect(|t| {
-                self.waiting.remove(t);
-            })
-            .collect()
+        self.waiters.values().take(free).cloned().collect()
     }
 }
 
@@ -218,6 +222,8 @@ struct Book {
     seq: u64,
     /// During a (re)list of the leases: the live ones listed so far.
     listing: Option<HashMap<Key, HashMap<String, String>>>,
+    /// During a (re)list of the TaskQueues: those listed so far.
+    listing_queues: Option<std::collections::HashSet<Key>>,
 }
 
 fn live(l: &TaskLease) -> bool {
@@ -260,14 +266,37 @@ impl QueueBook {
     }
 
     /// The decision held `task` back for `why`: it joins the queue's
-    /// waiting list (counted as throttled once per wait).
-    /// `true` when it was not waiting yet.
-    pub fn hold(&self, ns: &str, queue: &str, task: &str, why: QueueGate) -> bool {
+    /// waiting list (counted as throttled once per wait). `Some(true)` when
+    /// it was not waiting yet; `None` when the queue (looked at again,
+    /// under the lock) no longer holds it back — it changed since the pass
+    /// looked, and its wake-up may have gone out before the task was on
+    /// the list: the caller decides again.
+    pub fn hold(
+        &self,
+        ns: &str,
+        queue: &str,
+        task: &str,
+        why: QueueGate,
+        now: Instant,
+    ) -> Option<bool> {
         let mut book = self.lock();
         let Book { queues, seq, .. } = &mut *book;
-        queues
-            .get_mut(&(ns.to_owned(), queue.to_owned()))
-            .is_some_and(|q| q.wait(task, seq, why))
+        let q = queues.get_mut(&(ns.to_owned(), queue.to_owned()))?;
+        let first = q.wait(task, seq, why);
+        if q.spec.is_none() || q.gate_for(task, now) == QueueGate::Open {
+            return None;
+        }
+        Some(first)
+    }
+
+    /// Whether the queue holds `task` back for more than a moment (paused,
+    /// or full with it in line): such a task does not wait for resource
+    /// locks, so it must not keep younger users of its resources waiting.
+    pub fn holds_back(&self, ns: &str, queue: &str, task: &str, now: Instant) -> bool {
+        matches!(
+            self.peek(ns, queue, task, now),
+            QueueGate::Paused | QueueGate::Full
+        )
     }
 
     /// `task` is not held back (any other decision, or it is gone).
@@ -335,6 +364,11 @@ impl QueueBook {
             if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held)
                 && let Some(h) = l.spec.holder_identity.clone()
             {
+                if !q.holders.contains_key(&h) {
+                    // A new holder: forget those not seen for a TTL (no
+                    // status loop reads queues without a TaskQueue).
+                    q.holders.retain(|_, until| *until > now);
+                }
                 let ttl = Duration::from_secs(
                     u64::try_from(l.spec.lease_duration_seconds.max(1)).unwrap_or(1),
                 );
@@ -409,17 +443,49 @@ impl QueueBook {
             if !changed {
                 Vec::new()
             } else {
+                // A resume or a raised cap: the waiters a slot is free for.
                 let mut w = q.wake(now);
                 if tq.spec.paused {
                     w.extend(q.live.values().cloned());
-                } else {
-                    w.extend(std::mem::take(&mut q.waiters).into_values());
-                    q.waiting.clear();
                 }
                 w
             }
         };
         self.send(&key.0, woken);
+    }
+
+    /// A (re)list of the TaskQueues begins.
+    pub fn queues_list_started(&self) {
+        self.lock().listing_queues = Some(std::collections::HashSet::new());
+    }
+
+    /// One TaskQueue of a (re)list (after [`QueueBook::queue_seen`]).
+    pub fn queue_listed(&self, tq: &TaskQueue) {
+        if let Some(l) = self.lock().listing_queues.as_mut() {
+            l.insert((tq.namespace().unwrap_or_default(), tq.name_any()));
+        }
+    }
+
+    /// The (re)list ended: a TaskQueue it did not show was deleted while
+    /// the watch was down (no Delete event comes for it).
+    pub fn queues_list_done(&self) {
+        let mut woken = Vec::new();
+        {
+            let mut book = self.lock();
+            let Some(listed) = book.listing_queues.take() else {
+                return;
+            };
+            for (key, q) in &mut book.queues {
+                if q.spec.is_some() && !listed.contains(key) {
+                    q.spec = None;
+                    q.waiting.clear();
+                    woken.push((key.0.clone(), std::mem::take(&mut q.waiters)));
+                }
+            }
+        }
+        for (ns, waiters) in woken {
+            self.send(&ns, waiters.into_values().collect());
+        }
     }
 
     /// A TaskQueue was deleted: its queue has no controls any more.

@@ -184,7 +184,7 @@ async fn a_lease_that_ends_wakes_the_oldest_waiter_only() {
     for t in ["c", "d", "e"] {
         let g = b.peek("ns", "q", t, now);
         assert_eq!(g, QueueGate::Full);
-        b.hold("ns", "q", t, g);
+        assert_eq!(b.hold("ns", "q", t, g, now), Some(true));
     }
     assert_eq!(woken(&mut rx), Vec::<String>::new());
     b.lease_seen(&lease("a", LeasePhase::Completed), now);
@@ -204,7 +204,7 @@ async fn pause_wakes_the_holders_of_live_leases_and_resume_every_waiter() {
     for t in ["x", "y"] {
         let g = b.peek("ns", "q", t, now);
         assert_eq!(g, QueueGate::Paused);
-        b.hold("ns", "q", t, g);
+        assert_eq!(b.hold("ns", "q", t, g, now), Some(true));
     }
     // The same spec again (a status write, a resync): nobody is woken.
     b.queue_seen(&queue(spec(true, None, None)), now);
@@ -253,4 +253,44 @@ async fn holders_count_for_one_ttl() {
     b.lease_seen(&lease("a", LeasePhase::Held), now);
     assert_eq!(b.summary("ns", "q", now).1, 1);
     assert_eq!(b.summary("ns", "q", now + Duration::from_secs(31)).1, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn woken_waiters_keep_their_place_and_newcomers_queue_behind() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    assert_eq!(b.hold("ns", "q", "c", QueueGate::Full, now), Some(true));
+    b.lease_seen(&lease("a", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    // Before c's pass runs, a newcomer looks: the free slot is c's.
+    assert_eq!(b.peek("ns", "q", "n", now), QueueGate::Full);
+    assert!(!b.reserve("ns", "q", "n", "n-1", now));
+    assert!(b.reserve("ns", "q", "c", "c-1", now));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hold_that_finds_the_queue_open_again_says_so() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    let g = b.peek("ns", "q", "c", now);
+    assert_eq!(g, QueueGate::Paused);
+    // Resumed between the pass's look and its hold: the resume's wake-up
+    // went out before c was waiting, so the hold says "decide again".
+    b.queue_seen(&queue(spec(false, None, None)), now);
+    assert_eq!(b.hold("ns", "q", "c", g, now), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queue_deleted_while_the_watch_was_down_loses_its_controls_at_the_relist() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    assert_eq!(b.hold("ns", "q", "c", QueueGate::Paused, now), Some(true));
+    b.queues_list_started();
+    b.queues_list_done();
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Open);
+    assert_eq!(woken(&mut rx), vec!["c"]);
 }

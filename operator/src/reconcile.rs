@@ -293,7 +293,14 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     }
     match decision {
         Decision::HeldBack(gate) => {
-            if ctx.queues.hold(&ns, &queue.queue, &name, gate) {
+            let held = ctx
+                .queues
+                .hold(&ns, &queue.queue, &name, gate, Instant::now());
+            let Some(first) = held else {
+                // The queue changed since the pass looked: decide again.
+                return Ok(Action::requeue(Duration::from_millis(10)));
+            };
+            if first {
                 ctx.metrics
                     .queue_issues_throttled
                     .get_or_create(&ReasonLabels {
@@ -360,15 +367,29 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             {
                 return Ok(Action::requeue(Duration::from_millis(100)));
             }
-            let unreserve = || {
-                ctx.queues
-                    .unreserve(&ns, &queue.queue, &lease_name, Instant::now());
+            // Only a write known not to have happened frees the slot; an
+            // unknown outcome (a timeout, a 5xx) may still create the lease,
+            // and its reservation stays until the watch shows it (or
+            // expires, see `queues`).
+            let unreserve = |e: &Error| {
+                let refused = match e {
+                    Error::Conflict { .. } | Error::NotLeader => true,
+                    Error::Kube {
+                        source: kube::Error::Api(s),
+                        ..
+                    } => s.code < 500,
+                    _ => false,
+                };
+                if refused {
+                    ctx.queues
+                        .unreserve(&ns, &queue.queue, &lease_name, Instant::now());
+                }
             };
             // Taken before the write: the watch event of the write ends the
             // wait in the index as soon as it arrives.
             let lock_wait = ctx.index.lock_wait_done(&ns, &name);
             if let Err(e) = write_status(ctx, task, *status).await {
-                unreserve();
+                unreserve(&e);
                 return Err(e);
             }
             if let Some(since) = lock_wait {
@@ -381,7 +402,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 ctx.metrics.reassignments.get_or_create(&queue).inc();
             }
             if let Err(e) = create_lease(ctx, &lease).await {
-                unreserve();
+                unreserve(&e);
                 return Err(e);
             }
             info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
@@ -524,6 +545,12 @@ async fn fetch_locks(
             .filter(|n| *n != task.name_any())
             .filter_map(|n| lookup(&n))
             .filter(|t| locks::queue_key(t) < me && locks::waiting(t, &lookup, wall))
+            // A task its queue holds back (paused, full) waits for the
+            // queue, not for this resource.
+            .filter(|t| {
+                !ctx.queues
+                    .holds_back(&ns, &t.spec.queue, &t.name_any(), Instant::now())
+            })
             .min_by_key(|t| locks::queue_key(t))
             .map(|t| format!("{ns}/{} (waiting longer)", t.name_any()));
         slots.push(Slot {
@@ -808,7 +835,7 @@ async fn release(
                         EventType::Normal,
                         "Cancelling",
                         format!(
-                            "spec.cancel: released lease {} of {h}; its next renewal fails and stops it; the task ends Cancelled once it cannot be running (at most {ttl}s)",
+                            "spec.cancel: released lease {} of {h}; its next renewal fails and stops it; the task ends Cancelled once it cannot be running (about {ttl}s)",
                             lease.name_any()
                         ),
                     )
@@ -1115,6 +1142,13 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
                 ),
                 None => "cancelled (spec.cancel) before any worker held it".to_owned(),
             },
+        ),
+        Transition::CancelAwaitsLostHolder => (
+            EventType::Warning,
+            "LeaseMissing",
+            format!(
+                "cancelled, but the lease with fencing token {token} is missing: the task ends Cancelled once its holder, if any, has stopped"
+            ),
         ),
         Transition::Withdrawn => {
             debug!(task = %task.name_any(), %queue, "queue paused: offer withdrawn");

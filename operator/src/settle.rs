@@ -51,6 +51,9 @@ pub enum Transition {
     /// The queue was paused: the offer nobody claimed was withdrawn and
     /// the task waits, no retry spent.
     Withdrawn,
+    /// A cancelled task's current lease went missing: it ends a TTL later,
+    /// once the lease's holder (if any) has surely stopped.
+    CancelAwaitsLostHolder,
 }
 
 /// Consecutive `Interrupted` attempts retried at once; from this many on,

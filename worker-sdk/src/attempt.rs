@@ -211,7 +211,8 @@ fn count_kill(metrics: &WorkerMetrics, reason: KillReason) {
 /// lease nobody else wrote since matches) as `Interrupted`, or as
 /// `Failed` when the attempt ran out of its deadline. Bounded, best effort.
 async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) {
-    if reason == KillReason::LeaseLost {
+    // The lease is gone or the operator released it: nothing to give back.
+    if matches!(reason, KillReason::LeaseLost | KillReason::Cancelled) {
         return;
     }
     let c = match reason {
