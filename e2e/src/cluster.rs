@@ -172,6 +172,16 @@ impl TestNamespace {
         self.check_and_delete(checks).await
     }
 
+    /// Everything recorded so far (leases, tasks), after catching up with
+    /// the API server's current state.
+    pub async fn recorded(
+        &self,
+    ) -> anyhow::Result<(Vec<crate::history::Recorded>, Vec<crate::history::Recorded>)> {
+        self.history.catch_up(&self.client, &self.name).await?;
+        let (leases, tasks, _) = self.history.snapshot();
+        Ok((leases, tasks))
+    }
+
     /// The recorded history's violations under `checks` (empty: ok).
     pub async fn violations(&self, checks: Checks) -> anyhow::Result<Vec<String>> {
         self.history.violations(&checks).await

@@ -201,8 +201,9 @@ impl History {
                 _ => None,
             })
             .collect();
+        let mut writes = Vec::new();
         if std::env::var_os("BATCHLEASE_PG_URL").is_some() && !uids.is_empty() {
-            let writes = storage_writes(&uids).await?;
+            writes = storage_writes(&uids).await?;
             out.extend(check_storage(&leases, &writes));
             let resources = resource_writes(&uids).await?;
             out.extend(crate::history_graph::check_occupancy(&resources));
@@ -211,6 +212,9 @@ impl History {
                 &log, &committed,
             ));
         }
+        out.extend(crate::history_controls::check_cancel(
+            &tasks, &leases, &writes,
+        ));
         if opts.all_final {
             out.extend(check_final(&tasks));
         }
@@ -284,14 +288,14 @@ where
 }
 
 /// A lease the operator issued: controlled by its task.
-fn issued(l: &TaskLease) -> bool {
+pub(crate) fn issued(l: &TaskLease) -> bool {
     l.owner_references()
         .iter()
         .any(|o| o.kind == "BatchTask" && o.controller == Some(true) && o.uid == l.spec.task_uid)
 }
 
 /// A final lease the operator created to retire a token.
-fn tombstone(l: &TaskLease) -> bool {
+pub(crate) fn tombstone(l: &TaskLease) -> bool {
     let st = l.status.as_ref();
     st.and_then(|s| s.phase) == Some(LeasePhase::Released)
         && st.and_then(|s| s.reason.as_deref()) == Some("TokenRetired")

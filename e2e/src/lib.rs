@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod helm;
 pub mod history;
+pub mod history_controls;
 pub mod history_graph;
 pub mod history_speculative;
 pub mod identity;

@@ -1,0 +1,257 @@
+//! `spec.cancel` (design §9): the operator releases the task's lease, the
+//! holder's next renewal finds it released and stops the handler, and the
+//! task ends `Cancelled` — final, with an Event, and nothing committed
+//! afterwards. A Ready task's offer is withdrawn before anyone claims it.
+//! Real operator, demo workers and PostgreSQL; the namespace's whole
+//! history is checked at the end (`check_cancel`: Cancelled is final, no
+//! lease created or live after it, no storage write after it).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::tasks::{self, event_reasons, lease_phase, wait_phase};
+use batchlease_e2e::wait::wait_for;
+use batchlease_e2e::{pg, workers};
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
+
+const TTL: u64 = 6;
+
+async fn cancel(ns: &batchlease_e2e::cluster::TestNamespace, name: &str) -> anyhow::Result<()> {
+    ns.api::<BatchTask>()
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn cancelling_a_running_task_stops_its_handler_and_ends_it_cancelled() {
+    let (ns, op) = Operator::in_new_namespace("cancel-run", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let db = pg::connect().await.unwrap();
+    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    // 60 s of work in 100 ms steps: it would not finish during the test.
+    tasks::create(
+        &ns,
+        "long",
+        json!({"queue": "demo", "leaseDurationSeconds": TTL,
+               "payload": {"steps": 600, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    let logs = || format!("{}{}", op.logs(), worker[0].logs());
+    wait_phase(
+        &ns,
+        "long",
+        TaskPhase::Running,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    let uid = tasks::uid(&ns, "long").await.unwrap();
+    let sent = Instant::now();
+    cancel(&ns, "long").await.unwrap();
+
+    // The holder renews every TTL/3: its next renewal finds the lease
+    // released and cancels the handler.
+    let stopped = wait_for(
+        "the worker to stop the cancelled attempt",
+        Duration::from_secs(TTL * 2),
+        logs,
+        || async {
+            Ok(worker[0]
+                .logs()
+                .contains("the task was cancelled: stopping the attempt")
+                .then(Instant::now))
+        },
+    )
+    .await
+    .unwrap();
+    let took = stopped.duration_since(sent);
+    eprintln!("handler cancelled {took:?} after spec.cancel was set");
+    assert!(
+        took <= Duration::from_secs(TTL / 3 + 2),
+        "handler cancelled after {took:?}, more than TTL/3 + 2 s slack"
+    );
+
+    let t = wait_phase(
+        &ns,
+        "long",
+        TaskPhase::Cancelled,
+        Duration::from_secs(TTL * 3),
+        logs,
+    )
+    .await
+    .unwrap();
+    let ended = Instant::now().duration_since(sent);
+    let st = t.status.unwrap();
+    assert_eq!(st.attempts, 0, "a cancel spends no retry");
+    assert!(st.completion_time.is_some());
+    let last = st.history.last().unwrap();
+    assert_eq!(
+        (last.outcome.as_str(), last.reason.as_deref()),
+        ("Cancelled", Some("Cancelled"))
+    );
+    // Ended only once the holder could no longer be running: the operator
+    // waits a TTL from the holder's last observed renewal.
+    assert!(
+        ended >= Duration::from_secs(TTL) - Duration::from_secs(TTL / 3) - Duration::from_secs(1),
+        "Cancelled after {ended:?}: before the holder's kill switch could have fired"
+    );
+    let lease: TaskLease = ns
+        .api::<TaskLease>()
+        .get(st.current_lease.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(lease_phase(&lease), Some(LeasePhase::Released));
+    assert_eq!(
+        lease.status.as_ref().unwrap().reason.as_deref(),
+        Some("Cancelled")
+    );
+    // Nothing was committed for the task: the fenced row has no result.
+    assert_eq!(pg::row(&db, &uid).await.unwrap(), None);
+    let reasons = event_reasons(&ns, "long").await.unwrap();
+    assert!(
+        reasons.contains(&"Cancelled".to_owned()),
+        "Events: {reasons:?}"
+    );
+    // The worker is free again and runs the next task.
+    tasks::create(
+        &ns,
+        "next",
+        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    wait_phase(
+        &ns,
+        "next",
+        TaskPhase::Succeeded,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancelling_a_ready_or_pending_task_ends_it_before_any_claim() {
+    let (ns, op) = Operator::in_new_namespace("cancel-ready", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    // No worker: the offer waits.
+    tasks::create(&ns, "ready", json!({"queue": "demo"}))
+        .await
+        .unwrap();
+    // A dependency that does not exist keeps this one Pending.
+    tasks::create(
+        &ns,
+        "pending",
+        json!({"queue": "demo", "dependsOn": ["missing"]}),
+    )
+    .await
+    .unwrap();
+    let logs = || op.logs();
+    wait_phase(
+        &ns,
+        "ready",
+        TaskPhase::Ready,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    wait_phase(
+        &ns,
+        "pending",
+        TaskPhase::Pending,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    cancel(&ns, "ready").await.unwrap();
+    cancel(&ns, "pending").await.unwrap();
+    let t = wait_phase(
+        &ns,
+        "ready",
+        TaskPhase::Cancelled,
+        Duration::from_secs(15),
+        logs,
+    )
+    .await
+    .unwrap();
+    let st = t.status.unwrap();
+    assert_eq!(st.fencing_token, 1, "no token issued after the cancel");
+    let lease: TaskLease = ns.api::<TaskLease>().get("ready-1").await.unwrap();
+    assert_eq!(lease_phase(&lease), Some(LeasePhase::Released));
+    assert_eq!(lease.spec.holder_identity, None, "never claimed");
+    let p = wait_phase(
+        &ns,
+        "pending",
+        TaskPhase::Cancelled,
+        Duration::from_secs(15),
+        logs,
+    )
+    .await
+    .unwrap();
+    assert_eq!(p.status.unwrap().fencing_token, 0, "never issued");
+    for name in ["ready", "pending"] {
+        let reasons = event_reasons(&ns, name).await.unwrap();
+        assert!(
+            reasons.contains(&"Cancelled".to_owned()),
+            "{name}: {reasons:?}"
+        );
+    }
+
+    // A worker that starts now finds nothing to claim; a new task still runs.
+    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    tasks::create(
+        &ns,
+        "after",
+        json!({"queue": "demo", "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    wait_phase(
+        &ns,
+        "after",
+        TaskPhase::Succeeded,
+        Duration::from_secs(30),
+        || format!("{}{}", op.logs(), worker[0].logs()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        tasks::phase_of(&ns.api::<BatchTask>().get("ready").await.unwrap()),
+        Some(TaskPhase::Cancelled),
+        "Cancelled is final"
+    );
+
+    // spec.cancel cannot be taken back.
+    let undo = ns
+        .api::<BatchTask>()
+        .patch(
+            "ready",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": false}})),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        undo.to_string()
+            .contains("spec.cancel may only go from false to true"),
+        "{undo}"
+    );
+    ns.finish().await.unwrap();
+}
