@@ -1,15 +1,18 @@
 //! `kubectl batchlease` against the real control plane: each command's
-//! text (golden, with ages masked) and JSON (parsed), and redrive's effect.
+//! text (golden, with ages masked) and JSON (parsed), and the effect of
+//! redrive, cancel, pause and resume on the API objects.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
 use std::time::Duration;
 
-use batchlease_api::TaskPhase;
+use batchlease_api::{BatchTask, TaskPhase, TaskQueue};
+use batchlease_e2e::Cluster;
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, wait_phase, wait_task};
 use batchlease_e2e::{pg, workers};
+use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 
 struct Run {
@@ -107,9 +110,9 @@ async fn status_tree_and_redrive_against_the_cluster() {
     assert_eq!(
         masked(&status.stdout),
         words(&[
-            "QUEUE PENDING READY RUNNING SUCCEEDED DEADLETTERED REJECTED OLDEST READY ABORT RATE HOLDERS",
-            "demo 0 0 0 2 2 0 <none> <none> <none>",
-            "idle 0 1 0 0 0 0 <age> <none> <none>",
+            "QUEUE PAUSED PENDING READY RUNNING SUCCEEDED DEADLETTERED REJECTED CANCELLED OLDEST READY ABORT RATE HOLDERS",
+            "demo false 0 0 0 2 2 0 0 <none> <none> <none>",
+            "idle false 0 1 0 0 0 0 0 <age> <none> <none>",
         ]),
         "{}",
         status.stdout
@@ -117,6 +120,7 @@ async fn status_tree_and_redrive_against_the_cluster() {
     let json: Value =
         serde_json::from_str(&plugin(&["status", "-n", n, "-o", "json"]).stdout).unwrap();
     assert_eq!(json[0]["queue"], "demo");
+    assert_eq!(json[0]["paused"], false);
     assert_eq!(
         json[0]["phases"],
         json!({"Succeeded": 2, "DeadLettered": 2})
@@ -184,5 +188,215 @@ async fn status_tree_and_redrive_against_the_cluster() {
     let one: Value =
         serde_json::from_str(&plugin(&["redrive", "bad", "-n", n, "-o", "json"]).stdout).unwrap();
     assert_eq!(one, json!([{"task": "bad", "redrive": 2}]));
+
+    // Cancel: a name that does not exist refuses the whole command before
+    // anything is written; a finished task is reported, not patched.
+    let api = ns.api::<BatchTask>();
+    let cancel_of = |name: &'static str| {
+        let api = api.clone();
+        async move { api.get(name).await.unwrap().spec.cancel }
+    };
+    let refused = plugin(&["cancel", "waiting", "nope", "-n", n]);
+    assert!(!refused.ok, "{}", refused.stdout);
+    assert!(
+        refused.stderr.contains(&format!(
+            "task nope not found in namespace {n}: nothing cancelled"
+        )),
+        "{}",
+        refused.stderr
+    );
+    assert!(!cancel_of("waiting").await);
+    let cancelled = plugin(&["cancel", "ok", "waiting", "-n", n]);
+    assert!(cancelled.ok, "{}", cancelled.stderr);
+    assert_eq!(
+        cancelled.stdout,
+        "batchtask/ok already Succeeded, nothing to cancel\nbatchtask/waiting cancel requested\n"
+    );
+    assert!(cancel_of("waiting").await);
+    assert!(!cancel_of("ok").await);
+    // The operator withdraws the offer and ends the task Cancelled.
+    wait_phase(&ns, "waiting", TaskPhase::Cancelled, t, logs)
+        .await
+        .unwrap();
+    tasks::create(&ns, "waiting2", json!({"queue": "idle"}))
+        .await
+        .unwrap();
+    wait_phase(&ns, "waiting2", TaskPhase::Ready, t, logs)
+        .await
+        .unwrap();
+    let queue = plugin(&["cancel", "--queue", "idle", "--all", "-n", n, "-o", "json"]);
+    assert!(queue.ok, "{}", queue.stderr);
+    let queue: Value = serde_json::from_str(&queue.stdout).unwrap();
+    assert_eq!(
+        queue,
+        json!([{"name": "waiting2", "namespace": n, "action": "cancelRequested", "phase": "Ready"}])
+    );
+    assert!(cancel_of("waiting2").await);
+    let again = plugin(&["cancel", "waiting", "-n", n, "-o", "json"]);
+    assert!(again.ok, "{}", again.stderr);
+    assert_eq!(
+        serde_json::from_str::<Value>(&again.stdout).unwrap(),
+        json!([{"name": "waiting", "namespace": n, "action": "alreadyFinished", "phase": "Cancelled"}])
+    );
+    wait_phase(&ns, "waiting2", TaskPhase::Cancelled, t, logs)
+        .await
+        .unwrap();
+    let nothing = plugin(&["cancel", "--queue", "idle", "--all", "-n", n]);
+    assert_eq!(
+        (nothing.ok, nothing.stdout.as_str()),
+        (
+            true,
+            format!("No unfinished tasks to cancel in namespace {n}.\n").as_str()
+        ),
+        "{}",
+        nothing.stderr
+    );
+    let status: Value =
+        serde_json::from_str(&plugin(&["status", "-n", n, "-o", "json"]).stdout).unwrap();
+    assert_eq!(status[1]["phases"], json!({"Cancelled": 2}));
+    ns.cleanup().await.unwrap();
+}
+
+/// pause, resume and status's PAUSED column: only the API objects are
+/// looked at (the operator's reaction to a pause is tested with it, elsewhere).
+#[tokio::test]
+async fn pause_and_resume_against_the_cluster() {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("plugin-queue").await.unwrap();
+    let n = ns.name.as_str();
+    let queues = ns.api::<TaskQueue>();
+    let list = || {
+        let queues = queues.clone();
+        async move {
+            let mut names: Vec<(String, bool)> = queues
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|q| (q.metadata.name.unwrap_or_default(), q.spec.paused))
+                .collect();
+            names.sort();
+            names
+        }
+    };
+    let outcome = |queue: &str, paused: bool, created: bool, changed: bool| json!({"queue": queue, "namespace": n, "paused": paused, "created": created, "changed": changed});
+    let json_of = |run: Run| -> Value {
+        assert!(run.ok, "{}", run.stderr);
+        serde_json::from_str(&run.stdout).unwrap()
+    };
+
+    // A queue without a TaskQueue is not paused: resume creates nothing.
+    let resumed = plugin(&["resume", "q", "-n", n]);
+    assert!(resumed.ok, "{}", resumed.stderr);
+    assert_eq!(resumed.stdout, "taskqueue/q not paused (no TaskQueue)\n");
+    assert_eq!(
+        json_of(plugin(&["resume", "q", "-n", n, "-o", "json"])),
+        outcome("q", false, false, false)
+    );
+    assert_eq!(list().await, vec![]);
+
+    // pause creates the TaskQueue with spec.paused, written by the plugin.
+    let paused = plugin(&["pause", "q", "-n", n]);
+    assert!(paused.ok, "{}", paused.stderr);
+    assert_eq!(paused.stdout, "taskqueue/q paused (TaskQueue created)\n");
+    assert_eq!(list().await, vec![("q".to_owned(), true)]);
+    let tq = queues.get("q").await.unwrap();
+    let managers: Vec<_> = tq
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|m| m.manager.clone())
+        .collect();
+    assert_eq!(managers, vec!["kubectl-batchlease".to_owned()]);
+    let again = plugin(&["pause", "q", "-n", n]);
+    assert_eq!(
+        again.stdout, "taskqueue/q already paused\n",
+        "{}",
+        again.stderr
+    );
+    assert_eq!(
+        json_of(plugin(&["pause", "q", "-n", n, "-o", "json"])),
+        outcome("q", true, false, false)
+    );
+    assert_eq!(
+        json_of(plugin(&["pause", "later", "-n", n, "-o", "json"])),
+        outcome("later", true, true, true)
+    );
+
+    // status: PAUSED per queue, and a queue with a TaskQueue but no tasks.
+    for (task, queue) in [("t1", "q"), ("t2", "q"), ("t3", "other")] {
+        tasks::create(&ns, task, json!({"queue": queue}))
+            .await
+            .unwrap();
+    }
+    let status = plugin(&["status", "-n", n]);
+    assert!(status.ok, "{}", status.stderr);
+    assert_eq!(
+        masked(&status.stdout),
+        words(&[
+            "QUEUE PAUSED PENDING READY RUNNING SUCCEEDED DEADLETTERED REJECTED CANCELLED OLDEST READY ABORT RATE HOLDERS",
+            "later true 0 0 0 0 0 0 0 <none> <none> <none>",
+            "other false 1 0 0 0 0 0 0 <none> <none> <none>",
+            "q true 2 0 0 0 0 0 0 <none> <none> <none>",
+        ]),
+        "{}",
+        status.stdout
+    );
+    let status = json_of(plugin(&["status", "-n", n, "-o", "json"]));
+    let paused: Vec<(&str, bool)> = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| (q["queue"].as_str().unwrap(), q["paused"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(paused, [("later", true), ("other", false), ("q", true)]);
+
+    // resume writes spec.paused only: a field another writer set stays.
+    queues
+        .patch(
+            "q",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"maxConcurrent": 3}})),
+        )
+        .await
+        .unwrap();
+    let resumed = plugin(&["resume", "q", "-n", n]);
+    assert!(resumed.ok, "{}", resumed.stderr);
+    assert_eq!(resumed.stdout, "taskqueue/q resumed\n");
+    let tq = queues.get("q").await.unwrap();
+    assert_eq!((tq.spec.paused, tq.spec.max_concurrent), (false, Some(3)));
+    let again = plugin(&["resume", "q", "-n", n]);
+    assert_eq!(again.stdout, "taskqueue/q not paused\n", "{}", again.stderr);
+    assert_eq!(
+        json_of(plugin(&["resume", "later", "-n", n, "-o", "json"])),
+        outcome("later", false, false, true)
+    );
+    assert_eq!(
+        list().await,
+        vec![("later".to_owned(), false), ("q".to_owned(), false)]
+    );
+
+    // Not a queue name: refused before anything is written.
+    let bad = plugin(&["pause", "Bad_Name", "-n", n]);
+    assert!(!bad.ok, "{}", bad.stdout);
+    assert!(
+        bad.stderr.contains("\"Bad_Name\" is not a queue name"),
+        "{}",
+        bad.stderr
+    );
+    assert_eq!(list().await.len(), 2);
+
+    // One namespace at a time.
+    let everywhere = plugin(&["pause", "q", "-A"]);
+    assert!(!everywhere.ok, "{}", everywhere.stdout);
+    assert!(
+        everywhere
+            .stderr
+            .contains("pause acts in one namespace: use -n"),
+        "{}",
+        everywhere.stderr
+    );
     ns.cleanup().await.unwrap();
 }

@@ -2,7 +2,7 @@
 
 use batchlease_api::{
     BatchTask, BatchTaskSpec, BatchTaskStatus, LeasePhase, TaskLease, TaskLeaseSpec,
-    TaskLeaseStatus, TaskPhase,
+    TaskLeaseStatus, TaskPhase, TaskQueue, TaskQueueSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -57,4 +57,18 @@ pub fn lease(
         ..Default::default()
     });
     l
+}
+
+/// The TaskQueue of queue `name` in namespace `ns`.
+pub fn task_queue(name: &str, paused: bool) -> TaskQueue {
+    let mut q = TaskQueue::new(
+        name,
+        TaskQueueSpec {
+            paused,
+            ..Default::default()
+        },
+    );
+    q.metadata.namespace = Some("ns".into());
+    q.metadata.uid = Some(format!("uid-{name}"));
+    q
 }

@@ -6,23 +6,32 @@
 //!   kubectl batchlease tree TASK              dependencies, children, leases
 //!   kubectl batchlease redrive TASK           a dead-lettered or rejected task back to Pending
 //!   kubectl batchlease redrive --queue Q --all   every dead-lettered task of a queue
+//!   kubectl batchlease cancel TASK...         spec.cancel=true (finished tasks left alone)
+//!   kubectl batchlease cancel --queue Q --all    every unfinished task of a queue
+//!   kubectl batchlease pause QUEUE            spec.paused=true on the queue's TaskQueue
+//!   kubectl batchlease resume QUEUE           spec.paused=false
 //!
 //! `-o json` everywhere; `-n`, `--context`, `--kubeconfig` as in kubectl.
 
 mod age;
+mod cancel;
 #[cfg(test)]
 mod fixtures;
+mod pause;
 mod redrive;
 mod render;
 mod status;
 mod tree;
 
 use anyhow::{Context, bail};
-use batchlease_api::{BatchTask, TaskLease};
+use batchlease_api::{BatchTask, TaskLease, TaskQueue};
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// The field manager of the plugin's writes (`metadata.managedFields`).
+const FIELD_MANAGER: &str = "kubectl-batchlease";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -75,6 +84,23 @@ enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// Stop tasks for good (sets spec.cancel): the operator releases their
+    /// leases and ends them Cancelled. Finished tasks are left alone.
+    Cancel {
+        /// The tasks (all must exist, or nothing is cancelled).
+        tasks: Vec<String>,
+        /// Every unfinished task of this queue (with --all).
+        #[arg(long, requires = "all", conflicts_with = "tasks")]
+        queue: Option<String>,
+        /// Required with --queue: says that all of them are meant.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Stop issuing leases for a queue (sets spec.paused on its TaskQueue,
+    /// creating the TaskQueue if the queue has none).
+    Pause { queue: String },
+    /// Issue leases for a paused queue again (spec.paused=false).
+    Resume { queue: String },
 }
 
 #[tokio::main]
@@ -99,31 +125,66 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
     let client = kube::Client::try_from(config)?;
-    let (tasks_api, leases_api): (Api<BatchTask>, Api<TaskLease>) = if args.all_namespaces {
-        (Api::all(client.clone()), Api::all(client.clone()))
-    } else {
-        (
-            Api::namespaced(client.clone(), &namespace),
-            Api::namespaced(client.clone(), &namespace),
-        )
-    };
-    let list = ListParams::default();
-    let tasks = tasks_api
-        .list(&list)
-        .await
-        .context("listing batchtasks")?
-        .items;
-    let now = Timestamp::now();
     let json = args.output == Output::Json;
     let place = in_namespace(&args, &namespace);
-    match args.command {
-        Command::Status => {
-            let leases = leases_api
+    let one_namespace = |what: &str| {
+        if args.all_namespaces {
+            bail!("{what} acts in one namespace: use -n");
+        }
+        Ok(())
+    };
+    let (tasks_api, leases_api, queues_api): (Api<BatchTask>, Api<TaskLease>, Api<TaskQueue>) =
+        if args.all_namespaces {
+            (
+                Api::all(client.clone()),
+                Api::all(client.clone()),
+                Api::all(client.clone()),
+            )
+        } else {
+            (
+                Api::namespaced(client.clone(), &namespace),
+                Api::namespaced(client.clone(), &namespace),
+                Api::namespaced(client.clone(), &namespace),
+            )
+        };
+    let list = ListParams::default();
+    let list_tasks = || async {
+        anyhow::Ok(
+            tasks_api
+                .list(&list)
+                .await
+                .context("listing batchtasks")?
+                .items,
+        )
+    };
+    let list_leases = || async {
+        anyhow::Ok(
+            leases_api
                 .list(&list)
                 .await
                 .context("listing taskleases")?
-                .items;
-            let queues = status::summarize(&tasks, &leases, now);
+                .items,
+        )
+    };
+    let now = Timestamp::now();
+    match args.command {
+        Command::Status => {
+            let tasks = list_tasks().await?;
+            let leases = list_leases().await?;
+            let controls = match queues_api.list(&list).await {
+                Ok(l) => l.items,
+                // An older install without the TaskQueue kind, or no
+                // permission to list them: every queue shows unpaused.
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 403 => {
+                    eprintln!(
+                        "warning: cannot list taskqueues ({}): PAUSED shows false",
+                        s.message
+                    );
+                    vec![]
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context("listing taskqueues")),
+            };
+            let queues = status::summarize(&tasks, &leases, &controls, now);
             if json {
                 println!("{}", serde_json::to_string_pretty(&queues)?);
             } else if queues.is_empty() {
@@ -136,11 +197,8 @@ async fn main() -> anyhow::Result<()> {
             if args.all_namespaces {
                 bail!("tree looks at one namespace: use -n");
             }
-            let leases = leases_api
-                .list(&list)
-                .await
-                .context("listing taskleases")?
-                .items;
+            let tasks = list_tasks().await?;
+            let leases = list_leases().await?;
             let Some(t) = tree::tree(&task, &tasks, &leases, now) else {
                 bail!("task {task} not found{place}");
             };
@@ -151,14 +209,13 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::Redrive { task, queue, all } => {
-            if args.all_namespaces {
-                bail!("redrive acts in one namespace: use -n");
-            }
+            one_namespace("redrive")?;
             let selection = match (task, queue) {
                 (Some(t), None) => redrive::Selection::Task(t),
                 (None, Some(q)) if all => redrive::Selection::Queue(q),
                 _ => bail!("redrive TASK, or redrive --queue QUEUE --all"),
             };
+            let tasks = list_tasks().await?;
             let targets = redrive::targets(&tasks, &selection).map_err(anyhow::Error::msg)?;
             let mut done = Vec::new();
             let mut failed = Vec::new();
@@ -171,7 +228,7 @@ async fn main() -> anyhow::Result<()> {
                 });
                 let name = &t.name;
                 match tasks_api
-                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .patch(name, &patch_params(), &Patch::Merge(&patch))
                     .await
                 {
                     Ok(_) => {
@@ -184,7 +241,7 @@ async fn main() -> anyhow::Result<()> {
                     Err(kube::Error::Api(s)) if s.code == 404 => {
                         eprintln!("batchtask/{name} is gone: skipped");
                     }
-                    Err(e) => failed.push(format!("{name}: {}", batchlease_api::Chain(&e))),
+                    Err(e) => failed.push(format!("{name}: {}", describe(&e))),
                 }
             }
             if json {
@@ -196,6 +253,143 @@ async fn main() -> anyhow::Result<()> {
                 bail!("not redriven: {}", failed.join("; "));
             }
         }
+        Command::Cancel { tasks, queue, all } => {
+            one_namespace("cancel")?;
+            let selection = match (tasks.is_empty(), queue) {
+                (false, None) => cancel::Selection::Tasks(tasks),
+                (true, Some(q)) if all => cancel::Selection::Queue(q),
+                _ => bail!("cancel TASK..., or cancel --queue QUEUE --all"),
+            };
+            let listed = list_tasks().await?;
+            let decisions = cancel::decisions(&listed, &selection)
+                .map_err(|e| anyhow::anyhow!("{e}{place}: nothing cancelled"))?;
+            let mut done = Vec::new();
+            let mut failed = Vec::new();
+            for d in decisions {
+                let name = &d.name;
+                if d.needs_patch() {
+                    // Conditional on the UID, like redrive.
+                    let patch = serde_json::json!({
+                        "metadata": {"uid": d.uid},
+                        "spec": {"cancel": true},
+                    });
+                    match tasks_api
+                        .patch(name, &patch_params(), &Patch::Merge(&patch))
+                        .await
+                    {
+                        Ok(_) => {}
+                        // Gone since the list: nothing left to cancel.
+                        Err(kube::Error::Api(s)) if s.code == 404 => {
+                            eprintln!("batchtask/{name} is gone: skipped");
+                            continue;
+                        }
+                        Err(e) => {
+                            failed.push(format!("{name}: {}", describe(&e)));
+                            continue;
+                        }
+                    }
+                }
+                if !json {
+                    println!("{}", d.message());
+                }
+                done.push(d);
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&done)?);
+            } else if done.is_empty() && failed.is_empty() {
+                println!("No unfinished tasks to cancel{place}.");
+            }
+            if !failed.is_empty() {
+                bail!("not cancelled: {}", failed.join("; "));
+            }
+        }
+        Command::Pause { queue } => {
+            one_namespace("pause")?;
+            pause::check_queue(&queue).map_err(anyhow::Error::msg)?;
+            let outcome = set_paused(&queues_api, &namespace, &queue, true).await?;
+            report(&outcome, json)?;
+        }
+        Command::Resume { queue } => {
+            one_namespace("resume")?;
+            pause::check_queue(&queue).map_err(anyhow::Error::msg)?;
+            let outcome = set_paused(&queues_api, &namespace, &queue, false).await?;
+            report(&outcome, json)?;
+        }
+    }
+    Ok(())
+}
+
+/// An API error as the server worded it (the status's message), other
+/// errors with their causes.
+fn describe(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => s.message.clone(),
+        e => batchlease_api::Chain(e).to_string(),
+    }
+}
+
+fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    }
+}
+
+/// Sets `spec.paused` of TaskQueue `queue` (creating it to pause). Another
+/// writer creating, deleting or re-creating it meanwhile makes the write
+/// fail (create: AlreadyExists; patch: not found, or the UID changed), and
+/// it is read and decided again.
+async fn set_paused(
+    api: &Api<TaskQueue>,
+    namespace: &str,
+    queue: &str,
+    paused: bool,
+) -> anyhow::Result<pause::Outcome> {
+    let what = || format!("taskqueue/{queue} in namespace {namespace}");
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let existing = api
+            .get_opt(queue)
+            .await
+            .with_context(|| format!("reading {}", what()))?;
+        let plan = pause::plan(queue, existing.as_ref(), paused);
+        let written = match &plan {
+            pause::Plan::Nothing => Ok(()),
+            pause::Plan::Create(body) => {
+                let tq: TaskQueue = serde_json::from_value(body.clone())?;
+                let pp = PostParams {
+                    field_manager: Some(FIELD_MANAGER.into()),
+                    ..Default::default()
+                };
+                api.create(&pp, &tq).await.map(drop)
+            }
+            pause::Plan::Patch(patch) => api
+                .patch(queue, &patch_params(), &Patch::Merge(patch))
+                .await
+                .map(drop),
+        };
+        match written {
+            Ok(()) => {
+                return Ok(pause::Outcome::of(
+                    queue,
+                    namespace,
+                    &plan,
+                    existing.is_some(),
+                    paused,
+                ));
+            }
+            Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409) && attempts < 3 => {}
+            Err(e) => bail!("writing {}: {}", what(), describe(&e)),
+        }
+    }
+}
+
+fn report(outcome: &pause::Outcome, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(outcome)?);
+    } else {
+        println!("{}", outcome.message());
     }
     Ok(())
 }

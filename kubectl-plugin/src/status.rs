@@ -1,10 +1,10 @@
-//! `kubectl batchlease status`: per queue, how many tasks are in each
-//! phase, who holds leases, how long the oldest ready task has waited, and
-//! the speculative abort rate.
+//! `kubectl batchlease status`: per queue, whether it is paused, how many
+//! tasks are in each phase, who holds leases, how long the oldest ready
+//! task has waited, and the speculative abort rate.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, TaskQueue};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use serde::Serialize;
@@ -17,6 +17,8 @@ use crate::age;
 pub struct QueueStatus {
     pub namespace: String,
     pub queue: String,
+    /// The queue's TaskQueue has `spec.paused` (no TaskQueue: not paused).
+    pub paused: bool,
     /// Tasks by phase (phases with none left out).
     pub phases: BTreeMap<String, usize>,
     /// Holders of the queue's Held leases.
@@ -29,9 +31,32 @@ pub struct QueueStatus {
     pub abort_rate: Option<f64>,
 }
 
-/// The queues of `tasks` (and their `leases`), sorted by namespace and name.
-pub fn summarize(tasks: &[BatchTask], leases: &[TaskLease], now: Timestamp) -> Vec<QueueStatus> {
+/// The queues of `tasks` (and their `leases`, and the `controls` of their
+/// TaskQueues), sorted by namespace and name. A queue with a TaskQueue but
+/// no tasks is shown too (paused before its tasks arrive, say).
+pub fn summarize(
+    tasks: &[BatchTask],
+    leases: &[TaskLease],
+    controls: &[TaskQueue],
+    now: Timestamp,
+) -> Vec<QueueStatus> {
     let mut queues: BTreeMap<(String, String), QueueStatus> = BTreeMap::new();
+    let empty = |key: &(String, String)| QueueStatus {
+        namespace: key.0.clone(),
+        queue: key.1.clone(),
+        paused: false,
+        phases: BTreeMap::new(),
+        holders: BTreeSet::new(),
+        oldest_ready_seconds: None,
+        abort_rate: None,
+    };
+    for tq in controls {
+        let key = (tq.namespace().unwrap_or_default(), tq.name_any());
+        queues
+            .entry(key.clone())
+            .or_insert_with(|| empty(&key))
+            .paused = tq.spec.paused;
+    }
     let mut aborts: BTreeMap<(String, String), (i64, i64)> = BTreeMap::new();
     let created: BTreeMap<(String, String), Timestamp> = leases
         .iter()
@@ -42,14 +67,7 @@ pub fn summarize(tasks: &[BatchTask], leases: &[TaskLease], now: Timestamp) -> V
         .collect();
     for t in tasks {
         let key = (t.namespace().unwrap_or_default(), t.spec.queue.clone());
-        let q = queues.entry(key.clone()).or_insert_with(|| QueueStatus {
-            namespace: key.0.clone(),
-            queue: key.1.clone(),
-            phases: BTreeMap::new(),
-            holders: BTreeSet::new(),
-            oldest_ready_seconds: None,
-            abort_rate: None,
-        });
+        let q = queues.entry(key.clone()).or_insert_with(|| empty(&key));
         let status = t.status.clone().unwrap_or_default();
         let phase = status.phase.unwrap_or(TaskPhase::Pending);
         *q.phases.entry(phase.as_str().to_owned()).or_default() += 1;
@@ -98,7 +116,7 @@ pub fn table(queues: &[QueueStatus], all_namespaces: bool) -> String {
     if all_namespaces {
         header.push("NAMESPACE".into());
     }
-    header.push("QUEUE".into());
+    header.extend(["QUEUE".into(), "PAUSED".into()]);
     header.extend(COLUMNS.iter().map(|p| p.as_str().to_uppercase()));
     header.extend(["OLDEST READY".into(), "ABORT RATE".into(), "HOLDERS".into()]);
     rows.push(header);
@@ -108,6 +126,7 @@ pub fn table(queues: &[QueueStatus], all_namespaces: bool) -> String {
             row.push(q.namespace.clone());
         }
         row.push(q.queue.clone());
+        row.push(q.paused.to_string());
         for p in COLUMNS {
             row.push(q.phases.get(p.as_str()).copied().unwrap_or(0).to_string());
         }
@@ -130,7 +149,7 @@ pub fn table(queues: &[QueueStatus], all_namespaces: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fixtures::{lease, task, ts};
+    use crate::fixtures::{lease, task, task_queue, ts};
 
     #[test]
     fn counts_phases_holders_oldest_ready_and_aborts_per_queue() {
@@ -156,12 +175,13 @@ mod tests {
             lease("b-1", "q", LeasePhase::Offered, None, ts(400)),
             lease("c-1", "q", LeasePhase::Held, Some("w-0/ab"), ts(500)),
         ];
-        let got = summarize(&tasks, &leases, now);
+        let got = summarize(&tasks, &leases, &[], now);
         assert_eq!(got.len(), 2);
         let (other, q) = (&got[0], &got[1]);
         assert_eq!(other.queue, "other");
         assert_eq!(other.abort_rate, None);
         assert_eq!(q.queue, "q");
+        assert!(!q.paused);
         assert_eq!(
             q.phases,
             BTreeMap::from([
@@ -175,14 +195,65 @@ mod tests {
         assert_eq!(q.abort_rate, Some(0.25));
         let text = table(&got, false);
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[0].starts_with("QUEUE   PENDING   READY"), "{text}");
         assert!(
-            lines[2].starts_with("q       0         2       1         0           1"),
+            lines[0].starts_with("QUEUE   PAUSED   PENDING   READY"),
+            "{text}"
+        );
+        assert!(
+            lines[2].starts_with("q       false    0         2       1         0           1"),
             "{text}"
         );
         assert!(
             lines[2].contains("10m") && lines[2].contains("25%") && lines[2].ends_with("w-0/ab"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn marks_paused_queues_and_shows_a_task_queue_without_tasks() {
+        let mut elsewhere = task("x", "q", TaskPhase::Ready, |_| {});
+        elsewhere.metadata.namespace = Some("ns2".into());
+        let tasks = vec![
+            task("a", "q", TaskPhase::Running, |_| {}),
+            task("b", "other", TaskPhase::Cancelled, |_| {}),
+            elsewhere,
+        ];
+        let controls = vec![
+            task_queue("q", true),
+            task_queue("other", false),
+            task_queue("idle", true),
+        ];
+        let got = summarize(&tasks, &[], &controls, ts(0));
+        let paused: Vec<(&str, &str, bool)> = got
+            .iter()
+            .map(|q| (q.namespace.as_str(), q.queue.as_str(), q.paused))
+            .collect();
+        assert_eq!(
+            paused,
+            [
+                ("ns", "idle", true),
+                ("ns", "other", false),
+                ("ns", "q", true),
+                ("ns2", "q", false),
+            ]
+        );
+        assert_eq!(got[0].phases, BTreeMap::new());
+        assert_eq!(
+            table(&got, true),
+            [
+                "NAMESPACE   QUEUE   PAUSED   PENDING   READY   RUNNING   SUCCEEDED   DEADLETTERED   REJECTED   CANCELLED   OLDEST READY   ABORT RATE   HOLDERS",
+                "ns          idle    true     0         0       0         0           0              0          0           <none>         <none>       <none>",
+                "ns          other   false    0         0       0         0           0              0          1           <none>         <none>       <none>",
+                "ns          q       true     0         0       1         0           0              0          0           <none>         <none>       <none>",
+                "ns2         q       false    0         1       0         0           0              0          0           0s             <none>       <none>",
+                "",
+            ]
+            .join("\n")
+        );
+        let json = serde_json::to_value(&got[2]).ok();
+        assert_eq!(
+            json.as_ref().map(|j| (&j["queue"], &j["paused"])),
+            Some((&"q".into(), &true.into()))
         );
     }
 }
