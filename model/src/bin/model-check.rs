@@ -7,9 +7,12 @@
 //!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only]
 //!  [--tasks=2 --locks [--holder=ahead-is-dead]] [--frozen-wall] [--dedicated]
 //!  [--kill=never] [--speculative [--start-quarantined]
-//!  [--cas=blind|outside-fence]] [--threads=N] [--stop-at-failure] [--dfs]
-//!  [--timeout-seconds=600]`
+//!  [--cas=blind|outside-fence]] [--cancel [--cancel-rule=end-at-release]]
+//!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
+//! `--cancel`: a user may set `spec.cancel` on the first task at any step;
+//! `--cancel-rule=end-at-release`: the mutation that ends the task as soon
+//! as its held lease is released (the checker must catch it).
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -64,6 +67,10 @@ fn main() {
             "--deletions" => cfg.lease_deletions = n(),
             "--lost" => cfg.lost_answers = n(),
             "--fair" => cfg.fair = true,
+            "--cancel" => cfg.cancel = true,
+            "--cancel-rule" if v == "end-at-release" => {
+                cfg.cancel_rule = batchlease_model::cancel::CancelRule::EndAtRelease;
+            }
             "--drift" => cfg.drift_percent = n(),
             "--repair" if v == "same-token" => cfg.repair = RepairRule::SameToken,
             "--storage" if v == "commit-only" => cfg.storage = StorageRule::CommitOnly,
