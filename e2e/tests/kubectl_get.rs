@@ -3,7 +3,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use batchlease_api::{LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+use batchlease_api::{
+    LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus, TaskQueue, TaskQueueSpec,
+};
 use batchlease_e2e::{Cluster, kubectl};
 use kube::api::PostParams;
 
@@ -98,6 +100,38 @@ async fn apply_examples_and_get_printer_columns() {
     let all = kubectl::ok(&["get", "batchlease", "-n", n, "-o", "name"]).unwrap();
     assert!(all.contains("batchtask.batchlease.dev/hello"), "{all}");
     assert!(all.contains("tasklease.batchlease.dev/hello-1"), "{all}");
+    assert!(all.contains("taskqueue.batchlease.dev/demo"), "{all}");
+
+    // examples/queue.yaml: the TaskQueue of queue demo.
+    assert!(
+        applied.contains("taskqueue.batchlease.dev/demo created"),
+        "{applied}"
+    );
+    for kind in ["taskqueues", "taskqueue", "tq"] {
+        let out = kubectl::ok(&["get", kind, "-n", n]).unwrap();
+        assert_eq!(
+            header(&out),
+            [
+                "NAME", "PAUSED", "READY", "RUNNING", "DEAD", "WORKERS", "AGE"
+            ],
+            "{kind}:\n{out}"
+        );
+        // No operator yet: no status; PAUSED is the spec's.
+        assert_eq!(row(&out, "demo")[..2], ["demo", "false"], "{out}");
+    }
+    // A TaskQueue is named for its queue: a DNS label (a dot is fine for
+    // the API server's name rules, not for a queue).
+    let bad = TaskQueue::new("a.b", TaskQueueSpec::default());
+    let err = ns
+        .api::<TaskQueue>()
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("a TaskQueue is named for its queue"),
+        "{err}"
+    );
 
     // Selectable fields: kubectl can filter by queue.
     let by_queue = kubectl::ok(&[

@@ -117,6 +117,16 @@ async fn pause_withdraws_offers_lets_held_leases_finish_and_resume_runs_the_rest
     )
     .await
     .unwrap();
+    // Per-queue metrics, from the operator's caches at scrape time.
+    let (_, body) = op.get("/metrics").await.unwrap();
+    assert!(
+        body.contains("batchlease_queue_leases_held{queue=\"demo\"}"),
+        "{body}"
+    );
+    assert!(
+        body.contains("batchlease_queue_oldest_ready_seconds{queue=\"demo\"}"),
+        "{body}"
+    );
     let generation = set_paused(&ns, "demo", true).await;
     // Every unclaimed offer is withdrawn; the queue says it is paused.
     wait_for(

@@ -524,7 +524,7 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
         if let Some(wait) = lost_attempt_wait(input.task, current, input.wall) {
             return Decision::Wait(Some(wait));
         }
-        return cancel_unleased(input, current.clone(), false);
+        return cancel_unleased(input, current.clone());
     }
     if let Some(after) = &current.next_attempt_after {
         let wait = after.0.duration_since(input.wall);
@@ -659,26 +659,15 @@ fn lost_attempt_wait(
 }
 
 /// Cancels a task without a live lease: it gives back the locks it may
-/// hold (it will never run), then ends `Cancelled`. `holds_locks`: the
-/// locks were taken for the current token (a lost lease's), so they go
-/// back as an ended attempt's would.
-fn cancel_unleased(input: &Input<'_>, status: BatchTaskStatus, holds_locks: bool) -> Decision {
+/// hold (it will never run), then ends `Cancelled`.
+fn cancel_unleased(input: &Input<'_>, status: BatchTaskStatus) -> Decision {
     let task = input.task;
     let needed = locks::needed(task);
     if !needed.is_empty() {
         let Some(slots) = &input.locks else {
             return Decision::FetchLocks(needed);
         };
-        let held = if holds_locks {
-            locks::release_all(slots, status.fencing_token)
-        } else {
-            locks::release_any(slots)
-        };
-        let held = if held.is_empty() {
-            locks::release_any(slots)
-        } else {
-            held
-        };
+        let held = locks::release_any(slots);
         if !held.is_empty() {
             return Decision::ReleaseLocks {
                 leases: held,

@@ -2,6 +2,7 @@
 //! most every [`PERIOD`] and only when it changed, so it never dominates
 //! API traffic (one write per queue per period at most, none while idle).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -173,22 +174,35 @@ pub async fn run(src: Sources, stop: CancellationToken) {
         if queues.is_empty() {
             continue;
         }
-        let tasks = src.tasks.state();
-        let leases = src.leases.state();
+        // One pass over each cache, grouped by the queues that have a
+        // TaskQueue (not queues × tasks).
+        let keys: HashSet<(String, String)> = queues
+            .iter()
+            .map(|q| (q.namespace().unwrap_or_default(), q.name_any()))
+            .collect();
+        let mut tasks: HashMap<(String, String), Vec<Arc<BatchTask>>> = HashMap::new();
+        for t in src.tasks.state() {
+            let key = (t.namespace().unwrap_or_default(), t.spec.queue.clone());
+            if keys.contains(&key) {
+                tasks.entry(key).or_default().push(t);
+            }
+        }
+        let mut leases: HashMap<(String, String), Vec<Arc<TaskLease>>> = HashMap::new();
+        for l in src.leases.state() {
+            let key = (l.namespace().unwrap_or_default(), l.spec.queue.clone());
+            if keys.contains(&key) {
+                leases.entry(key).or_default().push(l);
+            }
+        }
         let now = Instant::now();
         for tq in queues {
             let ns = tq.namespace().unwrap_or_default();
-            let (throttled, workers) = src.book.summary(&ns, &tq.name_any(), now);
+            let key = (ns.clone(), tq.name_any());
+            let (throttled, workers) = src.book.summary(&ns, &key.1, now);
             let status = summarize(
                 &tq,
-                tasks
-                    .iter()
-                    .filter(|t| t.namespace().as_deref() == Some(&ns))
-                    .map(|t| &**t),
-                leases
-                    .iter()
-                    .filter(|l| l.namespace().as_deref() == Some(&ns))
-                    .map(|l| &**l),
+                tasks.get(&key).into_iter().flatten().map(|t| &**t),
+                leases.get(&key).into_iter().flatten().map(|l| &**l),
                 Extra { throttled, workers },
                 Timestamp::now(),
             );
