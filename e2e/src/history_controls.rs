@@ -55,18 +55,33 @@ pub fn check_cancel(
         }
     }
     let mut seen: BTreeSet<String> = BTreeSet::new();
+    // Per lease: its last version written before its task became Cancelled
+    // (resourceVersion, live, name, task name).
+    let mut at_cancel: BTreeMap<String, (u64, bool, String, String)> = BTreeMap::new();
     for r in leases {
-        let Change::Lease(l) = &r.change else {
-            continue;
+        let (l, gone) = match &r.change {
+            Change::Lease(l) => (l, false),
+            // A deletion's object carries the deletion's resourceVersion.
+            Change::LeaseDeleted(l) => (l, true),
+            _ => continue,
         };
         if !issued(l) || tombstone(l) {
             continue;
         }
-        let first = seen.insert(l.uid().unwrap_or_default());
+        let first = !gone && seen.insert(l.uid().unwrap_or_default());
         let Some((_, at_rv, name)) = cancelled.get(&l.spec.task_uid) else {
             continue;
         };
+        let live_now = !gone
+            && matches!(
+                l.status.as_ref().and_then(|s| s.phase),
+                None | Some(LeasePhase::Offered | LeasePhase::Held)
+            );
         if rv(&**l) <= *at_rv {
+            let e = at_cancel.entry(l.uid().unwrap_or_default()).or_default();
+            if rv(&**l) >= e.0 {
+                *e = (rv(&**l), live_now, l.name_any(), name.clone());
+            }
             continue;
         }
         if first && l.metadata.generation.unwrap_or(1) <= 1 {
@@ -75,14 +90,18 @@ pub fn check_cancel(
                 l.name_any()
             ));
         }
-        if matches!(
-            l.status.as_ref().and_then(|s| s.phase),
-            None | Some(LeasePhase::Offered | LeasePhase::Held)
-        ) {
+        if live_now {
             out.push(format!(
                 "task {name}: lease {} live (resourceVersion {}) after the task was Cancelled",
                 l.name_any(),
                 rv(&**l)
+            ));
+        }
+    }
+    for (_, live, lease, task) in at_cancel.values() {
+        if *live {
+            out.push(format!(
+                "task {task}: lease {lease} was live when the task became Cancelled"
             ));
         }
     }
@@ -224,6 +243,23 @@ mod tests {
         let mut revived = tasks.clone();
         revived.push(task(TaskPhase::Pending, 11, 11.0));
         assert!(check_cancel(&revived, &leases, &[])[0].contains("left Cancelled"));
+
+        // A held lease deleted before the cancel ended is not live then.
+        let mut deleted = vec![lease("a", LeasePhase::Held, 2, 2)];
+        let mut gone = lease("a", LeasePhase::Held, 5, 2);
+        if let Change::Lease(l) = gone.change {
+            gone.change = Change::LeaseDeleted(l);
+        }
+        deleted.push(gone);
+        assert!(check_cancel(&tasks, &deleted, &[]).is_empty());
+
+        // A lease still Offered when the task became Cancelled.
+        let open = vec![lease("a", LeasePhase::Offered, 2, 1)];
+        let v = check_cancel(&tasks, &open, &[]);
+        assert!(
+            v[0].contains("was live when the task became Cancelled"),
+            "{v:?}"
+        );
 
         let mut issued_after = leases.clone();
         issued_after.push(lease("b", LeasePhase::Offered, 12, 1));

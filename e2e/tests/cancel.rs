@@ -255,3 +255,66 @@ async fn cancelling_a_ready_or_pending_task_ends_it_before_any_claim() {
     );
     ns.finish().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_cancelled_task_whose_lease_was_deleted_ends_a_ttl_after_the_loss() {
+    let (ns, op) = Operator::in_new_namespace("cancel-lost", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let _db = pg::connect().await.unwrap();
+    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    tasks::create(
+        &ns,
+        "lost",
+        json!({"queue": "demo", "leaseDurationSeconds": TTL,
+               "payload": {"steps": 600, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    let logs = || format!("{}{}", op.logs(), worker[0].logs());
+    let t = wait_phase(
+        &ns,
+        "lost",
+        TaskPhase::Running,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    let lease = t.status.unwrap().current_lease.unwrap();
+    // Someone deletes the held lease, and the task is cancelled: its
+    // holder may run until its next renewal, and no successor will
+    // register a newer token to fence it — the task must not end first.
+    cancel(&ns, "lost").await.unwrap();
+    ns.api::<TaskLease>()
+        .delete(&lease, &Default::default())
+        .await
+        .unwrap();
+    let deleted = Instant::now();
+    let t = wait_phase(
+        &ns,
+        "lost",
+        TaskPhase::Cancelled,
+        Duration::from_secs(TTL * 4),
+        logs,
+    )
+    .await
+    .unwrap();
+    let after = deleted.elapsed();
+    let st = t.status.unwrap();
+    let outcomes: Vec<&str> = st.history.iter().map(|h| h.outcome.as_str()).collect();
+    if outcomes.contains(&"Lost") {
+        // The operator saw the loss before the release: it waited a TTL.
+        assert!(
+            after >= Duration::from_secs(TTL),
+            "Cancelled {after:?} after the loss: before its holder must have stopped"
+        );
+        let reasons = event_reasons(&ns, "lost").await.unwrap();
+        assert!(reasons.contains(&"LeaseMissing".to_owned()), "{reasons:?}");
+    } else {
+        // The release landed before the deletion: the released-holder rule.
+        assert_eq!(outcomes.last(), Some(&"Cancelled"), "{outcomes:?}");
+    }
+    eprintln!("Cancelled {after:?} after the lease was deleted; history {outcomes:?}");
+    ns.finish().await.unwrap();
+}

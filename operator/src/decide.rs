@@ -335,6 +335,14 @@ pub fn decide(input: &Input<'_>) -> Decision {
             }
         }
         Decision::HeldBack(gate) => stray(task, input.leases).unwrap_or(Decision::HeldBack(gate)),
+        // No live lease may outlast the task's end (cheap to check, and the
+        // model's "no lease of a Cancelled task is live").
+        Decision::WriteStatus {
+            transition: Transition::Cancelled { .. },
+            ..
+        } if stray(task, input.leases).is_some() => {
+            stray(task, input.leases).unwrap_or(Decision::Wait(None))
+        }
         other => other,
     }
 }
@@ -726,9 +734,11 @@ fn with_locks(
 ) -> Decision {
     if input.queue != QueueGate::Open {
         // A task the queue holds back holds no locks: it would keep the
-        // users of its resources in other queues waiting for nothing.
+        // users of its resources in other queues waiting for nothing. Not
+        // so a task whose lease went missing (`fair` false): the locks are
+        // its lost attempt's, whose holder may still run.
         let needed = locks::needed(input.task);
-        if !needed.is_empty() {
+        if fair && !needed.is_empty() {
             let Some(slots) = &input.locks else {
                 return Decision::FetchLocks(needed);
             };
@@ -785,8 +795,20 @@ fn with_locks(
 /// (the status knew its holder) is recorded in the history; no retry is
 /// spent, since the loss was not the worker's doing.
 fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) -> Decision {
-    let mut status = current.clone();
     let cancel = input.task.spec.cancel;
+    let recorded = current
+        .history
+        .last()
+        .is_some_and(|h| h.outcome == "Lost" && h.token == current.fencing_token);
+    if cancel && recorded {
+        // The loss is on record (below): end once its holder, if any, has
+        // surely stopped.
+        if let Some(wait) = lost_attempt_wait(input.task, current, input.wall) {
+            return Decision::Wait(Some(wait));
+        }
+        return cancel_unleased(input, current.clone());
+    }
+    let mut status = current.clone();
     // A Ready task's lease may have been claimed too (the Running write
     // comes a moment after the claim): its loss is recorded as well.
     if matches!(phase, TaskPhase::Running | TaskPhase::Ready) {
@@ -806,22 +828,12 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
         // The lost lease may have been claimed, and its holder may run
         // until its kill switch: with no successor whose token would fence
         // it out of storage, the task must not end (nor give back its
-        // locks) before then. The wait is recorded in status (Pending, the
-        // loss in the history, `nextAttemptAfter` a TTL from now), so a
-        // restart keeps it; the token is retired already (the current
-        // lease's name is occupied), so nothing can be claimed meanwhile.
-        status.phase = Some(TaskPhase::Pending);
-        status.holder = None;
+        // locks) before then. The loss and when it was seen go on record,
+        // so a restart keeps the wait; the phase stays (Ready/Running), so
+        // the locks taken for this token still count as held; the token is
+        // retired already (the current lease's name is occupied), so
+        // nothing can be claimed meanwhile.
         status.observed_generation = input.task.metadata.generation;
-        let ttl = u64::try_from(input.task.spec.lease_duration_seconds.max(1)).unwrap_or(1);
-        status.next_attempt_after = Some(Time(
-            input
-                .wall
-                .checked_add(SignedDuration::from_secs(
-                    i64::try_from(ttl).unwrap_or(i64::MAX) + 1,
-                ))
-                .unwrap_or(input.wall),
-        ));
         set_condition(
             &mut status,
             input.task,

@@ -68,24 +68,24 @@ fn a_cancelled_task_never_issues_even_when_its_lease_is_gone() {
     // task waits a TTL (recorded in status, so a restart keeps it).
     let (st, tr) = into_status(Case::new(t.clone()).leases(vec![tomb.clone()]).run());
     assert_eq!(tr, Transition::CancelAwaitsLostHolder);
-    assert_eq!(st.phase, Some(TaskPhase::Pending));
+    assert_eq!(
+        st.phase,
+        Some(TaskPhase::Ready),
+        "the phase stays: the lost attempt's locks still count as held"
+    );
     assert_eq!(st.fencing_token, 3, "no token issued after the cancel");
     let lost = st.history.last().unwrap();
     assert_eq!((lost.outcome.as_str(), lost.token), ("Lost", 3));
     let ttl = t.spec.lease_duration_seconds;
-    assert_eq!(
-        st.next_attempt_after,
-        Some(Time(tests::wall(i64::from(ttl) + 1)))
-    );
     let waiting = t.clone().with(|s| *s = st.clone());
     assert_eq!(
         Case::new(waiting.clone()).leases(vec![tomb.clone()]).run(),
-        Decision::Wait(Some(Duration::from_secs(u64::try_from(ttl).unwrap() + 1)))
+        Decision::Wait(Some(Duration::from_secs(u64::try_from(ttl).unwrap() + 1))),
+        "recorded once, then waited for"
     );
     // Once the wait is over (the loss was seen a TTL ago): Cancelled,
     // still no new token.
     let over = waiting.with(|s| {
-        s.next_attempt_after = Some(Time(tests::wall(-1)));
         s.history.last_mut().unwrap().end = Some(Time(tests::wall(-i64::from(ttl) - 2)));
     });
     let (st, tr) = into_status(Case::new(over).leases(vec![tomb]).run());

@@ -10,9 +10,11 @@
 //! slot. The count starts from the lease watch's list, so a new leader
 //! counts what its predecessor left live.
 //!
-//! Tasks held back wait without polling: the queue wakes them (through the
-//! controller's wake-up channel) when the TaskQueue changes, and — for a
-//! full queue — the oldest waiters, one per freed slot, when a lease ends.
+//! Tasks held back wait without polling, in line: the queue wakes the
+//! oldest waiters (through the controller's wake-up channel), one per free
+//! slot, when a lease ends, when the TaskQueue changes, and when a woken
+//! waiter leaves the line without issuing. Waiters keep their places until
+//! they issue; one not held back again for [`STALE_WAITER`] is dropped.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -32,6 +34,13 @@ use crate::decide::QueueGate;
 /// at most a leader term or a minute), so a create still on its way when
 /// the reservation goes cannot exist.
 const RESERVATION_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A waiter that has not been held back again for this long is dropped
+/// from the line (a task deleted while the watch was down, which no event
+/// and no reconcile will ever remove): held-back tasks of a full queue look
+/// again every [`crate::decide::QUEUE_RECHECK`], throttled ones sooner.
+/// Paused waiters are kept (they are woken by the resume).
+const STALE_WAITER: Duration = Duration::from_secs(90);
 
 /// A token bucket holding one second's worth of `rate` (at least one).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -122,7 +131,8 @@ struct Queue {
     /// Tasks held back, oldest first (sequence → task), and each task's
     /// sequence.
     waiters: BTreeMap<u64, String>,
-    waiting: HashMap<String, u64>,
+    /// Task → (its sequence, when it was last held back).
+    waiting: HashMap<String, (u64, Instant)>,
     throttled: ThrottleCounts,
     /// Holders of the queue's leases → until when they count as seen (the
     /// last observation plus the lease's TTL).
@@ -148,14 +158,31 @@ impl Queue {
             .and_then(|r| u32::try_from(r).ok())
     }
 
+    /// Drops waiters not held back for [`STALE_WAITER`] (not while paused).
+    fn prune_stale(&mut self, now: Instant) {
+        if self.spec.as_ref().is_some_and(|s| s.paused) {
+            return;
+        }
+        let stale: Vec<String> = self
+            .waiting
+            .iter()
+            .filter(|(_, (_, at))| now.saturating_duration_since(*at) > STALE_WAITER)
+            .map(|(t, _)| t.clone())
+            .collect();
+        for t in stale {
+            self.stop_waiting(&t);
+        }
+    }
+
     fn gate_for(&mut self, task: &str, now: Instant) -> QueueGate {
+        self.prune_stale(now);
         let occupied = self.occupied(now);
         let token_wait = match self.rate() {
             Some(r) => self.bucket.wait(r, now),
             None => Duration::ZERO,
         };
         let position = match self.waiting.get(task) {
-            Some(seq) => self.waiters.range(..*seq).count(),
+            Some((seq, _)) => self.waiters.range(..*seq).count(),
             None => self.waiters.len(),
         };
         // Slots go to the waiters in order: those ahead of this task count
@@ -168,13 +195,14 @@ impl Queue {
         )
     }
 
-    fn wait(&mut self, task: &str, seq: &mut u64, why: QueueGate) -> bool {
-        if self.waiting.contains_key(task) {
+    fn wait(&mut self, task: &str, seq: &mut u64, why: QueueGate, now: Instant) -> bool {
+        if let Some((_, at)) = self.waiting.get_mut(task) {
+            *at = now;
             return false;
         }
         *seq += 1;
         self.waiters.insert(*seq, task.to_owned());
-        self.waiting.insert(task.to_owned(), *seq);
+        self.waiting.insert(task.to_owned(), (*seq, now));
         match why {
             QueueGate::Paused => self.throttled.paused += 1,
             QueueGate::Full => self.throttled.max_concurrent += 1,
@@ -184,9 +212,14 @@ impl Queue {
         true
     }
 
-    fn stop_waiting(&mut self, task: &str) {
-        if let Some(seq) = self.waiting.remove(task) {
-            self.waiters.remove(&seq);
+    /// Removes `task` from the line; `true` if it was in it.
+    fn stop_waiting(&mut self, task: &str) -> bool {
+        match self.waiting.remove(task) {
+            Some((seq, _)) => {
+                self.waiters.remove(&seq);
+                true
+            }
+            None => false,
         }
     }
 
@@ -194,6 +227,7 @@ impl Queue {
     /// They keep their places until they issue (or are no longer held
     /// back), so a newcomer cannot overtake them.
     fn wake(&mut self, now: Instant) -> Vec<String> {
+        self.prune_stale(now);
         let free = match self.spec.as_ref() {
             Some(s) if s.paused => 0,
             Some(TaskQueueSpec {
@@ -282,7 +316,7 @@ impl QueueBook {
         let mut book = self.lock();
         let Book { queues, seq, .. } = &mut *book;
         let q = queues.get_mut(&(ns.to_owned(), queue.to_owned()))?;
-        let first = q.wait(task, seq, why);
+        let first = q.wait(task, seq, why, now);
         if q.spec.is_none() || q.gate_for(task, now) == QueueGate::Open {
             return None;
         }
@@ -299,12 +333,20 @@ impl QueueBook {
         )
     }
 
-    /// `task` is not held back (any other decision, or it is gone).
+    /// `task` is not held back (any other decision, or it is gone). If
+    /// it was in line, a slot it was woken for goes to the next waiter.
     pub fn release_waiter(&self, ns: &str, queue: &str, task: &str) {
-        let mut book = self.lock();
-        if let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) {
-            q.stop_waiting(task);
-        }
+        let woken = {
+            let mut book = self.lock();
+            let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
+                return;
+            };
+            if !q.stop_waiting(task) || q.spec.is_none() {
+                return;
+            }
+            q.wake(Instant::now())
+        };
+        self.send(ns, woken);
     }
 
     /// Reserves the slot and the rate token of an issue of `lease` for
@@ -317,13 +359,13 @@ impl QueueBook {
         if q.spec.is_some() {
             let g = q.gate_for(task, now);
             if g != QueueGate::Open {
-                q.wait(task, seq, g);
+                q.wait(task, seq, g, now);
                 return false;
             }
             if let Some(r) = q.rate()
                 && !q.bucket.take(r, now)
             {
-                q.wait(task, seq, QueueGate::Throttled(Duration::ZERO));
+                q.wait(task, seq, QueueGate::Throttled(Duration::ZERO), now);
                 return false;
             }
         }
@@ -431,8 +473,9 @@ impl QueueBook {
     }
 
     /// A TaskQueue was added or changed: its spec is in force from now.
-    /// Every waiter is woken (a resume, a raised cap), and on a pause the
-    /// tasks with live leases too, so their unclaimed offers are withdrawn.
+    /// The waiters a slot is free for are woken (a resume, a raised cap),
+    /// and on a pause the tasks with live leases, so their unclaimed offers
+    /// are withdrawn.
     pub fn queue_seen(&self, tq: &TaskQueue, now: Instant) {
         let key = (tq.namespace().unwrap_or_default(), tq.name_any());
         let woken = {
@@ -443,6 +486,11 @@ impl QueueBook {
             if !changed {
                 Vec::new()
             } else {
+                // The line starts afresh from the change (a long pause
+                // does not make its waiters stale).
+                for (_, at) in q.waiting.values_mut() {
+                    *at = now;
+                }
                 // A resume or a raised cap: the waiters a slot is free for.
                 let mut w = q.wake(now);
                 if tq.spec.paused {

@@ -294,3 +294,47 @@ async fn a_queue_deleted_while_the_watch_was_down_loses_its_controls_at_the_reli
     assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Open);
     assert_eq!(woken(&mut rx), vec!["c"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_waiter_does_not_block_the_line_for_ever() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("x", LeasePhase::Held), now);
+    // `gone` waits, then is deleted while the watch is down: no event,
+    // no reconcile ever removes it.
+    assert_eq!(b.hold("ns", "q", "gone", QueueGate::Full, now), Some(true));
+    b.lease_seen(&lease("x", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["gone"]);
+    assert_eq!(b.peek("ns", "q", "n", now), QueueGate::Full, "gone's slot");
+    let later = now + STALE_WAITER + Duration::from_secs(1);
+    assert_eq!(b.peek("ns", "q", "n", later), QueueGate::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_woken_waiter_that_leaves_passes_its_slot_on() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("x", LeasePhase::Held), now);
+    for t in ["c", "d"] {
+        assert_eq!(b.hold("ns", "q", t, QueueGate::Full, now), Some(true));
+    }
+    b.lease_seen(&lease("x", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    // c was cancelled (or waits for a lock now): d gets the slot.
+    b.release_waiter("ns", "q", "c");
+    assert_eq!(woken(&mut rx), vec!["d"]);
+    assert_eq!(b.peek("ns", "q", "d", now), QueueGate::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_pause_does_not_make_its_waiters_stale() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    assert_eq!(b.hold("ns", "q", "c", QueueGate::Paused, now), Some(true));
+    let later = now + STALE_WAITER * 10;
+    b.queue_seen(&queue(spec(false, None, None)), later);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+}

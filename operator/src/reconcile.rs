@@ -278,6 +278,9 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             } => {
                 let give_back = give_back.clone();
                 release_locks(ctx, task, &give_back, &mut slots, &look).await?;
+                // Waiting for a lock, not for the queue: a slot it was
+                // woken for goes to the next in line.
+                ctx.queues.release_waiter(&ns, &task.spec.queue, &name);
                 blocked(ctx, task, resource, holder).await;
                 return Ok(Action::requeue(crate::decide::LOCK_RECHECK));
             }
