@@ -71,6 +71,20 @@ async fn leases_in(ns: &TestNamespace, phase: LeasePhase) -> Vec<TaskLease> {
         .collect()
 }
 
+async fn all_succeed(ns: &TestNamespace, n: usize, logs: impl FnOnce() -> String) {
+    wait_for(
+        "every task to succeed",
+        Duration::from_secs(120),
+        logs,
+        || async {
+            let p = phases(ns).await;
+            Ok((count(&p, TaskPhase::Succeeded) == n).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
 fn held_after(leases: &[Recorded], t: f64) -> Vec<String> {
     leases
         .iter()
@@ -194,17 +208,7 @@ async fn pause_withdraws_offers_lets_held_leases_finish_and_resume_runs_the_rest
     assert!(row.contains("true"), "PAUSED column: {row}");
 
     set_paused(&ns, "demo", false).await;
-    wait_for(
-        "every task to succeed",
-        Duration::from_secs(120),
-        logs,
-        || async {
-            let p = phases(&ns).await;
-            Ok((count(&p, TaskPhase::Succeeded) == 20).then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    all_succeed(&ns, 20, logs).await;
     let st = ns
         .api::<TaskQueue>()
         .get("demo")
@@ -240,17 +244,7 @@ async fn max_concurrent_bounds_the_live_leases_over_the_whole_run() {
         }
         s
     };
-    wait_for(
-        "every task to succeed",
-        Duration::from_secs(120),
-        logs,
-        || async {
-            let p = phases(&ns).await;
-            Ok((count(&p, TaskPhase::Succeeded) == 16).then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    all_succeed(&ns, 16, logs).await;
     let (recorded, _) = ns.recorded().await.unwrap();
     let max = max_live(&recorded, "demo");
     eprintln!("most leases Offered or Held at once: {max}");

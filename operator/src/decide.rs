@@ -550,19 +550,8 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
         not_ready => {
             // A task that may not run holds no locks (it would keep every
             // other user of its resources waiting for nothing).
-            if !locks::needed(task).is_empty() {
-                match &input.locks {
-                    None => return Decision::FetchLocks(locks::needed(task)),
-                    Some(slots) => {
-                        let held = locks::release_any(slots);
-                        if !held.is_empty() {
-                            return Decision::ReleaseLocks {
-                                leases: held,
-                                why: LockRelease::NotRunnable,
-                            };
-                        }
-                    }
-                }
+            if let Some(d) = give_back_locks(input) {
+                return d;
             }
             let failed = matches!(not_ready, Readiness::Failed(_));
             let msg = not_ready.message();
@@ -666,22 +655,30 @@ fn lost_attempt_wait(
         .map(|left| Duration::try_from(left).unwrap_or(Duration::from_secs(1)))
 }
 
+/// The step that gives back every lock the task holds, for a task that
+/// will not run now (`NotRunnable`): read them first, then release what
+/// is held. `None`: it holds none.
+fn give_back_locks(input: &Input<'_>) -> Option<Decision> {
+    let needed = locks::needed(input.task);
+    if needed.is_empty() {
+        return None;
+    }
+    let Some(slots) = &input.locks else {
+        return Some(Decision::FetchLocks(needed));
+    };
+    let held = locks::release_any(slots);
+    (!held.is_empty()).then_some(Decision::ReleaseLocks {
+        leases: held,
+        why: LockRelease::NotRunnable,
+    })
+}
+
 /// Cancels a task without a live lease: it gives back the locks it may
 /// hold (it will never run), then ends `Cancelled`.
 fn cancel_unleased(input: &Input<'_>, status: BatchTaskStatus) -> Decision {
     let task = input.task;
-    let needed = locks::needed(task);
-    if !needed.is_empty() {
-        let Some(slots) = &input.locks else {
-            return Decision::FetchLocks(needed);
-        };
-        let held = locks::release_any(slots);
-        if !held.is_empty() {
-            return Decision::ReleaseLocks {
-                leases: held,
-                why: LockRelease::NotRunnable,
-            };
-        }
+    if let Some(d) = give_back_locks(input) {
+        return d;
     }
     let (status, transition) = crate::settle::cancelled(task, &status, None, input.wall);
     Decision::WriteStatus {
@@ -737,18 +734,8 @@ fn with_locks(
         // users of its resources in other queues waiting for nothing. Not
         // so a task whose lease went missing (`fair` false): the locks are
         // its lost attempt's, whose holder may still run.
-        let needed = locks::needed(input.task);
-        if fair && !needed.is_empty() {
-            let Some(slots) = &input.locks else {
-                return Decision::FetchLocks(needed);
-            };
-            let held = locks::release_any(slots);
-            if !held.is_empty() {
-                return Decision::ReleaseLocks {
-                    leases: held,
-                    why: LockRelease::NotRunnable,
-                };
-            }
+        if fair && let Some(d) = give_back_locks(input) {
+            return d;
         }
         return Decision::HeldBack(input.queue);
     }
