@@ -211,8 +211,12 @@ async fn cpu_bound_handlers_keep_their_leases() {
         tasks::create(
             &ns,
             &format!("spin-{i}"),
-            json!({"queue": "demo", "leaseDurationSeconds": 5,
-                   "payload": {"steps": 1, "stepMillis": 1, "spinMillis": 10_000}}),
+            // TTL 8 s, 16 s of compute: 2·TTL as before, with room for the
+            // heartbeat thread on a CI machine whose two cores these
+            // handlers and the rest of the suite saturate (with TTL 5 s a
+            // renewal starved for 5 s once in CI: 11:27:08–13, 2026-12-01).
+            json!({"queue": "demo", "leaseDurationSeconds": 8,
+                   "payload": {"steps": 1, "stepMillis": 1, "spinMillis": 16_000}}),
         )
         .await
         .unwrap();
