@@ -89,3 +89,30 @@ async fn runs_without_postgres_and_says_commits_are_not_fenced() {
     assert!(!log.contains('\u{1b}'), "ANSI escapes in a log file");
     ns.cleanup().await.unwrap();
 }
+
+/// A task without `payload` used to be dead-lettered `InvalidPayload`
+/// ("invalid type: null, expected struct Payload"): an absent payload reads
+/// as `{}`, so the demo runs with its defaults.
+#[tokio::test]
+async fn a_task_without_a_payload_runs_with_the_defaults() {
+    let (ns, op) = Operator::in_new_namespace("nopayload", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let worker = workers::start(&ns.name, "w1", &workers::WorkerOpts::default()).unwrap();
+    tasks::create(&ns, "bare", json!({"queue": "demo"}))
+        .await
+        .unwrap();
+    let done = wait_phase(
+        &ns,
+        "bare",
+        TaskPhase::Succeeded,
+        Duration::from_secs(60),
+        || op.logs_with(&[&worker]),
+    )
+    .await
+    .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.attempts, 0, "no failed attempt: {:?}", st.history);
+    drop(worker);
+    ns.finish().await.unwrap();
+}

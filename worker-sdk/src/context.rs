@@ -126,13 +126,16 @@ impl TaskContext {
         self.payload.as_ref()
     }
 
-    /// The payload, deserialized (JSON `null` when the task has none). A
-    /// payload of the wrong shape — or nested deeper than serde_json's 128
-    /// levels — is a permanent error: a retry would see the same payload.
+    /// The payload, deserialized. A task without one reads as `null` where
+    /// the type takes it (`Option<T>` is `None`, a `Value` is `Null`) and
+    /// as the empty object `{}` otherwise, so a struct whose fields all
+    /// have defaults (or a map) needs no payload. A payload of the wrong
+    /// shape — or nested deeper than serde_json's 128 levels — is a
+    /// permanent error: a retry would see the same payload.
     pub fn payload<T: DeserializeOwned>(&self) -> Result<T, crate::TaskError> {
         let parsed = match &self.payload {
             Some(p) => p.parse(),
-            None => serde_json::from_value(Value::Null),
+            None => absent_payload(),
         };
         parsed.map_err(|e| {
             crate::TaskError::permanent(format!("payload: {e}")).with_reason("InvalidPayload")
@@ -365,4 +368,55 @@ fn check(what: &'static str, json: &JsonObject, max_bytes: usize) -> Result<(), 
         });
     }
     Ok(())
+}
+
+/// What a task without a payload deserializes as (see
+/// [`TaskContext::payload`]): `null` where `T` takes it, else `{}` — whose
+/// error (a missing required field, say) is the one worth reporting.
+fn absent_payload<T: DeserializeOwned>() -> Result<T, serde_json::Error> {
+    serde_json::from_value(Value::Null)
+        .or_else(|_| serde_json::from_value(Value::Object(serde_json::Map::new())))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+
+    use serde::Deserialize;
+
+    use super::*;
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    struct Defaults {
+        #[serde(default)]
+        steps: u64,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[allow(dead_code)]
+    struct Required {
+        steps: u64,
+    }
+
+    /// A task without a payload used to be dead-lettered as "invalid type:
+    /// null, expected struct" by every handler whose payload type has
+    /// defaults for all its fields.
+    #[test]
+    fn an_absent_payload_reads_as_empty_where_the_type_allows_it() {
+        assert_eq!(absent_payload::<Defaults>().unwrap(), Defaults { steps: 0 });
+        assert_eq!(absent_payload::<Option<Defaults>>().unwrap(), None);
+        assert_eq!(absent_payload::<Value>().unwrap(), Value::Null);
+        assert!(
+            absent_payload::<BTreeMap<String, u64>>()
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(absent_payload::<()>().unwrap(), ());
+    }
+
+    #[test]
+    fn an_absent_payload_a_type_needs_says_what_is_missing() {
+        let e = absent_payload::<Required>().unwrap_err().to_string();
+        assert!(e.contains("missing field `steps`"), "{e}");
+    }
 }
