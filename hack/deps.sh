@@ -21,6 +21,9 @@ command -v gcc >/dev/null || missing+=(gcc libc6-dev)
 command -v dpkg-deb >/dev/null || missing+=(dpkg)
 # The e2e harness signals workers (STOP/CONT/TERM) with the kill binary.
 [ -x /bin/kill ] || [ -x /usr/bin/kill ] || missing+=(procps)
+# Workers whose wall clock is off (e2e/tests/clock_skew.rs) run under
+# libfaketime; the control plane's certificates are backdated with it.
+command -v faketime >/dev/null || missing+=(faketime)
 if ((${#missing[@]})); then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   log "installing Debian packages: ${missing[*]}"

@@ -19,9 +19,12 @@ while [ "$peer_port" = "$etcd_port" ]; do peer_port=$(free_port); done
 while [ "$api_port" = "$etcd_port" ] || [ "$api_port" = "$peer_port" ]; do api_port=$(free_port); done
 
 # --- certificates: one CA, a serving cert, an admin client cert, SA keys ---
-gen() { openssl "$@" >/dev/null 2>&1; }
+# Valid from a day ago for three days: a process whose clock runs behind
+# (e2e/tests/clock_skew.rs runs workers minutes behind the server) must
+# still trust the server's certificate.
+gen() { faketime -f -1d openssl "$@" >/dev/null 2>&1; }
 gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/ca.key"
-gen req -x509 -new -key "$pki/ca.key" -subj "/CN=batchlease-e2e-ca" -days 2 -out "$pki/ca.crt" \
+gen req -x509 -new -key "$pki/ca.key" -subj "/CN=batchlease-e2e-ca" -days 3 -out "$pki/ca.crt" \
   -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
 leaf() { # name subject extensions...
   local name=$1 subj=$2; shift 2
@@ -29,7 +32,7 @@ leaf() { # name subject extensions...
   gen req -new -key "$pki/$name.key" -subj "$subj" -out "$pki/$name.csr"
   printf '%s\n' "$@" > "$pki/$name.ext"
   gen x509 -req -in "$pki/$name.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
-    -days 2 -extfile "$pki/$name.ext" -out "$pki/$name.crt"
+    -days 3 -extfile "$pki/$name.ext" -out "$pki/$name.crt"
 }
 leaf serving "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,DNS:localhost" \
   "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=serverAuth"

@@ -236,6 +236,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
             pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
             extra: Vec::new(),
             pod_name: None,
+            env: Vec::new(),
         };
         fleet.push(Worker {
             process: workers::start(&ns.name, &format!("w{i}"), &opts)?,

@@ -34,6 +34,8 @@ pub struct WorkerOpts {
     /// Run as if in Pod `pod_name`: `POD_NAME` set, no `--identity`, so
     /// the SDK's default identity (`<pod>/<suffix>`) is what is tested.
     pub pod_name: Option<String>,
+    /// More environment variables (e.g. [`faketime_env`]).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for WorkerOpts {
@@ -47,6 +49,7 @@ impl Default for WorkerOpts {
             pg_url: None,
             extra: Vec::new(),
             pod_name: None,
+            env: Vec::new(),
         }
     }
 }
@@ -83,6 +86,7 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
     if let Some(pod) = &opts.pod_name {
         env.push(("POD_NAME".into(), pod.clone()));
     }
+    env.extend(opts.env.iter().cloned());
     Process::start(
         binary()?,
         namespace,
@@ -115,4 +119,25 @@ pub fn start_n(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Pr
     (1..=n)
         .map(|i| start(namespace, &format!("w{i}"), &opts))
         .collect()
+}
+
+/// The environment that runs a process with its wall clock `offset` off
+/// (libfaketime's syntax: `-10m`, `-10s`, `+10m`), as a host whose clock is
+/// wrong: `CLOCK_REALTIME` only — monotonic clocks (the kill switch's) are
+/// left alone, as NTP leaves them. Needs Debian's `faketime` package
+/// (`hack/deps.sh` installs it).
+pub fn faketime_env(offset: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let lib = std::fs::read_dir("/usr/lib")?
+        .filter_map(Result::ok)
+        .map(|d| d.path().join("faketime/libfaketime.so.1"))
+        .find(|p| p.exists())
+        .context("libfaketime.so.1 not found under /usr/lib/*/faketime: install Debian's faketime package")?;
+    Ok(vec![
+        ("LD_PRELOAD".into(), lib.display().to_string()),
+        ("FAKETIME".into(), offset.into()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+        // Read the offset once, not from a cache refreshed every few
+        // seconds (it never changes here).
+        ("FAKETIME_NO_CACHE".into(), "0".into()),
+    ])
 }

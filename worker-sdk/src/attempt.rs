@@ -29,6 +29,11 @@ use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ended {
     Completed(LeaseOutcome),
+    /// The attempt ended before its handler ran: the storage refused (or
+    /// could not take) the registration of its token. Given back as
+    /// `Interrupted`, no retry spent; the worker counts these to stop
+    /// claiming when it keeps happening (see `claim_brake`).
+    NotStarted,
     Killed(KillReason),
     /// The handler finished but the completion was refused.
     CompletionRejected,
@@ -120,6 +125,7 @@ impl Attempt {
         // The last check before user code runs: a claim that took most of
         // the kill clock (a slow API server) must not start work it cannot
         // finish under the fence.
+        let mut not_started = false;
         let result = if self.fence.check().is_err() {
             None
         } else {
@@ -132,17 +138,32 @@ impl Attempt {
                     // Design §4: the token goes into storage before any user
                     // code runs, so every write of an older attempt that
                     // lands later is refused, whatever its timing.
-                    ctx.earlier_commit = registry.register(&ctx.task_uid, &ctx.fence).await?;
+                    match registry.register(&ctx.task_uid, &ctx.fence).await {
+                        Ok(earlier) => ctx.earlier_commit = earlier,
+                        Err(e) => return Run::NotStarted(e),
+                    }
                     ctx.registered = true;
                 }
-                handler(ctx).await
+                Run::Handler(handler(ctx).await)
             })
             .catch_unwind();
             tokio::select! {
-                r = work => Some(r.unwrap_or_else(|_| {
-                    error!(lease = %lease_name, token, "handler panicked");
-                    Err(TaskError::retryable("the handler panicked").with_reason("HandlerPanicked"))
-                })),
+                r = work => Some(match r {
+                    Ok(Run::Handler(result)) => result,
+                    Ok(Run::NotStarted(e)) => {
+                        warn!(lease = %lease_name, token, error = %e, kind = e.kind(), "the storage did not take the attempt's registration: handler not run, lease given back");
+                        self.metrics
+                            .not_started
+                            .get_or_create(&ReasonLabels { reason: "registration" })
+                            .inc();
+                        not_started = true;
+                        Err(registration_failed(&e))
+                    }
+                    Err(_) => {
+                        error!(lease = %lease_name, token, "handler panicked");
+                        Err(TaskError::retryable("the handler panicked").with_reason("HandlerPanicked"))
+                    }
+                }),
                 _ = self.fence.killed().cancelled() => None,
                 // Drained: the handler is dropped and the lease released as
                 // Interrupted, so the task is offered again at once.
@@ -164,6 +185,10 @@ impl Attempt {
             .await
             .unwrap_or_else(|_| (Verdict::Killed, self.lease.clone()));
         match verdict {
+            Verdict::Completed(LeaseOutcome::Interrupted) if not_started => {
+                info!(lease = %lease_name, token, "attempt given back before its handler ran");
+                Ended::NotStarted
+            }
             Verdict::Completed(outcome) => {
                 self.metrics
                     .completions
@@ -265,6 +290,27 @@ fn interrupted() -> TaskError {
 
 const INTERRUPTED: &str = "WorkerDrained";
 
+/// What the handler's future gave: its result, or the registration error
+/// that kept it from running.
+enum Run {
+    Handler(Result<Output, TaskError>),
+    NotStarted(Error),
+}
+
+/// The completion of an attempt whose registration failed: given back
+/// (`Interrupted`, no retry spent) — the task is not at fault, this
+/// worker's storage is, and another worker may well run it.
+fn registration_failed(e: &Error) -> TaskError {
+    TaskError::Retryable {
+        reason: REGISTRATION_FAILED.into(),
+        message: format!(
+            "the attempt's token could not be registered in storage before its handler ran: {e}"
+        ),
+    }
+}
+
+const REGISTRATION_FAILED: &str = "RegistrationFailed";
+
 fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObject>) -> Completion {
     let failed = |reason: String, message: String, permanent: bool, checkpoint| Completion {
         outcome: LeaseOutcome::Failed,
@@ -286,14 +332,18 @@ fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObjec
             result: out.result.and_then(Result::ok),
             checkpoint,
         },
-        Err(TaskError::Retryable { reason, message }) if reason == INTERRUPTED => Completion {
-            outcome: LeaseOutcome::Interrupted,
-            reason: Some(reason),
-            message: Some(message),
-            permanent: false,
-            result: None,
-            checkpoint,
-        },
+        Err(TaskError::Retryable { reason, message })
+            if reason == INTERRUPTED || reason == REGISTRATION_FAILED =>
+        {
+            Completion {
+                outcome: LeaseOutcome::Interrupted,
+                reason: Some(clip(reason, MAX_REASON_CHARS)),
+                message: Some(clip(message, MAX_MESSAGE_CHARS)),
+                permanent: false,
+                result: None,
+                checkpoint,
+            }
+        }
         Err(TaskError::Aborted { message }) => Completion {
             outcome: LeaseOutcome::Aborted,
             reason: Some(crate::speculate::ABORTED_REASON.into()),

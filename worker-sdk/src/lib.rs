@@ -28,6 +28,7 @@
 //! ```
 
 mod attempt;
+mod claim_brake;
 mod claim_order;
 mod context;
 mod dependencies;

@@ -3,6 +3,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -35,6 +36,15 @@ pub struct WorkerMetrics {
     /// Compensations by outcome: `ran`, `failed`, `skipped` (its round
     /// committed after all).
     pub compensations: Family<OutcomeLabels, Counter>,
+    /// Attempts that ended before their handler ran, by why (`registration`:
+    /// the storage refused or could not take the token's registration).
+    /// Given back as `Interrupted`: no retry spent.
+    pub not_started: Family<ReasonLabels, Counter>,
+    /// 1 while the worker does not claim because its attempts keep ending
+    /// before their handler runs (see `claim_brake`), else 0.
+    pub claims_paused: Gauge,
+    /// How often the worker stopped claiming for that reason.
+    pub claim_pauses: Counter,
 }
 
 impl Default for WorkerMetrics {
@@ -51,6 +61,9 @@ impl Default for WorkerMetrics {
             completion_rejected: Counter::default(),
             speculative_rounds: Family::default(),
             compensations: Family::default(),
+            not_started: Family::default(),
+            claims_paused: Gauge::default(),
+            claim_pauses: Counter::default(),
         }
     }
 }
@@ -109,6 +122,21 @@ impl WorkerMetrics {
             "compensations",
             "Compensations of rounds that did not commit, by outcome (ran, failed, skipped)",
             self.compensations.clone(),
+        );
+        r.register(
+            "attempts_not_started",
+            "Attempts that ended before their handler ran (given back, no retry spent), by why",
+            self.not_started.clone(),
+        );
+        r.register(
+            "claims_paused",
+            "1 while the worker does not claim because its attempts keep ending before their handler runs",
+            self.claims_paused.clone(),
+        );
+        r.register(
+            "claim_pauses",
+            "Times the worker stopped claiming because its attempts kept ending before their handler ran",
+            self.claim_pauses.clone(),
         );
     }
 }

@@ -14,12 +14,18 @@
 //!   checked again right before `COMMIT`; `statement_timeout`,
 //!   `lock_timeout` and `idle_in_transaction_session_timeout` keep a paused
 //!   holder of the row lock from blocking its successor for long.
-//! - Both writes carry the attempt's deadline (its kill-switch time as
-//!   wall-clock time, less an allowance for clock skew) and the server
-//!   refuses them past it (`clock_timestamp() < deadline`): a write whose
-//!   packets sat in the network until its lease could have expired is
-//!   refused by the database's clock too. The one assumption: the worker's
-//!   clock is at most the skew allowance ahead of the server's.
+//! - Both writes carry the attempt's deadline and the server refuses them
+//!   past it (`clock_timestamp() < deadline`): a write whose packets sat in
+//!   the network until its lease could have expired is refused by the
+//!   database's clock too. The deadline is the kill-switch instant put on
+//!   the **server's** clock, never the worker's wall clock: the transaction
+//!   opens by reading `clock_timestamp()`, and the deadline is that reading
+//!   plus the kill clock's time left *after* the answer arrived (the server
+//!   read its clock at some point before, so the deadline is at most the
+//!   server's time at the kill instant), less a margin. A worker whose
+//!   wall clock is minutes behind or ahead of the database's registers and
+//!   commits like any other; the one assumption left is that the two
+//!   clocks run at the same *rate* within the margin over one attempt.
 //!
 //! ```sql
 //! -- register (T = our token)
@@ -73,14 +79,14 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::types::Json;
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::{Client, SimpleQueryMessage, Transaction};
 
 use crate::context::{EarlierCommit, Registry};
 use crate::error::Error;
@@ -161,10 +167,33 @@ const READ: &str =
 
 /// Creates the `task_state` and `resource_fence` tables if they do not
 /// exist (and adds the `committed_token` column to a table of an older
-/// version).
+/// version). Safe to run from many workers at once: see
+/// [`migrate_serialized`].
 pub async fn migrate(client: &Client) -> Result<(), Error> {
+    migrate_serialized(client, MIGRATION).await
+}
+
+/// The advisory lock key that serializes migrations (any 64-bit number no
+/// other user of the database takes; "batchlse" in ASCII).
+pub const MIGRATION_LOCK: i64 = 0x6261_7463_686c_7365;
+
+/// Runs `sql` (DDL such as `CREATE TABLE IF NOT EXISTS …`) in one
+/// transaction that first takes the advisory lock [`MIGRATION_LOCK`].
+///
+/// Why: `IF NOT EXISTS` is no guard against a concurrent creator.
+/// Two sessions that both find the table missing both insert its catalog
+/// rows, and the later one fails on a unique index of the catalog
+/// (`pg_type_typname_nsp_index`) — what the replicas of a worker
+/// Deployment do on their first start against an empty database. Under
+/// the lock the second migration starts after the first committed and
+/// finds everything there.
+pub async fn migrate_serialized(client: &Client, sql: &str) -> Result<(), Error> {
     client
-        .batch_execute(MIGRATION)
+        .batch_execute(&format!(
+            // Quiet: every start would log a NOTICE per existing table.
+            "BEGIN; SET LOCAL client_min_messages = warning; \
+             SELECT pg_advisory_xact_lock({MIGRATION_LOCK}); {sql}; COMMIT"
+        ))
         .await
         .map_err(|source| Error::Postgres {
             what: "migration",
@@ -193,11 +222,27 @@ pub struct FencedStore {
     skew: Duration,
 }
 
-/// The fence's deadline as wall-clock time, less the clock skew allowed
-/// between this host and the database server.
-fn deadline(fence: &Fence, skew: Duration) -> std::time::SystemTime {
-    std::time::SystemTime::now() + fence.time_left().saturating_sub(skew)
+/// The attempt's deadline on the database server's clock: the server's
+/// reading of `clock_timestamp()` (`server_now_micros`, microseconds since
+/// the Unix epoch) plus the kill clock's time left as measured once the
+/// reading had arrived, less `margin`. The server read its clock before we
+/// got the answer, so the kill instant is at least `time_left` after the
+/// reading on the server's clock too: the deadline never lies past it,
+/// whatever this host's wall clock says.
+fn server_deadline(server_now_micros: i64, time_left: Duration, margin: Duration) -> SystemTime {
+    let server_now = match u64::try_from(server_now_micros) {
+        Ok(us) => UNIX_EPOCH + Duration::from_micros(us),
+        // A server clock before 1970 is no clock to trust: a deadline
+        // already past refuses the write.
+        Err(_) => UNIX_EPOCH,
+    };
+    server_now + time_left.saturating_sub(margin)
 }
+
+/// The server's `clock_timestamp()` in microseconds since the Unix epoch,
+/// as text (a simple query answers in text, whatever the session's
+/// DateStyle or TimeZone).
+const SERVER_CLOCK: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 /// Session limits of one fenced transaction, from the fence's clock: no
 /// statement outlives the attempt, a waiting successor gives up after a
@@ -233,23 +278,40 @@ fn refused(metrics: &WorkerMetrics, e: Error) -> Error {
 
 /// Checks the fence (a revoked attempt must not even try), begins a
 /// transaction with the session limits of [`limits`], and returns it with
-/// the deadline its statements carry.
+/// the deadline its statements carry, on the server's clock
+/// ([`server_deadline`]; the limits and the clock reading share one round
+/// trip).
 async fn begin_fenced<'c>(
     client: &'c mut Client,
     metrics: &WorkerMetrics,
     fence: &Fence,
-    skew: Duration,
-) -> Result<(Transaction<'c>, std::time::SystemTime), Error> {
+    margin: Duration,
+) -> Result<(Transaction<'c>, SystemTime), Error> {
     fence.check().map_err(|e| refused(metrics, e))?;
     let pg = |what| move |source| Error::Postgres { what, source };
     let tx = client.transaction().await.map_err(pg("begin"))?;
-    tx.batch_execute(&limits(fence))
+    let answer = tx
+        .simple_query(&format!("{}; {SERVER_CLOCK}", limits(fence)))
         .await
         .map_err(pg("session limits"))?;
-    Ok((tx, deadline(fence, skew)))
+    // Measured after the answer arrived: the conservative side.
+    let time_left = fence.time_left();
+    let server_now = answer
+        .iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(row) => row.get(0).and_then(|v| v.parse::<i64>().ok()),
+            _ => None,
+        })
+        .ok_or(Error::Config(
+            "the database did not answer its clock reading",
+        ))?;
+    Ok((tx, server_deadline(server_now, time_left, margin)))
 }
 
-/// Default allowance for clock skew between worker and database server.
+/// Default margin taken off each write's deadline: the worker's and the
+/// database's clocks may run at slightly different rates (or the server's
+/// be stepped) during an attempt. Their offset does not matter (see
+/// [`server_deadline`]).
 pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(500);
 
 /// The server's clock said the attempt's deadline had passed.
@@ -270,9 +332,13 @@ impl FencedStore {
         }
     }
 
-    /// How far this host's clock may be ahead of the database server's
-    /// (default 500 ms): writes must reach the server that long before the
-    /// attempt's deadline.
+    /// The margin taken off each write's deadline (default 500 ms): writes
+    /// must reach the server that long before the attempt's kill instant,
+    /// as the server's clock counts it. The deadline is put on the
+    /// server's clock by reading it in the same transaction, so the offset
+    /// between this host's wall clock and the server's does not count; the
+    /// margin covers clocks that run at different rates (or a step of the
+    /// server's clock) within one attempt.
     #[must_use]
     pub fn with_clock_skew(mut self, skew: Duration) -> Self {
         self.skew = skew;
@@ -604,7 +670,7 @@ impl FencedPool {
         }
     }
 
-    /// The clock skew allowance of every store of the pool (see
+    /// The deadline margin of every store of the pool (see
     /// [`FencedStore::with_clock_skew`]).
     #[must_use]
     pub fn with_clock_skew(mut self, skew: Duration) -> Self {
@@ -699,5 +765,52 @@ impl Registry for FencedPool {
         fence: &'a Fence,
     ) -> BoxFuture<'a, Result<Option<EarlierCommit>, Error>> {
         async move { self.get().await?.register(fence, task_uid).await }.boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: i64 = 1_000_000;
+
+    /// The deadline is the server's reading plus the time left: this
+    /// host's wall clock plays no part, so a worker minutes behind or
+    /// ahead of the database gets the same deadline.
+    #[test]
+    fn the_deadline_is_on_the_servers_clock() {
+        let server_now = 1_800_000_000 * SECOND;
+        let cases = [
+            // (time left, margin, deadline after the server's reading)
+            (
+                Duration::from_secs(4),
+                Duration::from_millis(500),
+                Duration::from_millis(3500),
+            ),
+            (
+                Duration::from_secs(4),
+                Duration::ZERO,
+                Duration::from_secs(4),
+            ),
+            // Less left than the margin: already due.
+            (
+                Duration::from_millis(300),
+                Duration::from_millis(500),
+                Duration::ZERO,
+            ),
+            (Duration::ZERO, Duration::ZERO, Duration::ZERO),
+        ];
+        for (left, margin, after) in cases {
+            let d = server_deadline(server_now, left, margin);
+            let reading = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+            assert_eq!(d, reading + after, "left {left:?} margin {margin:?}");
+        }
+    }
+
+    #[test]
+    fn a_server_clock_before_the_epoch_gives_a_deadline_already_past() {
+        let d = server_deadline(-5 * SECOND, Duration::from_secs(10), Duration::ZERO);
+        assert_eq!(d, UNIX_EPOCH + Duration::from_secs(10));
+        assert!(d < SystemTime::now());
     }
 }

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::attempt::{Attempt, Ended};
+use crate::claim_brake::{self, ClaimBrake};
 use crate::claim_order::claim_order;
 use crate::context::{Output, Registry, TaskContext};
 use crate::error::{Error, TaskError};
@@ -277,15 +278,25 @@ impl Worker {
         let mut retry_at: Option<Instant> = None;
         let mut failed_rounds: u32 = 0;
         let mut just_claimed: HashMap<String, Instant> = HashMap::new();
+        let mut brake = ClaimBrake::default();
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = changed.notified() => {}
-                Some(_) = running.join_next(), if !running.is_empty() => {}
+                Some(ended) = running.join_next(), if !running.is_empty() => {
+                    self.brake_on(&mut brake, ended);
+                }
                 _ = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {}
             }
             retry_at = None;
             just_claimed.retain(|_, at| at.elapsed() < JUST_CLAIMED_FOR);
+            if let Some(until) = brake.paused_until(Instant::now()) {
+                // Offers wait for other workers meanwhile; look again
+                // when the pause ends.
+                retry_at = Some(until);
+                continue;
+            }
+            self.metrics.claims_paused.set(0);
             while let Ok(permit) = slots.clone().try_acquire_owned() {
                 let skip: HashSet<String> = just_claimed.keys().cloned().collect();
                 let (held, task, sent) = match self.claim_one(&leases, &tasks, &store, &skip).await
@@ -353,6 +364,28 @@ impl Worker {
         background.wait().await;
         info!("worker stopped");
         Ok(())
+    }
+
+    /// Feeds how an attempt ended to the claim brake; says so, loudly and
+    /// in the metrics, when the worker stops claiming.
+    fn brake_on(&self, brake: &mut ClaimBrake, ended: Result<Ended, tokio::task::JoinError>) {
+        match ended {
+            Ok(Ended::NotStarted) => {
+                if let Some(pause) = brake.not_started(Instant::now()) {
+                    self.metrics.claims_paused.set(1);
+                    self.metrics.claim_pauses.inc();
+                    warn!(
+                        pause = ?pause,
+                        in_a_row = claim_brake::STREAK,
+                        "attempts keep ending before their handler runs (the storage refuses or cannot take their registration): not claiming for a while, so other workers get the offers; see the warnings above for the storage's error"
+                    );
+                }
+            }
+            Ok(_) => brake.started(),
+            // A panicked or cancelled attempt task says nothing about the
+            // storage.
+            Err(_) => {}
+        }
     }
 
     /// Claims one offered lease of our queues, oldest second first and

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_worker_sdk::postgres::{FencedPool, migrate};
+use batchlease_worker_sdk::postgres::{FencedPool, migrate, migrate_serialized};
 use batchlease_worker_sdk::{JsonObject, Output, TaskContext, TaskError, WorkerBuilder};
 use clap::Parser;
 use rand::Rng;
@@ -83,6 +83,17 @@ struct Args {
     /// Serve the SDK's metrics on this address (`/metrics`), e.g. 0.0.0.0:9090.
     #[arg(long, env = "BATCHLEASE_METRICS_ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Milliseconds taken off each storage write's deadline (the SDK's
+    /// `with_clock_skew`; it covers clock *rates*, not offsets: the
+    /// deadline is on the database's clock). One larger than 2/3 of the
+    /// lease TTL makes every registration late — how the tests show a
+    /// worker that stops claiming when its storage refuses it.
+    #[arg(
+        long,
+        env = "BATCHLEASE_STORAGE_DEADLINE_MARGIN_MS",
+        default_value_t = 500
+    )]
+    storage_deadline_margin_ms: u64,
     /// Kubeconfig file (default: KUBECONFIG, then in-cluster).
     #[arg(long, env = "BATCHLEASE_KUBECONFIG")]
     kubeconfig: Option<std::path::PathBuf>,
@@ -189,7 +200,15 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(serve_metrics(addr, Arc::new(registry)));
     }
     let store = match pg {
-        Some(pg) => Some(fenced_store(pg, args.slots, &builder).await?),
+        Some(pg) => Some(
+            fenced_store(
+                pg,
+                args.slots,
+                Duration::from_millis(args.storage_deadline_margin_ms),
+                &builder,
+            )
+            .await?,
+        ),
         None => {
             warn!(
                 "no PostgreSQL connection string ({} or --pg-url-file): results are NOT committed \
@@ -224,13 +243,12 @@ async fn main() -> anyhow::Result<()> {
 async fn fenced_store(
     pg: tokio_postgres::Config,
     slots: usize,
+    margin: Duration,
     builder: &WorkerBuilder,
 ) -> anyhow::Result<Arc<FencedPool>> {
     let database = pg_url::describe(&pg);
-    let store = Arc::new(FencedPool::new(
-        slots,
-        builder.metrics().clone(),
-        move || {
+    let store = Arc::new(
+        FencedPool::new(slots, builder.metrics().clone(), move || {
             let pg = pg.clone();
             async move {
                 let (client, conn) = pg.connect(tokio_postgres::NoTls).await?;
@@ -241,8 +259,9 @@ async fn fenced_store(
                 });
                 Ok(client)
             }
-        },
-    ));
+        })
+        .with_clock_skew(margin),
+    );
     migrate(
         store
             .get()
@@ -251,11 +270,9 @@ async fn fenced_store(
             .client(),
     )
     .await?;
-    store
-        .get()
-        .await?
-        .client()
-        .batch_execute(transfer::OUTBOX)
+    // Under the same lock as the SDK's migration: replicas started at once
+    // on an empty database must not race to create it.
+    migrate_serialized(store.get().await?.client(), transfer::OUTBOX)
         .await
         .context("creating the demo's outbox table")?;
     info!(%database, "fenced store ready");
