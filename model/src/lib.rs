@@ -516,7 +516,10 @@ impl Cluster {
                         }
                     }
                     let registered = a.registered || self.cfg.storage == StorageRule::CommitOnly;
-                    if !a.registered && self.cfg.storage == StorageRule::RegisterFirst {
+                    if !a.registered
+                        && !a.not_started
+                        && self.cfg.storage == StorageRule::RegisterFirst
+                    {
                         actions.push(Action::Register(w));
                     }
                     let lost = a.round.as_ref().is_some_and(|r| r.lost);
@@ -530,7 +533,7 @@ impl Cluster {
                     if a.checked && !a.committed {
                         actions.push(Action::CommitLands(w));
                     }
-                    if a.committed || lost {
+                    if a.committed || lost || a.not_started {
                         actions.push(Action::Complete(w));
                     }
                 }
@@ -613,6 +616,7 @@ impl Cluster {
                     claim_sent: s.now,
                     last_ok_sent: s.now,
                     registered: false,
+                    not_started: false,
                     checked: false,
                     committed: false,
                     round: self.cfg.speculative.then(|| Round {

@@ -48,6 +48,9 @@ pub struct Attempt {
     pub claim_sent: u8,
     pub last_ok_sent: u8,
     pub registered: bool,
+    /// The storage refused the registration: the handler never runs, and
+    /// the SDK gives the lease back `Interrupted` (no retry spent).
+    pub not_started: bool,
     /// Passed its fence check for the commit; the write may land later.
     pub checked: bool,
     pub committed: bool,
@@ -92,13 +95,7 @@ fn end(s: &mut State, w: usize) {
 fn stored(s: &mut State, w: usize, a: &Attempt, answer: Result<(), Refusal>) -> bool {
     match answer {
         Err(refusal) => {
-            s.fenced_by_storage = true;
-            if refusal.resource_rows {
-                s.locks.stale_resource_refused = true;
-                if !refusal.task_row {
-                    s.locks.fenced_by_resource = true;
-                }
-            }
+            refused(s, &refusal);
             end(s, w);
             false
         }
@@ -109,6 +106,17 @@ fn stored(s: &mut State, w: usize, a: &Attempt, answer: Result<(), Refusal>) -> 
             crate::cancel::storage_write(s, a.task);
             crate::locks::wrote(s, a.task, &a.resource_tokens);
             true
+        }
+    }
+}
+
+/// The ghosts of a write the storage refused.
+fn refused(s: &mut State, refusal: &Refusal) {
+    s.fenced_by_storage = true;
+    if refusal.resource_rows {
+        s.locks.stale_resource_refused = true;
+        if !refusal.task_row {
+            s.locks.fenced_by_resource = true;
         }
     }
 }
@@ -193,8 +201,15 @@ impl Cluster {
                     end(s, w);
                     return;
                 }
-                let answer = s.pg.register(a.task, a.token, &a.resource_tokens);
-                if !stored(s, w, &a, answer) {
+                if let Err(refusal) = s.pg.register(a.task, a.token, &a.resource_tokens) {
+                    // The handler never runs; the attempt goes on to give
+                    // its lease back (the SDK's `Ended::NotStarted`).
+                    refused(s, &refusal);
+                    a.not_started = true;
+                    s.workers[w] = Worker::Holding(a);
+                    return;
+                }
+                if !stored(s, w, &a, Ok(())) {
                     return;
                 }
                 a.registered = true;
@@ -278,6 +293,8 @@ impl Cluster {
                 st.phase = Some(LeasePhase::Completed);
                 st.outcome = Some(if a.committed {
                     LeaseOutcome::Succeeded
+                } else if a.not_started {
+                    LeaseOutcome::Interrupted
                 } else {
                     LeaseOutcome::Aborted
                 });

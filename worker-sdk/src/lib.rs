@@ -10,16 +10,25 @@
 //! checks the tokens of the task's resource locks along with its own
 //! ([`Fence::resource_tokens`], `postgres`).
 //!
+//! A payload is a JSON object (`spec.payload`); read it into your own type:
+//!
 //! ```no_run
 //! # async fn demo(config: kube::Config) -> Result<(), batchlease_worker_sdk::Error> {
 //! use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
+//!
+//! /// `spec.payload: {rows: 1000}`
+//! #[derive(serde::Deserialize)]
+//! struct Job {
+//!     rows: u64,
+//! }
+//!
 //! let worker = WorkerBuilder::new(config, "default").queue("etl").slots(4).build()?;
 //! worker
 //!     .run(
 //!         |ctx: TaskContext| async move {
-//!             let n: u64 = ctx.payload()?;
-//!             ctx.checkpoint(serde_json::json!({"done": n}))?;
-//!             Ok::<_, TaskError>(Output::json(serde_json::json!({"n": n})))
+//!             let job: Job = ctx.payload()?; // wrong shape: a permanent error
+//!             ctx.checkpoint(serde_json::json!({"done": job.rows}))?;
+//!             Ok::<_, TaskError>(Output::json(serde_json::json!({"rows": job.rows})))
 //!         },
 //!         async { let _ = tokio::signal::ctrl_c().await; },
 //!     )
@@ -57,4 +66,4 @@ pub use fence::{Fence, KillClock, KillReason};
 pub use metrics::WorkerMetrics;
 pub use spawn::LABEL_PARENT;
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
-pub use worker::{Worker, WorkerBuilder};
+pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder};

@@ -43,7 +43,7 @@ pub struct WorkerBuilder {
 }
 
 impl WorkerBuilder {
-    /// A worker for `namespace`: one slot, no queue yet, 30 s drain grace.
+    /// A worker for `namespace`: one slot, no queue yet, [`DEFAULT_DRAIN_GRACE`].
     /// It takes the client *configuration* (e.g. `kube::Config::infer()`),
     /// not a client: it builds two clients from it, one for claims and
     /// handlers and one on the heartbeat's own runtime, so a handler that
@@ -55,7 +55,7 @@ impl WorkerBuilder {
             queues: Vec::new(),
             slots: 1,
             identity: None,
-            drain_grace: Duration::from_secs(30),
+            drain_grace: DEFAULT_DRAIN_GRACE,
             metrics: WorkerMetrics::default(),
             registry: None,
         }
@@ -499,6 +499,14 @@ fn claim_retry_delay(failed_rounds: u32) -> Duration {
     let base = Duration::from_secs(1 << failed_rounds.min(4));
     base + base.mul_f64(rand::rng().random_range(0.0..0.25))
 }
+
+/// How long running handlers may finish after shutdown begins: 20 s, so
+/// that with Kubernetes' default `terminationGracePeriodSeconds` (30 s)
+/// the worker still has 10 s to give the rest of its leases back before
+/// the kubelet's SIGKILL (the give-back of each is bounded to 2 s). At
+/// 30 s, the old default, the SIGKILL landed first and those tasks waited
+/// a whole TTL. Keep `terminationGracePeriodSeconds` above the grace.
+pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(20);
 
 /// How long a lease this worker claimed is kept out of its own claim
 /// order (until its cache has surely seen the claim).
