@@ -27,13 +27,19 @@ trap cleanup EXIT INT TERM
 local_env_up "$run_dir"
 
 kubectl apply --server-side -f crds/
-kubectl wait --for=condition=Established --timeout=60s crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev
+kubectl wait --for=condition=Established --timeout=60s \
+  crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev crd/taskqueues.batchlease.dev
 kubectl create namespace demo
 "$bin/batchlease-operator" --namespaces=demo --leader-lease-namespace=demo \
   --metrics-addr=127.0.0.1:0 >"$run_dir/operator.log" 2>&1 &
 pids+=($!)
+# Two workers started together on an empty database: both migrate (the SDK
+# serialises migrations with an advisory lock) and both claim tasks — the
+# `worker` column of the task_state query below shows which one committed
+# each task. Identities are <name>/<suffix>, the form the chart's holder-only
+# admission policy expects (the SDK warns about any other).
 for w in 1 2; do
-  "$bin/batchlease-demo-worker" --namespace=demo --queues=demo --slots=2 --identity="demo-worker-$w" \
+  "$bin/batchlease-demo-worker" --namespace=demo --queues=demo --slots=2 --identity="demo-worker-$w/0$w" \
     >"$run_dir/worker-$w.log" 2>&1 &
   pids+=($!)
 done
