@@ -24,7 +24,9 @@ use crate::expectations::Expectations;
 use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::locks::{self, Slot};
-use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
+use crate::metrics::{
+    ErrorLabels, Metrics, QueueCounter, QueueLabels, ReasonCounter, reason_label,
+};
 use crate::observe::Tracker;
 use crate::settle::Transition;
 use crate::speculation;
@@ -263,12 +265,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 let give_back = give_back.clone();
                 release_locks(ctx, task, &give_back, &mut slots, &look).await?;
                 if let LockRelease::AttemptEnded { expired: true } = why {
-                    ctx.metrics
-                        .lock_lease_expired_before_release
-                        .get_or_create(&QueueLabels {
-                            queue: task.spec.queue.clone(),
-                        })
-                        .inc_by(give_back.len() as u64);
+                    ctx.metrics.count(
+                        QueueCounter::LockLeaseExpiredBeforeRelease,
+                        &QueueLabels::of(task),
+                        give_back.len() as u64,
+                    );
                 }
             }
             Decision::LockBlocked {
@@ -288,9 +289,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         }
     }
     debug!(task = %name, namespace = %ns, ?decision, "decided");
-    let queue = QueueLabels {
-        queue: task.spec.queue.clone(),
-    };
+    let queue = QueueLabels::of(task);
     if !matches!(decision, Decision::HeldBack(_) | Decision::Issue { .. }) {
         ctx.queues.release_waiter(&ns, &queue.queue, &name);
     }
@@ -304,13 +303,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 return Ok(Action::requeue(Duration::from_millis(10)));
             };
             if first {
-                ctx.metrics
-                    .queue_issues_throttled
-                    .get_or_create(&ReasonLabels {
-                        queue: queue.queue.clone(),
-                        reason: throttle_reason(gate).into(),
-                    })
-                    .inc();
+                ctx.metrics.count_reason(
+                    ReasonCounter::QueueIssuesThrottled,
+                    &queue,
+                    throttle_reason(gate),
+                );
             }
             Ok(gate
                 .wait()
@@ -326,7 +323,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             // into this very write (no extra one) and into the metrics.
             let speculative = speculation::settled_attempt(task, &transition);
             if let Some(aborted) = speculative {
-                let (rate, n) = ctx.metrics.abort_rate_with(&queue.queue, aborted);
+                let (rate, n) = ctx.metrics.abort_rate_with(&queue, aborted);
                 set_condition(
                     &mut status,
                     task,
@@ -336,7 +333,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             }
             write_status(ctx, task, *status).await?;
             if let Some(aborted) = speculative {
-                let (was, now) = ctx.metrics.record_speculative(&queue.queue, aborted);
+                let (was, now) = ctx.metrics.record_speculative(&queue, aborted);
                 if now == speculation::Band::Livelock && was != now {
                     publish(
                         ctx,
@@ -400,9 +397,9 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                     .lock_acquisition_duration
                     .observe(since.elapsed().as_secs_f64());
             }
-            ctx.metrics.leases_issued.get_or_create(&queue).inc();
+            ctx.metrics.count(QueueCounter::LeasesIssued, &queue, 1);
             if cause != IssueCause::New {
-                ctx.metrics.reassignments.get_or_create(&queue).inc();
+                ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
             }
             if let Err(e) = create_lease(ctx, &lease).await {
                 unreserve(&e);
@@ -673,11 +670,7 @@ async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
         // Counted once per task and blocker, like the Event: a task looked
         // at again while the same holder keeps the lock is one contention.
         ctx.metrics
-            .lock_contention
-            .get_or_create(&QueueLabels {
-                queue: task.spec.queue.clone(),
-            })
-            .inc();
+            .count(QueueCounter::LockContention, &QueueLabels::of(task), 1);
         publish(ctx, task, EventType::Normal, "WaitingForResource", note).await;
     }
 }
@@ -925,14 +918,11 @@ async fn expire(
 /// Metrics, log and Event of a lease the operator expired.
 async fn expired(ctx: &Ctx, task: &BatchTask, lease: &TaskLease, reason: ExpiryReason) {
     let ns = lease.namespace().unwrap_or_default();
-    let labels = ReasonLabels {
-        queue: task.spec.queue.clone(),
-        reason: reason.as_str().into(),
-    };
-    ctx.metrics
-        .lease_expired_before_release
-        .get_or_create(&labels)
-        .inc();
+    ctx.metrics.count_reason(
+        ReasonCounter::LeaseExpiredBeforeRelease,
+        &QueueLabels::of(task),
+        reason.as_str(),
+    );
     let holder = lease.spec.holder_identity.clone().unwrap_or_default();
     info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), %holder, reason = reason.as_str(), "lease expired");
     let note = format!(
@@ -1034,7 +1024,7 @@ fn classify(ctx: &Ctx, e: kube::Error, what: &'static str) -> Error {
 
 /// Events, metrics and logs for a status transition.
 async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
-    let queue = task.spec.queue.clone();
+    let queue = QueueLabels::of(task);
     let token = task.status.as_ref().map_or(0, |s| s.fencing_token);
     let (type_, reason, note) = match transition {
         Transition::Initialized | Transition::RedriveIgnored => return,
@@ -1054,12 +1044,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             ..
         } => {
             ctx.metrics
-                .retries
-                .get_or_create(&ReasonLabels {
-                    queue,
-                    reason: reason_label(reason),
-                })
-                .inc();
+                .count_reason(ReasonCounter::Retries, &queue, &reason_label(reason));
             (
                 EventType::Warning,
                 "Retrying",
@@ -1091,13 +1076,11 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             (EventType::Normal, "Aborted", note)
         }
         Transition::DeadLettered { reason, .. } => {
-            ctx.metrics
-                .tasks_dead_lettered
-                .get_or_create(&ReasonLabels {
-                    queue,
-                    reason: reason_label(reason),
-                })
-                .inc();
+            ctx.metrics.count_reason(
+                ReasonCounter::TasksDeadLettered,
+                &queue,
+                &reason_label(reason),
+            );
             (
                 EventType::Warning,
                 "DeadLettered",
@@ -1122,9 +1105,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
         ),
         Transition::CycleDetected { cycle } => {
             ctx.metrics
-                .graph_cycle_detected
-                .get_or_create(&QueueLabels { queue })
-                .inc();
+                .count(QueueCounter::GraphCycleDetected, &queue, 1);
             (
                 EventType::Warning,
                 "CycleDetected",
@@ -1154,7 +1135,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             ),
         ),
         Transition::Withdrawn => {
-            debug!(task = %task.name_any(), %queue, "queue paused: offer withdrawn");
+            debug!(task = %task.name_any(), queue = %queue.queue, "queue paused: offer withdrawn");
             return;
         }
     };
