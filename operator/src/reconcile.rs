@@ -367,29 +367,28 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             {
                 return Ok(Action::requeue(Duration::from_millis(100)));
             }
-            // Only a write known not to have happened frees the slot; an
-            // unknown outcome (a timeout, a 5xx) may still create the lease,
-            // and its reservation stays until the watch shows it (or
-            // expires, see `queues`).
-            let unreserve = |e: &Error| {
-                let refused = match e {
-                    Error::Conflict { .. } | Error::NotLeader => true,
-                    Error::Kube {
-                        source: kube::Error::Api(s),
-                        ..
-                    } => s.code < 500,
-                    _ => false,
-                };
-                if refused {
-                    ctx.queues
-                        .unreserve(&ns, &queue.queue, &lease_name, Instant::now());
-                }
+            // The slot is freed when no lease can come of this issue: its
+            // status write failed, whatever the answer (the create is sent
+            // only after it; a status applied despite a lost answer names a
+            // lease that was never created, whose name the next pass
+            // retires), or its create was refused. A create with an unknown
+            // outcome (a timeout, a 5xx) may still land: its reservation
+            // stays until the watch shows the lease or the tombstone that
+            // retires its name (or expires, see `queues`).
+            let create_refused = |e: &Error| match e {
+                Error::Conflict { .. } | Error::NotLeader => true,
+                Error::Kube {
+                    source: kube::Error::Api(s),
+                    ..
+                } => s.code < 500,
+                _ => false,
             };
             // Taken before the write: the watch event of the write ends the
             // wait in the index as soon as it arrives.
             let lock_wait = ctx.index.lock_wait_done(&ns, &name);
             if let Err(e) = write_status(ctx, task, *status).await {
-                unreserve(&e);
+                ctx.queues
+                    .unreserve(&ns, &queue.queue, &lease_name, false, Instant::now());
                 return Err(e);
             }
             if let Some(since) = lock_wait {
@@ -401,8 +400,12 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             if cause != IssueCause::New {
                 ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
             }
+            ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
             if let Err(e) = create_lease(ctx, &lease).await {
-                unreserve(&e);
+                if create_refused(&e) {
+                    ctx.queues
+                        .unreserve(&ns, &queue.queue, &lease_name, true, Instant::now());
+                }
                 return Err(e);
             }
             info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
