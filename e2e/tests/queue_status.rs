@@ -1,7 +1,7 @@
 //! `TaskQueue.status` and the queue's slots against the real API server
 //! (issue 22): a field that went away is cleared on the server, an idle
 //! queue costs no writes (counted from the audit log), the workers of a
-//! queue are counted, and an issue whose status write failed with an
+//! queue are counted (also while they hold nothing), and an issue whose status write failed with an
 //! unknown outcome (a 5xx) does not keep its slot.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -127,8 +127,9 @@ async fn a_cleared_field_is_cleared_on_the_server_and_an_idle_queue_writes_nothi
     .await
     .unwrap();
     eprintln!("done: {st:?}");
-    // Idle now: once the worker stopped counting (a TTL after its lease),
-    // no status write for four status periods, by the server's record.
+    // Idle now: no status write for four status periods, by the server's
+    // record (the worker's lease stops counting a TTL after its end; its
+    // presence record keeps it counted).
     let quiet = 4.0 * PERIOD;
     let writes = wait_for(
         "four status periods without a TaskQueue status write",
@@ -153,7 +154,22 @@ async fn a_cleared_field_is_cleared_on_the_server_and_an_idle_queue_writes_nothi
     .unwrap();
     let st = queue_status(&ns, "demo").await.unwrap();
     eprintln!("{} status writes in all; idle status: {st:?}", writes.len());
-    assert_eq!(st.workers, 0, "{st:?}");
+    // The worker holds nothing and still serves the queue (issue 22, point
+    // 10: WORKERS read 0 then).
+    assert_eq!((st.leases_held, st.workers), (0, 1), "{st:?}");
+    // A worker that stops (drains) is no worker of the queue any more.
+    worker[0].signal("TERM").unwrap();
+    wait_for(
+        "status.workers = 0 once the worker stopped",
+        Duration::from_secs(20),
+        logs,
+        || async {
+            let st = queue_status(&ns, "demo").await?;
+            Ok((st.workers == 0).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
     ns.finish().await.unwrap();
 }
 

@@ -10,6 +10,7 @@ mod graph_index;
 mod http;
 mod leader;
 mod metrics;
+mod presence;
 mod queue_status;
 mod queues;
 mod reconcile;

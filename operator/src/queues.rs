@@ -141,6 +141,9 @@ struct Queue {
     /// Holders of the queue's leases → until when they count as seen (the
     /// last observation plus the lease's TTL).
     holders: HashMap<String, Instant>,
+    /// Workers whose presence record names the queue → until when they
+    /// count (the last observation plus the record's duration).
+    present: HashMap<String, Instant>,
 }
 
 /// One issue's claim on a slot of its queue.
@@ -592,17 +595,49 @@ impl QueueBook {
         self.send(&key.0, woken);
     }
 
-    /// Issues held back so far, and the distinct holders seen within one
-    /// TTL, of a queue.
+    /// A worker's presence record was seen (see `presence`): it serves
+    /// these queues of `ns` for the record's duration from `now`.
+    pub fn worker_seen(&self, ns: &str, p: &crate::presence::Presence, now: Instant) {
+        let mut book = self.lock();
+        for queue in &p.queues {
+            let q = book
+                .queues
+                .entry((ns.to_owned(), queue.clone()))
+                .or_default();
+            q.present.retain(|_, until| *until > now);
+            q.present.insert(p.identity.clone(), now + p.duration);
+        }
+    }
+
+    /// A worker's presence record was deleted: it stopped.
+    pub fn worker_gone(&self, ns: &str, p: &crate::presence::Presence) {
+        let mut book = self.lock();
+        for queue in &p.queues {
+            if let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.clone())) {
+                q.present.remove(&p.identity);
+            }
+        }
+    }
+
+    /// Issues held back so far, and the distinct workers of a queue: those
+    /// whose presence record names it, and the holders of its leases seen
+    /// within one TTL (a worker without a record, e.g. an older SDK or no
+    /// RBAC for it).
     pub fn summary(&self, ns: &str, queue: &str, now: Instant) -> (ThrottleCounts, i64) {
         let mut book = self.lock();
         let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
             return (ThrottleCounts::default(), 0);
         };
         q.holders.retain(|_, until| *until > now);
+        q.present.retain(|_, until| *until > now);
+        let workers = q.present.len()
+            + q.holders
+                .keys()
+                .filter(|h| !q.present.contains_key(*h))
+                .count();
         (
             q.throttled.clone(),
-            i64::try_from(q.holders.len()).unwrap_or(i64::MAX),
+            i64::try_from(workers).unwrap_or(i64::MAX),
         )
     }
 }
