@@ -1,8 +1,9 @@
-//! `TaskQueue.status` and the queue's slots against the real API server
-//! (issue 22): a field that went away is cleared on the server, an idle
-//! queue costs no writes (counted from the audit log), the workers of a
-//! queue are counted (also while they hold nothing), and an issue whose status write failed with an
-//! unknown outcome (a 5xx) does not keep its slot.
+//! `TaskQueue.status`, the queue's slots and its metrics against the real
+//! API server (issue 22): a field that went away is cleared on the server,
+//! an idle queue costs no writes (counted from the audit log), the workers
+//! of a queue are counted (also while they hold nothing), an issue whose
+//! status write failed with an unknown outcome (a 5xx) does not keep its
+//! slot, and per-queue metrics are per tenant, a gone queue's series gone.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -262,4 +263,63 @@ async fn an_issue_whose_status_write_got_a_5xx_does_not_keep_its_queue_slot() {
         .unwrap();
     }
     ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn tenants_queues_of_one_name_have_their_own_series_and_a_gone_queues_go() {
+    let cluster = batchlease_e2e::Cluster::with_crds().await.unwrap();
+    let a = cluster.namespace("queue-ten-a").await.unwrap();
+    let b = cluster.namespace("queue-ten-b").await.unwrap();
+    let op = Operator::start_with(
+        &a.name,
+        "op",
+        vec![format!("--namespaces={},{}", a.name, b.name)],
+    )
+    .unwrap();
+    op.wait_leading(Duration::from_secs(30)).await.unwrap();
+    // Both tenants name their queue "demo": one task in a's, two in b's.
+    for (ns, names) in [(&a, &["x"][..]), (&b, &["x", "y"][..])] {
+        for name in names {
+            tasks::create(ns, name, json!({"queue": "demo"}))
+                .await
+                .unwrap();
+        }
+    }
+    let issued =
+        |ns: &str| format!("batchlease_leases_issued_total{{namespace=\"{ns}\",queue=\"demo\"}}");
+    let counts = wait_for(
+        "a series per tenant",
+        Duration::from_secs(30),
+        || op.logs(),
+        || async {
+            let ca = op.metric(&issued(&a.name)).await?;
+            let cb = op.metric(&issued(&b.name)).await?;
+            Ok((ca == Some(1.0) && cb == Some(2.0)).then_some((ca, cb)))
+        },
+    )
+    .await
+    .unwrap();
+    eprintln!("leases issued (a, b): {counts:?}");
+    // Tenant b's queue goes (its tasks are deleted): its series go too,
+    // a's stay.
+    for name in ["x", "y"] {
+        b.api::<BatchTask>()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    wait_for(
+        "b's series removed",
+        Duration::from_secs(45),
+        || op.logs(),
+        || async {
+            let (_, body) = op.get("/metrics").await?;
+            Ok((!body.contains(&format!("namespace=\"{}\"", b.name))).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(op.metric(&issued(&a.name)).await.unwrap(), Some(1.0));
+    b.cleanup().await.unwrap();
+    a.cleanup().await.unwrap();
 }
