@@ -12,8 +12,9 @@
 //! whose answer was lost keeps the slot until the watch shows the lease,
 //! or the tombstone that retires its name (see `decide::RetireToken`:
 //! once that is in, the lost create can never land). Two concurrent issues
-//! can therefore never both take the last slot. The count starts from the lease watch's list, so a new leader
-//! counts what its predecessor left live.
+//! can therefore never both take the last slot. The count starts from the
+//! lease watch's list, so a new leader counts what its predecessor left
+//! live.
 //!
 //! Tasks held back wait without polling, in line: the queue wakes the
 //! oldest waiters (through the controller's wake-up channel), one per free
