@@ -7,6 +7,21 @@ pub const LABEL_TASK: &str = "batchlease.dev/task";
 /// Label on a TaskLease: its queue, so workers list only their queues.
 pub const LABEL_QUEUE: &str = "batchlease.dev/queue";
 
+/// Label on a worker's presence record: a `coordination.k8s.io` Lease the
+/// SDK renews for each worker process in its namespace, so the operator
+/// counts the workers serving a queue even while they hold no TaskLease
+/// (`TaskQueue.status.workers`). Informational: no decision reads it.
+pub const LABEL_WORKER: &str = "batchlease.dev/worker";
+/// Annotation on a presence record: the queues the worker serves,
+/// comma-separated.
+pub const ANNOTATION_QUEUES: &str = "batchlease.dev/queues";
+
+/// The name of the presence record of worker `identity` (holder
+/// identities hold a `/`, which no object name may).
+pub fn presence_name(identity: &str) -> String {
+    format!("batchlease-worker-{}", crate::names::short_hash(identity))
+}
+
 /// Condition types of a BatchTask.
 pub mod condition {
     /// True while a lease is offered or held for the current attempt.

@@ -147,7 +147,7 @@ impl Operator {
     }
 
     /// The value of a sample line of `/metrics`, e.g.
-    /// `batchlease_leases_issued_total{queue="q"}`.
+    /// `batchlease_leases_issued_total{namespace="ns",queue="q"}`.
     pub async fn metric(&self, sample: &str) -> anyhow::Result<Option<f64>> {
         let (_, body) = self.get("/metrics").await?;
         Ok(body.lines().find_map(|l| {

@@ -293,7 +293,15 @@ async fn only_the_holder_may_write_a_held_lease() {
         .unwrap_or_default();
     assert!(last.starts_with("wa/"), "{history:?}");
 
-    let logs = format!("{}{}", op.logs(), worker.logs()).to_lowercase();
+    // The worker's presence record is refused by RBAC here (the chart's
+    // worker role grants it only with workerRole.presenceRecords): that one
+    // warning is expected; nothing else may be refused.
+    let logs: String = format!("{}{}", op.logs(), worker.logs())
+        .to_lowercase()
+        .lines()
+        .filter(|l| !l.contains("presence record"))
+        .map(|l| format!("{l}\n"))
+        .collect();
     assert!(
         !logs.contains("forbidden") && !logs.contains("denied"),
         "{logs}"

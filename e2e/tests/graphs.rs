@@ -332,9 +332,12 @@ async fn cycles_applied_at_once_or_closed_later_reject_exactly_their_tasks() {
     .unwrap();
     assert_eq!(tasks::phase_of(&after), Some(TaskPhase::Pending));
     assert_eq!(
-        op.metric("batchlease_graph_cycle_detected_total{queue=\"demo\"}")
-            .await
-            .unwrap(),
+        op.metric(&format!(
+            "batchlease_graph_cycle_detected_total{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
+        .await
+        .unwrap(),
         Some(6.0)
     );
     // Nothing on a cycle ever got a lease.

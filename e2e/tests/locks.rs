@@ -360,9 +360,12 @@ async fn a_zombie_holder_of_a_resource_cannot_commit_after_the_resource_moved_on
     let next_token = next_lease.spec.resource_tokens["db"];
     assert!(next_token > zombie_token, "{next_token} vs {zombie_token}");
     assert_eq!(
-        op.metric("batchlease_lock_lease_expired_before_release_total{queue=\"demo\"}")
-            .await
-            .unwrap(),
+        op.metric(&format!(
+            "batchlease_lock_lease_expired_before_release_total{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
+        .await
+        .unwrap(),
         Some(1.0)
     );
 

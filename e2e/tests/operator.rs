@@ -96,15 +96,21 @@ async fn happy_path_one_lease_token_one() {
         );
     }
     assert_eq!(
-        op.metric("batchlease_leases_issued_total{queue=\"q\"}")
-            .await
-            .unwrap(),
+        op.metric(&format!(
+            "batchlease_leases_issued_total{{namespace=\"{}\",queue=\"q\"}}",
+            ns.name
+        ))
+        .await
+        .unwrap(),
         Some(1.0)
     );
     let (code, body) = op.get("/metrics").await.unwrap();
     assert_eq!(code, 200);
     assert!(
-        body.contains("batchlease_tasks{queue=\"q\",phase=\"Succeeded\"} 1"),
+        body.contains(&format!(
+            "batchlease_tasks{{namespace=\"{}\",queue=\"q\",phase=\"Succeeded\"}} 1",
+            ns.name
+        )),
         "{body}"
     );
     assert!(
@@ -335,16 +341,19 @@ async fn silent_holder_expires_after_ttl_and_the_zombie_is_fenced() {
     }
     assert_eq!(
         op.metric(
-            "batchlease_lease_expired_before_release_total{queue=\"q\",reason=\"LeaseExpired\"}"
+            &format!("batchlease_lease_expired_before_release_total{{namespace=\"{}\",queue=\"q\",reason=\"LeaseExpired\"}}", ns.name)
         )
         .await
         .unwrap(),
         Some(1.0)
     );
     assert_eq!(
-        op.metric("batchlease_reassignments_total{queue=\"q\"}")
-            .await
-            .unwrap(),
+        op.metric(&format!(
+            "batchlease_reassignments_total{{namespace=\"{}\",queue=\"q\"}}",
+            ns.name
+        ))
+        .await
+        .unwrap(),
         Some(1.0)
     );
     ns.finish().await.unwrap();
@@ -423,9 +432,12 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
     let reasons = event_reasons(&ns, "job").await.unwrap();
     assert!(reasons.iter().any(|r| r == "DeadLettered"), "{reasons:?}");
     assert_eq!(
-        op.metric("batchlease_tasks_dead_lettered_total{queue=\"q\",reason=\"Boom\"}")
-            .await
-            .unwrap(),
+        op.metric(&format!(
+            "batchlease_tasks_dead_lettered_total{{namespace=\"{}\",queue=\"q\",reason=\"Boom\"}}",
+            ns.name
+        ))
+        .await
+        .unwrap(),
         Some(1.0)
     );
 

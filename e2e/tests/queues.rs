@@ -134,11 +134,17 @@ async fn pause_withdraws_offers_lets_held_leases_finish_and_resume_runs_the_rest
     // Per-queue metrics, from the operator's caches at scrape time.
     let (_, body) = op.get("/metrics").await.unwrap();
     assert!(
-        body.contains("batchlease_queue_leases_held{queue=\"demo\"}"),
+        body.contains(&format!(
+            "batchlease_queue_leases_held{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        )),
         "{body}"
     );
     assert!(
-        body.contains("batchlease_queue_oldest_ready_seconds{queue=\"demo\"}"),
+        body.contains(&format!(
+            "batchlease_queue_oldest_ready_seconds{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        )),
         "{body}"
     );
     let generation = set_paused(&ns, "demo", true).await;
@@ -274,7 +280,7 @@ async fn max_concurrent_bounds_the_live_leases_over_the_whole_run() {
     let (_, body) = op.get("/metrics").await.unwrap();
     assert!(
         body.contains(
-            "batchlease_queue_issues_throttled_total{queue=\"demo\",reason=\"max_concurrent\"}"
+            &format!("batchlease_queue_issues_throttled_total{{namespace=\"{}\",queue=\"demo\",reason=\"max_concurrent\"}}", ns.name)
         ),
         "{body}"
     );
@@ -327,7 +333,7 @@ async fn max_issues_per_second_bounds_the_issue_rate() {
     }
     let (_, body) = op.get("/metrics").await.unwrap();
     assert!(
-        body.contains("batchlease_queue_issues_throttled_total{queue=\"demo\",reason=\"rate\"}"),
+        body.contains(&format!("batchlease_queue_issues_throttled_total{{namespace=\"{}\",queue=\"demo\",reason=\"rate\"}}", ns.name)),
         "{body}"
     );
     // Pausing now withdraws all 24 offers; the tasks wait, no retry spent.

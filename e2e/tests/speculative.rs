@@ -236,17 +236,26 @@ async fn two_hundred_transfers_over_five_hot_accounts_lose_nothing() {
     let (rounds, cancelled) = check_notices(&sent, &kept);
     // The abort rate, as the operator reports it.
     let attempts_m = op
-        .metric("batchlease_speculative_attempts_total{queue=\"demo\"}")
+        .metric(&format!(
+            "batchlease_speculative_attempts_total{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
         .await
         .unwrap()
         .unwrap_or(0.0);
     let aborts_m = op
-        .metric("batchlease_speculative_aborts_total{queue=\"demo\"}")
+        .metric(&format!(
+            "batchlease_speculative_aborts_total{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
         .await
         .unwrap()
         .unwrap_or(0.0);
     let rate = op
-        .metric("batchlease_speculative_abort_rate{queue=\"demo\"}")
+        .metric(&format!(
+            "batchlease_speculative_abort_rate{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
         .await
         .unwrap();
     assert!(

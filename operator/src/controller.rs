@@ -282,6 +282,16 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             let stop = stop.clone();
             async move { stop.cancelled().await }
         });
+    // Workers' presence records, for the queues' worker counts only.
+    let presence_api: Api<k8s_openapi::api::coordination::v1::Lease> = match namespace {
+        Some(ns) => Api::namespaced(shared.client.clone(), ns),
+        None => Api::all(shared.client.clone()),
+    };
+    let presence = tokio::spawn(crate::presence::watch(
+        presence_api,
+        queues.clone(),
+        stop.clone(),
+    ));
     let status_loop = tokio::spawn(crate::queue_status::run(status_sources, stop));
     let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();
@@ -299,6 +309,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             })
             .await;
         status_loop.abort();
+        presence.abort();
         info!(namespace = %scope, "controller stopped");
     });
     Running {

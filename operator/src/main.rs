@@ -10,6 +10,7 @@ mod graph_index;
 mod http;
 mod leader;
 mod metrics;
+mod presence;
 mod queue_status;
 mod queues;
 mod reconcile;
@@ -128,7 +129,9 @@ async fn main() -> anyhow::Result<()> {
             let scope = ns.as_deref().unwrap_or("*");
             tasks.adopt(format!("controller for namespace {scope}"), running.done);
         }
-        metrics.watch_tasks(stores, lease_stores);
+        metrics.watch_tasks(stores, lease_stores, Some(synced.clone()));
+        // Not a term task: it only reads the caches, and ends with `stop`.
+        tokio::spawn(metrics::forget_gone_queues(metrics.clone(), stop.clone()));
         let ready = {
             let (health, synced) = (health.clone(), synced.clone());
             tokio::spawn(async move {
@@ -162,7 +165,7 @@ async fn main() -> anyhow::Result<()> {
         ready.abort();
         stop.cancel();
         metrics.is_leader.set(0);
-        metrics.watch_tasks(Vec::new(), Vec::new());
+        metrics.watch_tasks(Vec::new(), Vec::new(), None);
         let drain = tasks.drain();
         // The old term's writes are refused by their generation and bounded
         // by its end; still, let in-flight reconciles finish (bounded)

@@ -1,11 +1,17 @@
 //! Operator metrics (design §7), served as Prometheus text on `/metrics`.
-//! Labels stay low-cardinality: queue, reason, outcome — never task names.
+//! Labels stay low-cardinality: namespace, queue, reason, outcome — never
+//! task names. A queue is a name within a namespace, so every per-queue
+//! series carries both (tenants whose queues share a name are not summed
+//! into one series), and the series of a queue that is gone (no task of
+//! it in the caches) are removed (see [`Metrics::forget_gone_queues`]):
+//! the label set stays bounded by the queues that exist.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 
 use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -15,19 +21,59 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
+use crate::controller::SyncCounter;
 use crate::speculation::{AbortWindow, Band, band};
 
-/// `queue`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// `namespace`, `queue`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct QueueLabels {
+    pub namespace: String,
     pub queue: String,
 }
 
-/// `queue`, `reason`.
+impl QueueLabels {
+    /// The queue of `task`.
+    pub fn of(task: &BatchTask) -> Self {
+        Self {
+            namespace: task.namespace().unwrap_or_default(),
+            queue: task.spec.queue.clone(),
+        }
+    }
+
+    fn with_reason(&self, reason: &str) -> ReasonLabels {
+        ReasonLabels {
+            namespace: self.namespace.clone(),
+            queue: self.queue.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+/// `namespace`, `queue`, `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
+    pub namespace: String,
     pub queue: String,
     pub reason: String,
+}
+
+/// The per-queue counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueCounter {
+    LeasesIssued,
+    Reassignments,
+    GraphCycleDetected,
+    LockContention,
+    LockLeaseExpiredBeforeRelease,
+}
+
+/// The per-queue counters with a reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasonCounter {
+    LeaseExpiredBeforeRelease,
+    TasksDeadLettered,
+    Retries,
+    QueueIssuesThrottled,
 }
 
 /// `kind`: the error category of a failed reconcile.
@@ -39,24 +85,27 @@ pub struct ErrorLabels {
 /// Every metric the operator updates.
 #[derive(Debug)]
 pub struct Metrics {
-    pub leases_issued: Family<QueueLabels, Counter>,
-    pub lease_expired_before_release: Family<ReasonLabels, Counter>,
-    pub reassignments: Family<QueueLabels, Counter>,
-    pub tasks_dead_lettered: Family<ReasonLabels, Counter>,
-    pub retries: Family<ReasonLabels, Counter>,
+    leases_issued: Family<QueueLabels, Counter>,
+    lease_expired_before_release: Family<ReasonLabels, Counter>,
+    reassignments: Family<QueueLabels, Counter>,
+    tasks_dead_lettered: Family<ReasonLabels, Counter>,
+    retries: Family<ReasonLabels, Counter>,
     pub reconcile_duration: Histogram,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub write_conflicts: Counter,
     pub is_leader: Gauge,
-    pub graph_cycle_detected: Family<QueueLabels, Counter>,
+    graph_cycle_detected: Family<QueueLabels, Counter>,
     pub lock_acquisition_duration: Histogram,
-    pub lock_contention: Family<QueueLabels, Counter>,
-    pub lock_lease_expired_before_release: Family<QueueLabels, Counter>,
-    pub speculative_attempts: Family<QueueLabels, Counter>,
-    pub speculative_aborts: Family<QueueLabels, Counter>,
-    pub speculative_abort_rate: Family<QueueLabels, Gauge<f64, AtomicU64>>,
-    pub queue_issues_throttled: Family<ReasonLabels, Counter>,
+    lock_contention: Family<QueueLabels, Counter>,
+    lock_lease_expired_before_release: Family<QueueLabels, Counter>,
+    speculative_attempts: Family<QueueLabels, Counter>,
+    speculative_aborts: Family<QueueLabels, Counter>,
+    speculative_abort_rate: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    queue_issues_throttled: Family<ReasonLabels, Counter>,
     abort_window: Mutex<AbortWindow>,
+    /// The queues with series, and the reasons each was counted with (to
+    /// remove them when the queue is gone: a family cannot be listed).
+    series: Mutex<BTreeMap<QueueLabels, BTreeSet<String>>>,
     tasks: TaskPhases,
 }
 
@@ -82,6 +131,7 @@ impl Metrics {
             speculative_abort_rate: Family::default(),
             queue_issues_throttled: Family::default(),
             abort_window: Mutex::new(AbortWindow::default()),
+            series: Mutex::default(),
             tasks: TaskPhases::default(),
         };
         let r = registry.sub_registry_with_prefix("batchlease");
@@ -174,54 +224,206 @@ impl Metrics {
         Arc::new(m)
     }
 
+    fn note(&self, queue: &QueueLabels, reason: Option<&str>) {
+        let mut series = self.series.lock().unwrap_or_else(|e| e.into_inner());
+        let reasons = series.entry(queue.clone()).or_default();
+        if let Some(r) = reason {
+            reasons.insert(r.to_owned());
+        }
+    }
+
+    fn queue_family(&self, c: QueueCounter) -> &Family<QueueLabels, Counter> {
+        match c {
+            QueueCounter::LeasesIssued => &self.leases_issued,
+            QueueCounter::Reassignments => &self.reassignments,
+            QueueCounter::GraphCycleDetected => &self.graph_cycle_detected,
+            QueueCounter::LockContention => &self.lock_contention,
+            QueueCounter::LockLeaseExpiredBeforeRelease => &self.lock_lease_expired_before_release,
+        }
+    }
+
+    fn reason_family(&self, c: ReasonCounter) -> &Family<ReasonLabels, Counter> {
+        match c {
+            ReasonCounter::LeaseExpiredBeforeRelease => &self.lease_expired_before_release,
+            ReasonCounter::TasksDeadLettered => &self.tasks_dead_lettered,
+            ReasonCounter::Retries => &self.retries,
+            ReasonCounter::QueueIssuesThrottled => &self.queue_issues_throttled,
+        }
+    }
+
+    /// Adds `n` to counter `c` of `queue`.
+    pub fn count(&self, c: QueueCounter, queue: &QueueLabels, n: u64) {
+        self.note(queue, None);
+        self.queue_family(c).get_or_create(queue).inc_by(n);
+    }
+
+    /// Adds one to counter `c` of `queue` with `reason` (a low-cardinality
+    /// label: a fixed word, or [`reason_label`]'s).
+    pub fn count_reason(&self, c: ReasonCounter, queue: &QueueLabels, reason: &str) {
+        self.note(queue, Some(reason));
+        self.reason_family(c)
+            .get_or_create(&queue.with_reason(reason))
+            .inc();
+    }
+
     /// The abort rate and sample count `queue` would have with this
     /// outcome: for the condition written with the settling status.
-    pub fn abort_rate_with(&self, queue: &str, aborted: bool) -> (f64, usize) {
+    pub fn abort_rate_with(&self, queue: &QueueLabels, aborted: bool) -> (f64, usize) {
         self.abort_window
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .with(queue, aborted)
+            .with(&queue.namespace, &queue.queue, aborted)
     }
 
     /// Counts a settled speculative attempt (once its status is written);
     /// returns the queue's band before and after.
-    pub fn record_speculative(&self, queue: &str, aborted: bool) -> (Band, Band) {
-        let labels = QueueLabels {
-            queue: queue.to_owned(),
-        };
-        self.speculative_attempts.get_or_create(&labels).inc();
+    pub fn record_speculative(&self, queue: &QueueLabels, aborted: bool) -> (Band, Band) {
+        self.note(queue, None);
+        self.speculative_attempts.get_or_create(queue).inc();
         if aborted {
-            self.speculative_aborts.get_or_create(&labels).inc();
+            self.speculative_aborts.get_or_create(queue).inc();
         }
         let mut w = self.abort_window.lock().unwrap_or_else(|e| e.into_inner());
-        let (was, n_was) = w.rate(queue);
-        let (rate, n) = w.record(queue, aborted);
-        self.speculative_abort_rate.get_or_create(&labels).set(rate);
+        let (was, n_was) = w.rate(&queue.namespace, &queue.queue);
+        let (rate, n) = w.record(&queue.namespace, &queue.queue, aborted);
+        self.speculative_abort_rate.get_or_create(queue).set(rate);
         (band(was, n_was), band(rate, n))
     }
 
-    /// Lets `batchlease_tasks{queue,phase}` count the tasks in these caches
-    /// (the current term's; a standby counts none).
-    pub fn watch_tasks(&self, stores: Vec<Store<BatchTask>>, leases: Vec<Store<TaskLease>>) {
+    /// Lets `batchlease_tasks{namespace,queue,phase}` count the tasks in
+    /// these caches (the current term's; a standby counts none), and
+    /// [`Metrics::forget_gone_queues`] tell which queues exist once
+    /// `synced` says every cache listed.
+    pub fn watch_tasks(
+        &self,
+        stores: Vec<Store<BatchTask>>,
+        leases: Vec<Store<TaskLease>>,
+        synced: Option<Arc<SyncCounter>>,
+    ) {
         *self.tasks.stores.lock().unwrap_or_else(|e| e.into_inner()) = stores;
         *self.tasks.leases.lock().unwrap_or_else(|e| e.into_inner()) = leases;
+        *self.tasks.synced.lock().unwrap_or_else(|e| e.into_inner()) = synced;
+    }
+
+    /// Removes the series and the abort window of every queue with no task
+    /// in the caches. Only while the caches are watched and have listed
+    /// (a standby, or a term still listing, knows of no queue and forgets
+    /// nothing). A queue that comes back starts its counters afresh, which
+    /// Prometheus reads as a counter reset.
+    pub fn forget_gone_queues(&self) -> usize {
+        let synced = self
+            .tasks
+            .synced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if !synced.is_some_and(|s| s.synced()) {
+            return 0;
+        }
+        let mut live: HashSet<(String, String)> = HashSet::new();
+        for store in self
+            .tasks
+            .stores
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            for t in store.state() {
+                live.insert((t.namespace().unwrap_or_default(), t.spec.queue.clone()));
+            }
+        }
+        self.forget_queues_not_in(&live)
+    }
+
+    /// Removes the series and windows of the queues not in `live`; returns
+    /// how many queues were forgotten.
+    fn forget_queues_not_in(&self, live: &HashSet<(String, String)>) -> usize {
+        let gone: Vec<(QueueLabels, BTreeSet<String>)> = {
+            let mut series = self.series.lock().unwrap_or_else(|e| e.into_inner());
+            let gone: Vec<QueueLabels> = series
+                .keys()
+                .filter(|q| !live.contains(&(q.namespace.clone(), q.queue.clone())))
+                .cloned()
+                .collect();
+            gone.into_iter()
+                .filter_map(|q| series.remove_entry(&q))
+                .collect()
+        };
+        for (q, reasons) in &gone {
+            for c in [
+                QueueCounter::LeasesIssued,
+                QueueCounter::Reassignments,
+                QueueCounter::GraphCycleDetected,
+                QueueCounter::LockContention,
+                QueueCounter::LockLeaseExpiredBeforeRelease,
+            ] {
+                self.queue_family(c).remove(q);
+            }
+            self.speculative_attempts.remove(q);
+            self.speculative_aborts.remove(q);
+            self.speculative_abort_rate.remove(q);
+            for r in reasons {
+                let labels = q.with_reason(r);
+                for c in [
+                    ReasonCounter::LeaseExpiredBeforeRelease,
+                    ReasonCounter::TasksDeadLettered,
+                    ReasonCounter::Retries,
+                    ReasonCounter::QueueIssuesThrottled,
+                ] {
+                    self.reason_family(c).remove(&labels);
+                }
+            }
+        }
+        self.abort_window
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forget(|k| !live.contains(k));
+        gone.len()
     }
 }
 
-/// `batchlease_tasks{queue,phase}`, computed from the task caches at scrape
-/// time, so deleted tasks never linger in a gauge.
+/// How often the series of gone queues are looked for.
+pub const FORGET_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Calls [`Metrics::forget_gone_queues`] every [`FORGET_PERIOD`] until
+/// `stop`.
+pub async fn forget_gone_queues(metrics: Arc<Metrics>, stop: tokio_util::sync::CancellationToken) {
+    let mut tick = tokio::time::interval(FORGET_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let n = metrics.forget_gone_queues();
+        if n > 0 {
+            tracing::debug!(queues = n, "series of gone queues removed");
+        }
+    }
+}
+
+/// `batchlease_tasks{namespace,queue,phase}` and the other per-queue
+/// gauges, computed from the caches at scrape time, so deleted tasks never
+/// linger in a gauge.
 #[derive(Clone, Debug, Default)]
 struct TaskPhases {
     stores: Arc<Mutex<Vec<Store<BatchTask>>>>,
     leases: Arc<Mutex<Vec<Store<TaskLease>>>>,
+    synced: Arc<Mutex<Option<Arc<SyncCounter>>>>,
 }
+
+type Key = (String, String);
 
 impl prometheus_client::collector::Collector for TaskPhases {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut counts: BTreeMap<(String, String), i64> = BTreeMap::new();
-        let mut oldest: BTreeMap<String, Timestamp> = BTreeMap::new();
+        let mut counts: BTreeMap<(Key, String), i64> = BTreeMap::new();
+        let mut oldest: BTreeMap<Key, Timestamp> = BTreeMap::new();
         for store in self.stores.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             for task in store.state() {
+                let key = (
+                    task.namespace().unwrap_or_default(),
+                    task.spec.queue.clone(),
+                );
                 let phase = task.status.as_ref().and_then(|s| s.phase);
                 if phase == Some(TaskPhase::Ready) {
                     let since = task.status.as_ref().and_then(|s| {
@@ -231,55 +433,57 @@ impl prometheus_client::collector::Collector for TaskPhases {
                             .map(|c| c.last_transition_time.0)
                     });
                     if let Some(since) = since {
-                        let o = oldest.entry(task.spec.queue.clone()).or_insert(since);
+                        let o = oldest.entry(key.clone()).or_insert(since);
                         *o = (*o).min(since);
                     }
                 }
                 let phase = phase.map_or("New", |p| p.as_str());
-                *counts
-                    .entry((task.spec.queue.clone(), phase.to_owned()))
-                    .or_default() += 1;
+                *counts.entry((key, phase.to_owned())).or_default() += 1;
             }
         }
         let gauge = ConstGauge::new(0i64);
         let mut family = encoder.encode_descriptor(
             "batchlease_tasks",
-            "BatchTasks by queue and phase",
+            "BatchTasks by namespace, queue and phase",
             None,
             gauge.metric_type(),
         )?;
-        for ((queue, phase), n) in counts {
-            let labels = [("queue", queue), ("phase", phase)];
+        for (((namespace, queue), phase), n) in counts {
+            let labels = [("namespace", namespace), ("queue", queue), ("phase", phase)];
             ConstGauge::new(n).encode(family.encode_family(&labels)?)?;
         }
-        let mut held: BTreeMap<String, i64> = BTreeMap::new();
+        let mut held: BTreeMap<Key, i64> = BTreeMap::new();
         for store in self.leases.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             for l in store.state() {
                 if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held) {
-                    *held.entry(l.spec.queue.clone()).or_default() += 1;
+                    *held
+                        .entry((l.namespace().unwrap_or_default(), l.spec.queue.clone()))
+                        .or_default() += 1;
                 }
             }
         }
         let mut family = encoder.encode_descriptor(
             "batchlease_queue_leases_held",
-            "TaskLeases Held, by queue",
+            "TaskLeases Held, by namespace and queue",
             None,
             gauge.metric_type(),
         )?;
-        for (queue, n) in held {
-            ConstGauge::new(n).encode(family.encode_family(&[("queue", queue)])?)?;
+        for ((namespace, queue), n) in held {
+            let labels = [("namespace", namespace), ("queue", queue)];
+            ConstGauge::new(n).encode(family.encode_family(&labels)?)?;
         }
         let now = Timestamp::now();
         let age = ConstGauge::new(0f64);
         let mut family = encoder.encode_descriptor(
             "batchlease_queue_oldest_ready_seconds",
-            "Age of the longest-waiting Ready task's offer, by queue",
+            "Age of the longest-waiting Ready task's offer, by namespace and queue",
             None,
             age.metric_type(),
         )?;
-        for (queue, since) in oldest {
+        for ((namespace, queue), since) in oldest {
             let secs = now.duration_since(since).as_secs_f64().max(0.0);
-            ConstGauge::new(secs).encode(family.encode_family(&[("queue", queue)])?)?;
+            let labels = [("namespace", namespace), ("queue", queue)];
+            ConstGauge::new(secs).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }
@@ -304,7 +508,80 @@ pub fn reason_label(reason: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::reason_label;
+    use super::*;
+
+    fn q(ns: &str, queue: &str) -> QueueLabels {
+        QueueLabels {
+            namespace: ns.into(),
+            queue: queue.into(),
+        }
+    }
+
+    fn text(r: &Registry) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, r).unwrap();
+        s
+    }
+
+    #[test]
+    fn tenants_with_a_queue_of_the_same_name_are_kept_apart() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        // Tenant b's speculative attempts all abort: a livelock in b only.
+        let mut last = (Band::Good, Band::Good);
+        for _ in 0..crate::speculation::MIN_SAMPLES {
+            last = m.record_speculative(&q("b", "demo"), true);
+        }
+        assert_eq!(last.1, Band::Livelock);
+        let (rate, n) = m.abort_rate_with(&q("a", "demo"), false);
+        assert_eq!((rate, n), (0.0, 1), "a's window is its own");
+        assert_eq!(
+            m.record_speculative(&q("a", "demo"), false),
+            (Band::Good, Band::Good)
+        );
+        m.count(QueueCounter::LeasesIssued, &q("a", "demo"), 1);
+        m.count_reason(ReasonCounter::Retries, &q("b", "demo"), "Boom");
+        let t = text(&r);
+        for line in [
+            "batchlease_speculative_aborts_total{namespace=\"b\",queue=\"demo\"} 20",
+            "batchlease_speculative_attempts_total{namespace=\"a\",queue=\"demo\"} 1",
+            "batchlease_leases_issued_total{namespace=\"a\",queue=\"demo\"} 1",
+            "batchlease_retries_total{namespace=\"b\",queue=\"demo\",reason=\"Boom\"} 1",
+        ] {
+            assert!(t.contains(line), "{line} in\n{t}");
+        }
+    }
+
+    #[test]
+    fn the_series_and_window_of_a_gone_queue_are_removed() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        for ns in ["a", "b"] {
+            m.count(QueueCounter::LeasesIssued, &q(ns, "demo"), 1);
+            m.count_reason(
+                ReasonCounter::QueueIssuesThrottled,
+                &q(ns, "demo"),
+                "paused",
+            );
+            m.count_reason(ReasonCounter::TasksDeadLettered, &q(ns, "demo"), "Boom");
+            m.record_speculative(&q(ns, "demo"), true);
+        }
+        let live: HashSet<(String, String)> = [("a".to_owned(), "demo".to_owned())].into();
+        assert_eq!(m.forget_queues_not_in(&live), 1);
+        let t = text(&r);
+        assert!(!t.contains("namespace=\"b\""), "{t}");
+        assert!(
+            t.contains("batchlease_queue_issues_throttled_total{namespace=\"a\",queue=\"demo\",reason=\"paused\"} 1"),
+            "{t}"
+        );
+        assert_eq!(m.abort_rate_with(&q("b", "demo"), false), (0.0, 1));
+        assert_eq!(m.abort_rate_with(&q("a", "demo"), false), (0.5, 2));
+        // Nothing is left to forget; a returning queue starts afresh.
+        assert_eq!(m.forget_queues_not_in(&live), 0);
+        // Without synced caches nothing is forgotten.
+        assert_eq!(m.forget_gone_queues(), 0);
+        assert!(text(&r).contains("namespace=\"a\""));
+    }
 
     #[test]
     fn reason_labels_stay_low_cardinality() {

@@ -148,6 +148,39 @@ fn set(
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
+/// Pure: the JSON merge patch that turns the status the server stored
+/// (`stored`, as the cache shows it) into `want`, or `None` when they are
+/// equal (an idle queue writes nothing).
+///
+/// Under a merge patch (RFC 7386) an absent key means "unchanged", and the
+/// typed status skips its unset fields when serialized: a field that went
+/// away (`oldestReadySince` once no task is Ready, `abortRatePercent`, the
+/// conditions) must be sent as an explicit `null`, or the server keeps it
+/// and the stored status never equals the computed one again (a write
+/// every period, for ever). So every top-level key the stored status has
+/// and `want` lacks is nulled; objects and lists are sent whole.
+pub fn status_patch(
+    stored: Option<&TaskQueueStatus>,
+    want: &TaskQueueStatus,
+) -> Option<serde_json::Value> {
+    if stored == Some(want) {
+        return None;
+    }
+    let to_map = |s: &TaskQueueStatus| match serde_json::to_value(s) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    let mut patch = to_map(want);
+    if let Some(stored) = stored {
+        for key in to_map(stored).keys() {
+            if !patch.contains_key(key) {
+                patch.insert(key.clone(), serde_json::Value::Null);
+            }
+        }
+    }
+    Some(serde_json::json!({ "status": patch }))
+}
+
 /// Everything the status loop reads.
 pub struct Sources {
     pub client: kube::Client,
@@ -206,14 +239,13 @@ pub async fn run(src: Sources, stop: CancellationToken) {
                 Extra { throttled, workers },
                 Timestamp::now(),
             );
-            if tq.status.as_ref() == Some(&status) {
+            let Some(patch) = status_patch(tq.status.as_ref(), &status) else {
                 continue;
-            }
+            };
             if src.leadership.ensure().is_err() {
                 break;
             }
             let api: Api<TaskQueue> = Api::namespaced(src.client.clone(), &ns);
-            let patch = serde_json::json!({ "status": status });
             match tokio::time::timeout(
                 PERIOD,
                 api.patch_status(
@@ -331,5 +363,73 @@ mod tests {
         tq.status = Some(s.clone());
         let later = Timestamp::from_second(2000).unwrap();
         assert_eq!(summarize(&tq, &tasks, &leases, extra, later), s);
+    }
+
+    #[test]
+    fn the_patch_clears_what_went_away_and_nothing_is_sent_when_equal() {
+        let t = |sec| Some(Time(Timestamp::from_second(sec).unwrap()));
+        let busy = TaskQueueStatus {
+            observed_generation: Some(2),
+            leases_offered: 1,
+            oldest_ready_since: t(100),
+            abort_rate_percent: Some(20),
+            ..Default::default()
+        };
+        let idle = TaskQueueStatus {
+            observed_generation: Some(2),
+            ..Default::default()
+        };
+        let cases: [(
+            &str,
+            Option<&TaskQueueStatus>,
+            &TaskQueueStatus,
+            Option<serde_json::Value>,
+        ); 4] = [
+            ("unchanged: no write", Some(&busy), &busy, None),
+            (
+                "went idle: the fields that went away are nulled",
+                Some(&busy),
+                &idle,
+                Some(serde_json::json!({"status": {
+                    "observedGeneration": 2,
+                    "tasks": serde_json::to_value(TaskCounts::default()).unwrap(),
+                    "leasesOffered": 0, "leasesHeld": 0, "workers": 0,
+                    "throttled": serde_json::to_value(ThrottleCounts::default()).unwrap(),
+                    "oldestReadySince": null,
+                    "abortRatePercent": null,
+                }})),
+            ),
+            (
+                "no status yet: no nulls",
+                None,
+                &idle,
+                Some(serde_json::json!({"status": serde_json::to_value(&idle).unwrap()})),
+            ),
+            (
+                "a field set again",
+                Some(&idle),
+                &busy,
+                Some(serde_json::json!({"status": serde_json::to_value(&busy).unwrap()})),
+            ),
+        ];
+        for (what, stored, want, patch) in cases {
+            assert_eq!(status_patch(stored, want), patch, "{what}");
+        }
+        // Conditions that went away are nulled too.
+        let mut with_conditions = idle.clone();
+        with_conditions.conditions = busy_conditions();
+        let p = status_patch(Some(&with_conditions), &idle).unwrap();
+        assert_eq!(p["status"]["conditions"], serde_json::Value::Null);
+    }
+
+    fn busy_conditions() -> Vec<Condition> {
+        vec![Condition {
+            type_: "Paused".into(),
+            status: "False".into(),
+            reason: "Running".into(),
+            message: String::new(),
+            last_transition_time: Time(Timestamp::from_second(1).unwrap()),
+            observed_generation: None,
+        }]
     }
 }

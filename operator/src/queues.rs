@@ -6,9 +6,15 @@
 //! from the cache alone: every issue reserves its slot (and its rate token)
 //! under one lock *before* its writes, and the reservation is dropped once
 //! the lease watch shows the lease (which then counts as live) or the issue
-//! failed. Two concurrent issues can therefore never both take the last
-//! slot. The count starts from the lease watch's list, so a new leader
-//! counts what its predecessor left live.
+//! failed: refused, or failed in any way before its lease create was sent
+//! (an issue is a status write, then the create; no lease can come of an
+//! issue whose status write failed, whatever the answer was). A create
+//! whose answer was lost keeps the slot until the watch shows the lease,
+//! or the tombstone that retires its name (see `decide::RetireToken`:
+//! once that is in, the lost create can never land). Two concurrent issues
+//! can therefore never both take the last slot. The count starts from the
+//! lease watch's list, so a new leader counts what its predecessor left
+//! live.
 //!
 //! Tasks held back wait without polling, in line: the queue wakes the
 //! oldest waiters (through the controller's wake-up channel), one per free
@@ -28,11 +34,11 @@ use tokio::time::Instant;
 
 use crate::decide::QueueGate;
 
-/// A reservation the watch never confirmed (an issue whose outcome was
-/// unknown and that did not happen after all) is given up after this
-/// long: longer than two bounded writes (a status write and a create, each
-/// at most a leader term or a minute), so a create still on its way when
-/// the reservation goes cannot exist.
+/// A reservation the watch never confirmed (a lease create whose answer
+/// was lost and whose name no tombstone retired, e.g. its task was deleted)
+/// is given up after this long: longer than two bounded writes (a status
+/// write and a create, each at most a leader term or a minute), so a
+/// create still on its way when the reservation goes cannot exist.
 const RESERVATION_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A waiter that has not been held back again for this long is dropped
@@ -124,9 +130,8 @@ struct Queue {
     spec: Option<TaskQueueSpec>,
     /// Offered or Held leases as the watch shows them: name → task.
     live: HashMap<String, String>,
-    /// Issues of this process not yet shown by the watch: lease name →
-    /// (task, since).
-    reserved: HashMap<String, (String, Instant)>,
+    /// Issues of this process not yet shown by the watch, by lease name.
+    reserved: HashMap<String, Reservation>,
     bucket: Bucket,
     /// Tasks held back, oldest first (sequence → task), and each task's
     /// sequence.
@@ -137,12 +142,25 @@ struct Queue {
     /// Holders of the queue's leases → until when they count as seen (the
     /// last observation plus the lease's TTL).
     holders: HashMap<String, Instant>,
+    /// Workers whose presence record names the queue → until when they
+    /// count (the last observation plus the record's duration).
+    present: HashMap<String, Instant>,
+}
+
+/// One issue's claim on a slot of its queue.
+#[derive(Debug, Clone, Copy)]
+struct Reservation {
+    since: Instant,
+    /// The lease create was sent: from now on only the watch (the lease,
+    /// or the tombstone of its name) or [`RESERVATION_TIMEOUT`] ends the
+    /// reservation.
+    create_sent: bool,
 }
 
 impl Queue {
     fn occupied(&mut self, now: Instant) -> usize {
         self.reserved
-            .retain(|_, (_, since)| now.saturating_duration_since(*since) < RESERVATION_TIMEOUT);
+            .retain(|_, r| now.saturating_duration_since(r.since) < RESERVATION_TIMEOUT);
         self.live.len()
             + self
                 .reserved
@@ -370,18 +388,45 @@ impl QueueBook {
             }
         }
         q.stop_waiting(task);
-        q.reserved.insert(lease.to_owned(), (task.to_owned(), now));
+        // The same issue again (its task's cache lagged its own status
+        // write) keeps what is known of the first: a create sent for it.
+        q.reserved.entry(lease.to_owned()).or_insert(Reservation {
+            since: now,
+            create_sent: false,
+        });
         true
     }
 
-    /// The issue of `lease` failed: its slot is free again.
-    pub fn unreserve(&self, ns: &str, queue: &str, lease: &str, now: Instant) {
+    /// The lease create of the issue of `lease` is about to be sent.
+    pub fn create_sent(&self, ns: &str, queue: &str, lease: &str) {
+        let mut book = self.lock();
+        if let Some(r) = book
+            .queues
+            .get_mut(&(ns.to_owned(), queue.to_owned()))
+            .and_then(|q| q.reserved.get_mut(lease))
+        {
+            r.create_sent = true;
+        }
+    }
+
+    /// The issue of `lease` failed and no lease can come of it: its slot
+    /// is free again. `create_failed`: its lease create was refused (4xx or
+    /// a conflict). Otherwise its status write failed, with any answer (a
+    /// 5xx, a timeout: the write may even have been applied, but the create
+    /// was never sent); a reservation whose create was sent by an earlier
+    /// attempt of the same issue is kept.
+    pub fn unreserve(&self, ns: &str, queue: &str, lease: &str, create_failed: bool, now: Instant) {
         let woken = {
             let mut book = self.lock();
             let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
                 return;
             };
-            q.reserved.remove(lease);
+            match q.reserved.get(lease) {
+                Some(r) if create_failed || !r.create_sent => {
+                    q.reserved.remove(lease);
+                }
+                _ => return,
+            }
             q.wake(now)
         };
         self.send(ns, woken);
@@ -551,17 +596,49 @@ impl QueueBook {
         self.send(&key.0, woken);
     }
 
-    /// Issues held back so far, and the distinct holders seen within one
-    /// TTL, of a queue.
+    /// A worker's presence record was seen (see `presence`): it serves
+    /// these queues of `ns` for the record's duration from `now`.
+    pub fn worker_seen(&self, ns: &str, p: &crate::presence::Presence, now: Instant) {
+        let mut book = self.lock();
+        for queue in &p.queues {
+            let q = book
+                .queues
+                .entry((ns.to_owned(), queue.clone()))
+                .or_default();
+            q.present.retain(|_, until| *until > now);
+            q.present.insert(p.identity.clone(), now + p.duration);
+        }
+    }
+
+    /// A worker's presence record was deleted: it stopped.
+    pub fn worker_gone(&self, ns: &str, p: &crate::presence::Presence) {
+        let mut book = self.lock();
+        for queue in &p.queues {
+            if let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.clone())) {
+                q.present.remove(&p.identity);
+            }
+        }
+    }
+
+    /// Issues held back so far, and the distinct workers of a queue: those
+    /// whose presence record names it, and the holders of its leases seen
+    /// within one TTL (a worker without a record, e.g. an older SDK or no
+    /// RBAC for it).
     pub fn summary(&self, ns: &str, queue: &str, now: Instant) -> (ThrottleCounts, i64) {
         let mut book = self.lock();
         let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
             return (ThrottleCounts::default(), 0);
         };
         q.holders.retain(|_, until| *until > now);
+        q.present.retain(|_, until| *until > now);
+        let workers = q.present.len()
+            + q.holders
+                .keys()
+                .filter(|h| !q.present.contains_key(*h))
+                .count();
         (
             q.throttled.clone(),
-            i64::try_from(q.holders.len()).unwrap_or(i64::MAX),
+            i64::try_from(workers).unwrap_or(i64::MAX),
         )
     }
 }

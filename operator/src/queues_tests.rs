@@ -167,7 +167,7 @@ async fn reservations_count_before_the_watch_shows_the_lease() {
     b.lease_seen(&lease("b", LeasePhase::Held), now);
     assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Full);
     // A failed issue gives its slot back.
-    b.unreserve("ns", "q", "a-1", now);
+    b.unreserve("ns", "q", "a-1", false, now);
     assert_eq!(
         b.peek("ns", "q", "c", now),
         QueueGate::Full,
@@ -337,4 +337,80 @@ async fn a_long_pause_does_not_make_its_waiters_stale() {
     let later = now + STALE_WAITER * 10;
     b.queue_seen(&queue(spec(false, None, None)), later);
     assert_eq!(woken(&mut rx), vec!["c"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_issue_whose_status_write_failed_frees_its_slot_whatever_the_answer() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+    assert_eq!(b.peek("ns", "q", "b", now), QueueGate::Full);
+    assert_eq!(b.hold("ns", "q", "b", QueueGate::Full, now), Some(true));
+    // The status write got a 5xx (or no answer): no create was sent, so
+    // no lease can come of it. The slot is free, the next waiter woken,
+    // and the same issue retried is not held back by its own reservation.
+    b.unreserve("ns", "q", "a-1", false, now);
+    assert_eq!(woken(&mut rx), vec!["b"]);
+    assert_eq!(
+        b.peek("ns", "q", "a", now),
+        QueueGate::Full,
+        "b is first in line"
+    );
+    b.release_waiter("ns", "q", "b");
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_create_with_a_lost_answer_keeps_its_slot_until_the_watch_resolves_it() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+    b.create_sent("ns", "q", "a-1");
+    // The create timed out; a later pass of the same issue (the task cache
+    // lagging) fails its status write: the create may still land.
+    assert!(!b.reserve("ns", "q", "a", "a-1", now), "full: a-1 counts");
+    b.release_waiter("ns", "q", "a");
+    b.unreserve("ns", "q", "a-1", false, now);
+    assert_eq!(b.peek("ns", "q", "b", now), QueueGate::Full);
+    // A refused create frees it; so does the watch showing the name
+    // taken (the lease itself, or the tombstone that retires it).
+    b.unreserve("ns", "q", "a-1", true, now);
+    assert_eq!(b.peek("ns", "q", "b", now), QueueGate::Open);
+    assert!(b.reserve("ns", "q", "a", "a-1", now));
+    b.create_sent("ns", "q", "a-1");
+    b.lease_seen(&lease("a", LeasePhase::Released), now);
+    assert_eq!(b.peek("ns", "q", "b", now), QueueGate::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn workers_are_those_present_and_the_holders_seen_within_a_ttl() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    let present = |id: &str, queues: &[&str]| crate::presence::Presence {
+        identity: id.into(),
+        queues: queues.iter().map(|q| (*q).to_owned()).collect(),
+        duration: Duration::from_secs(30),
+    };
+    // An idle worker of q (and of another queue), and another namespace's.
+    b.worker_seen("ns", &present("w", &["q", "other"]), now);
+    b.worker_seen("ns2", &present("v", &["q"]), now);
+    assert_eq!(b.summary("ns", "q", now).1, 1);
+    assert_eq!(b.summary("ns", "other", now).1, 1);
+    // The same worker holding a lease counts once; a holder without a
+    // record (an older SDK) counts too.
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    assert_eq!(b.summary("ns", "q", now).1, 1, "w holds a-1");
+    let mut other = lease("b", LeasePhase::Held);
+    other.spec.holder_identity = Some("old-sdk".into());
+    b.lease_seen(&other, now);
+    assert_eq!(b.summary("ns", "q", now).1, 2);
+    // A record lapses after its duration unless renewed; a deleted one at
+    // once.
+    let later = now + Duration::from_secs(31);
+    b.worker_seen("ns", &present("x", &["q"]), later);
+    assert_eq!(b.summary("ns", "q", later).1, 1, "only x");
+    b.worker_gone("ns", &present("x", &["q"]));
+    assert_eq!(b.summary("ns", "q", later).1, 0);
 }

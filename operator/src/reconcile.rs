@@ -24,7 +24,9 @@ use crate::expectations::Expectations;
 use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::locks::{self, Slot};
-use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
+use crate::metrics::{
+    ErrorLabels, Metrics, QueueCounter, QueueLabels, ReasonCounter, reason_label,
+};
 use crate::observe::Tracker;
 use crate::settle::Transition;
 use crate::speculation;
@@ -263,12 +265,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 let give_back = give_back.clone();
                 release_locks(ctx, task, &give_back, &mut slots, &look).await?;
                 if let LockRelease::AttemptEnded { expired: true } = why {
-                    ctx.metrics
-                        .lock_lease_expired_before_release
-                        .get_or_create(&QueueLabels {
-                            queue: task.spec.queue.clone(),
-                        })
-                        .inc_by(give_back.len() as u64);
+                    ctx.metrics.count(
+                        QueueCounter::LockLeaseExpiredBeforeRelease,
+                        &QueueLabels::of(task),
+                        give_back.len() as u64,
+                    );
                 }
             }
             Decision::LockBlocked {
@@ -288,9 +289,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         }
     }
     debug!(task = %name, namespace = %ns, ?decision, "decided");
-    let queue = QueueLabels {
-        queue: task.spec.queue.clone(),
-    };
+    let queue = QueueLabels::of(task);
     if !matches!(decision, Decision::HeldBack(_) | Decision::Issue { .. }) {
         ctx.queues.release_waiter(&ns, &queue.queue, &name);
     }
@@ -304,13 +303,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 return Ok(Action::requeue(Duration::from_millis(10)));
             };
             if first {
-                ctx.metrics
-                    .queue_issues_throttled
-                    .get_or_create(&ReasonLabels {
-                        queue: queue.queue.clone(),
-                        reason: throttle_reason(gate).into(),
-                    })
-                    .inc();
+                ctx.metrics.count_reason(
+                    ReasonCounter::QueueIssuesThrottled,
+                    &queue,
+                    throttle_reason(gate),
+                );
             }
             Ok(gate
                 .wait()
@@ -326,7 +323,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             // into this very write (no extra one) and into the metrics.
             let speculative = speculation::settled_attempt(task, &transition);
             if let Some(aborted) = speculative {
-                let (rate, n) = ctx.metrics.abort_rate_with(&queue.queue, aborted);
+                let (rate, n) = ctx.metrics.abort_rate_with(&queue, aborted);
                 set_condition(
                     &mut status,
                     task,
@@ -336,7 +333,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             }
             write_status(ctx, task, *status).await?;
             if let Some(aborted) = speculative {
-                let (was, now) = ctx.metrics.record_speculative(&queue.queue, aborted);
+                let (was, now) = ctx.metrics.record_speculative(&queue, aborted);
                 if now == speculation::Band::Livelock && was != now {
                     publish(
                         ctx,
@@ -370,29 +367,28 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             {
                 return Ok(Action::requeue(Duration::from_millis(100)));
             }
-            // Only a write known not to have happened frees the slot; an
-            // unknown outcome (a timeout, a 5xx) may still create the lease,
-            // and its reservation stays until the watch shows it (or
-            // expires, see `queues`).
-            let unreserve = |e: &Error| {
-                let refused = match e {
-                    Error::Conflict { .. } | Error::NotLeader => true,
-                    Error::Kube {
-                        source: kube::Error::Api(s),
-                        ..
-                    } => s.code < 500,
-                    _ => false,
-                };
-                if refused {
-                    ctx.queues
-                        .unreserve(&ns, &queue.queue, &lease_name, Instant::now());
-                }
+            // The slot is freed when no lease can come of this issue: its
+            // status write failed, whatever the answer (the create is sent
+            // only after it; a status applied despite a lost answer names a
+            // lease that was never created, whose name the next pass
+            // retires), or its create was refused. A create with an unknown
+            // outcome (a timeout, a 5xx) may still land: its reservation
+            // stays until the watch shows the lease or the tombstone that
+            // retires its name (or expires, see `queues`).
+            let create_refused = |e: &Error| match e {
+                Error::Conflict { .. } | Error::NotLeader => true,
+                Error::Kube {
+                    source: kube::Error::Api(s),
+                    ..
+                } => s.code < 500,
+                _ => false,
             };
             // Taken before the write: the watch event of the write ends the
             // wait in the index as soon as it arrives.
             let lock_wait = ctx.index.lock_wait_done(&ns, &name);
             if let Err(e) = write_status(ctx, task, *status).await {
-                unreserve(&e);
+                ctx.queues
+                    .unreserve(&ns, &queue.queue, &lease_name, false, Instant::now());
                 return Err(e);
             }
             if let Some(since) = lock_wait {
@@ -400,12 +396,16 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                     .lock_acquisition_duration
                     .observe(since.elapsed().as_secs_f64());
             }
-            ctx.metrics.leases_issued.get_or_create(&queue).inc();
+            ctx.metrics.count(QueueCounter::LeasesIssued, &queue, 1);
             if cause != IssueCause::New {
-                ctx.metrics.reassignments.get_or_create(&queue).inc();
+                ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
             }
+            ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
             if let Err(e) = create_lease(ctx, &lease).await {
-                unreserve(&e);
+                if create_refused(&e) {
+                    ctx.queues
+                        .unreserve(&ns, &queue.queue, &lease_name, true, Instant::now());
+                }
                 return Err(e);
             }
             info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
@@ -673,11 +673,7 @@ async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
         // Counted once per task and blocker, like the Event: a task looked
         // at again while the same holder keeps the lock is one contention.
         ctx.metrics
-            .lock_contention
-            .get_or_create(&QueueLabels {
-                queue: task.spec.queue.clone(),
-            })
-            .inc();
+            .count(QueueCounter::LockContention, &QueueLabels::of(task), 1);
         publish(ctx, task, EventType::Normal, "WaitingForResource", note).await;
     }
 }
@@ -925,14 +921,11 @@ async fn expire(
 /// Metrics, log and Event of a lease the operator expired.
 async fn expired(ctx: &Ctx, task: &BatchTask, lease: &TaskLease, reason: ExpiryReason) {
     let ns = lease.namespace().unwrap_or_default();
-    let labels = ReasonLabels {
-        queue: task.spec.queue.clone(),
-        reason: reason.as_str().into(),
-    };
-    ctx.metrics
-        .lease_expired_before_release
-        .get_or_create(&labels)
-        .inc();
+    ctx.metrics.count_reason(
+        ReasonCounter::LeaseExpiredBeforeRelease,
+        &QueueLabels::of(task),
+        reason.as_str(),
+    );
     let holder = lease.spec.holder_identity.clone().unwrap_or_default();
     info!(task = %task.name_any(), namespace = %ns, lease = %lease.name_any(), %holder, reason = reason.as_str(), "lease expired");
     let note = format!(
@@ -1034,7 +1027,7 @@ fn classify(ctx: &Ctx, e: kube::Error, what: &'static str) -> Error {
 
 /// Events, metrics and logs for a status transition.
 async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
-    let queue = task.spec.queue.clone();
+    let queue = QueueLabels::of(task);
     let token = task.status.as_ref().map_or(0, |s| s.fencing_token);
     let (type_, reason, note) = match transition {
         Transition::Initialized | Transition::RedriveIgnored => return,
@@ -1054,12 +1047,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             ..
         } => {
             ctx.metrics
-                .retries
-                .get_or_create(&ReasonLabels {
-                    queue,
-                    reason: reason_label(reason),
-                })
-                .inc();
+                .count_reason(ReasonCounter::Retries, &queue, &reason_label(reason));
             (
                 EventType::Warning,
                 "Retrying",
@@ -1091,13 +1079,11 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             (EventType::Normal, "Aborted", note)
         }
         Transition::DeadLettered { reason, .. } => {
-            ctx.metrics
-                .tasks_dead_lettered
-                .get_or_create(&ReasonLabels {
-                    queue,
-                    reason: reason_label(reason),
-                })
-                .inc();
+            ctx.metrics.count_reason(
+                ReasonCounter::TasksDeadLettered,
+                &queue,
+                &reason_label(reason),
+            );
             (
                 EventType::Warning,
                 "DeadLettered",
@@ -1122,9 +1108,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
         ),
         Transition::CycleDetected { cycle } => {
             ctx.metrics
-                .graph_cycle_detected
-                .get_or_create(&QueueLabels { queue })
-                .inc();
+                .count(QueueCounter::GraphCycleDetected, &queue, 1);
             (
                 EventType::Warning,
                 "CycleDetected",
@@ -1154,7 +1138,7 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
             ),
         ),
         Transition::Withdrawn => {
-            debug!(task = %task.name_any(), %queue, "queue paused: offer withdrawn");
+            debug!(task = %task.name_any(), queue = %queue.queue, "queue paused: offer withdrawn");
             return;
         }
     };

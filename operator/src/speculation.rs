@@ -105,15 +105,23 @@ pub fn health(queue: &str, rate: f64, samples: usize) -> Cond {
 }
 
 /// The last [`WINDOW`] speculative outcomes per queue (true: aborted).
+/// A queue is a name within a namespace: tenants whose queues share a name
+/// never share a window (one tenant's aborts must not flip another's
+/// `SpeculationHealthy` nor put livelock Events on its tasks).
 #[derive(Debug, Default)]
 pub struct AbortWindow {
-    queues: BTreeMap<String, VecDeque<bool>>,
+    queues: BTreeMap<(String, String), VecDeque<bool>>,
 }
 
 impl AbortWindow {
-    /// The rate and sample count `queue` would have with `aborted` added.
-    pub fn with(&self, queue: &str, aborted: bool) -> (f64, usize) {
-        let q = self.queues.get(queue);
+    fn get(&self, ns: &str, queue: &str) -> Option<&VecDeque<bool>> {
+        self.queues.get(&(ns.to_owned(), queue.to_owned()))
+    }
+
+    /// The rate and sample count queue `queue` of namespace `ns` would
+    /// have with `aborted` added.
+    pub fn with(&self, ns: &str, queue: &str, aborted: bool) -> (f64, usize) {
+        let q = self.get(ns, queue);
         let mut n = q.map_or(0, VecDeque::len);
         let mut aborts = q.map_or(0, |q| q.iter().filter(|a| **a).count());
         if n == WINDOW {
@@ -128,22 +136,30 @@ impl AbortWindow {
         (ratio(aborts, n), n)
     }
 
-    /// The rate and sample count of `queue` now.
-    pub fn rate(&self, queue: &str) -> (f64, usize) {
-        self.queues.get(queue).map_or((0.0, 0), |q| {
+    /// The rate and sample count of the queue now.
+    pub fn rate(&self, ns: &str, queue: &str) -> (f64, usize) {
+        self.get(ns, queue).map_or((0.0, 0), |q| {
             (ratio(q.iter().filter(|a| **a).count(), q.len()), q.len())
         })
     }
 
     /// Adds an outcome; returns the new rate and sample count.
-    pub fn record(&mut self, queue: &str, aborted: bool) -> (f64, usize) {
-        let q = self.queues.entry(queue.to_owned()).or_default();
+    pub fn record(&mut self, ns: &str, queue: &str, aborted: bool) -> (f64, usize) {
+        let q = self
+            .queues
+            .entry((ns.to_owned(), queue.to_owned()))
+            .or_default();
         if q.len() == WINDOW {
             q.pop_front();
         }
         q.push_back(aborted);
         let aborts = q.iter().filter(|a| **a).count();
         (ratio(aborts, q.len()), q.len())
+    }
+
+    /// Drops the windows of the queues `gone` says are gone.
+    pub fn forget(&mut self, gone: impl Fn(&(String, String)) -> bool) {
+        self.queues.retain(|k, _| !gone(k));
     }
 }
 
@@ -270,17 +286,32 @@ mod tests {
     #[test]
     fn the_window_keeps_the_last_attempts() {
         let mut w = AbortWindow::default();
-        assert_eq!(w.with("q", true), (1.0, 1));
+        assert_eq!(w.with("a", "q", true), (1.0, 1));
         for _ in 0..WINDOW {
-            w.record("q", true);
+            w.record("a", "q", true);
         }
-        assert_eq!(w.record("q", true), (1.0, WINDOW));
+        assert_eq!(w.record("a", "q", true), (1.0, WINDOW));
         // Successes push the aborts out, one by one.
-        assert_eq!(w.with("q", false), (0.99, WINDOW));
+        assert_eq!(w.with("a", "q", false), (0.99, WINDOW));
         for _ in 0..WINDOW / 2 {
-            w.record("q", false);
+            w.record("a", "q", false);
         }
-        assert_eq!(w.record("q", false), (0.49, WINDOW));
-        assert_eq!(w.with("other", false), (0.0, 1), "per queue");
+        assert_eq!(w.record("a", "q", false), (0.49, WINDOW));
+        assert_eq!(w.with("a", "other", false), (0.0, 1), "per queue");
+    }
+
+    #[test]
+    fn tenants_with_a_queue_of_the_same_name_have_their_own_windows() {
+        let mut w = AbortWindow::default();
+        for _ in 0..WINDOW {
+            w.record("tenant-b", "q", true);
+        }
+        assert_eq!(w.rate("tenant-b", "q"), (1.0, WINDOW));
+        assert_eq!(w.rate("tenant-a", "q"), (0.0, 0));
+        assert_eq!(w.with("tenant-a", "q", false), (0.0, 1));
+        w.record("tenant-a", "q", false);
+        w.forget(|(ns, _)| ns == "tenant-b");
+        assert_eq!(w.rate("tenant-b", "q"), (0.0, 0), "forgotten");
+        assert_eq!(w.rate("tenant-a", "q"), (0.0, 1), "kept");
     }
 }

@@ -48,6 +48,7 @@ mod lease_ops;
 mod metrics;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+mod presence;
 mod spawn;
 pub mod speculate;
 mod subgraph;

@@ -264,6 +264,15 @@ impl Worker {
                 }
             });
         }
+        // The presence record ends with `run` too (deleted on the way out).
+        let stop_presence = CancellationToken::new();
+        let presence = tokio::spawn(crate::presence::run(
+            Api::namespaced(self.client.clone(), &self.namespace),
+            self.identity.clone(),
+            self.queues.clone(),
+            stop_presence.clone(),
+        ));
+        let _stop_presence = stop_presence.clone().drop_guard();
         info!(identity = %self.identity, queues = ?self.queues, slots = self.slots, "worker started");
         let slots = Arc::new(Semaphore::new(self.slots));
         let interrupt = CancellationToken::new();
@@ -341,6 +350,8 @@ impl Worker {
             }
         }
         stop_watch.cancel();
+        // A draining worker serves no queue any more.
+        stop_presence.cancel();
         info!(running = running.len(), grace = ?self.drain_grace, "draining: no more claims");
         let drained = tokio::time::timeout(self.drain_grace, async {
             while running.join_next().await.is_some() {}
@@ -362,6 +373,8 @@ impl Worker {
             );
         }
         background.wait().await;
+        // Its delete is bounded (see `presence`).
+        let _ = presence.await;
         info!("worker stopped");
         Ok(())
     }

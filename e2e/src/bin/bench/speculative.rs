@@ -429,7 +429,12 @@ async fn run_transfers(
                 && status(t).effective_mode == Some(TaskMode::Exclusive)
         })
         .count();
-    let sample = |name: &str| format!("batchlease_speculative_{name}{{queue=\"demo\"}}");
+    let sample = |name: &str| {
+        format!(
+            "batchlease_speculative_{name}{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        )
+    };
     let metric = match (
         op.metric(&sample("attempts_total")).await?,
         op.metric(&sample("aborts_total")).await?,
