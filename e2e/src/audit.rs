@@ -13,6 +13,14 @@ pub struct Write {
     pub name: String,
     /// When the response was complete (seconds since the epoch).
     pub at: f64,
+    /// When the API server received the request (seconds since the
+    /// epoch): the write took effect between this and [`Write::at`].
+    pub received: f64,
+    /// `objectRef.resourceVersion`: for an update (PUT), the version the
+    /// request carried — the write's precondition, i.e. the version it
+    /// replaced. At Metadata level the log does not record the version a
+    /// write produced.
+    pub resource_version: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -23,6 +31,7 @@ struct Event {
     user: User,
     object_ref: Option<ObjectRef>,
     response_status: Option<Status>,
+    request_received_timestamp: String,
     stage_timestamp: String,
 }
 
@@ -37,6 +46,7 @@ struct ObjectRef {
     subresource: Option<String>,
     namespace: Option<String>,
     name: Option<String>,
+    resource_version: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -61,10 +71,8 @@ pub fn writes_in(namespace: &str) -> anyhow::Result<Vec<Write>> {
         if e.stage != "ResponseComplete" || !ok || obj.namespace.as_deref() != Some(namespace) {
             continue;
         }
-        let at = e
-            .stage_timestamp
-            .parse::<k8s_openapi::jiff::Timestamp>()
-            .map(|t| t.as_millisecond() as f64 / 1000.0)?;
+        let at = seconds(&e.stage_timestamp)?;
+        let received = seconds(&e.request_received_timestamp)?;
         let resource = match obj.subresource {
             Some(sub) => format!("{}/{sub}", obj.resource.unwrap_or_default()),
             None => obj.resource.unwrap_or_default(),
@@ -75,7 +83,15 @@ pub fn writes_in(namespace: &str) -> anyhow::Result<Vec<Write>> {
             resource,
             name: obj.name.unwrap_or_default(),
             at,
+            received,
+            resource_version: obj.resource_version.filter(|v| !v.is_empty()),
         });
     }
     Ok(out)
+}
+
+/// An audit timestamp (RFC 3339, microseconds) as seconds since the epoch.
+fn seconds(t: &str) -> anyhow::Result<f64> {
+    Ok(t.parse::<k8s_openapi::jiff::Timestamp>()
+        .map(|t| t.as_microsecond() as f64 / 1e6)?)
 }
