@@ -13,6 +13,7 @@ mod metrics;
 mod queue_status;
 mod queues;
 mod reconcile;
+mod spawned;
 mod supervise;
 
 use batchlease_operator::{
