@@ -6,6 +6,10 @@
 pub const LABEL_TASK: &str = "batchlease.dev/task";
 /// Label on a TaskLease: its queue, so workers list only their queues.
 pub const LABEL_QUEUE: &str = "batchlease.dev/queue";
+/// Label on a BatchTask spawned by another (`ctx.spawn`): its parent's
+/// (possibly shortened) name, so `kubectl get bt -l batchlease.dev/parent=NAME`
+/// — and the operator, before a parent ends — lists a task's children.
+pub const LABEL_PARENT: &str = "batchlease.dev/parent";
 
 /// Label on a worker's presence record: a `coordination.k8s.io` Lease the
 /// SDK renews for each worker process in its namespace, so the operator
@@ -44,6 +48,10 @@ pub mod condition {
     pub const SPECULATION_HEALTHY: &str = "SpeculationHealthy";
     /// True once the task is `Cancelled` (`spec.cancel`).
     pub const CANCELLED: &str = "Cancelled";
+    /// True when a spawned task was `Rejected` because it was created after
+    /// its parent had ended (a late create of a stopped attempt); the
+    /// message names the parent and its phase.
+    pub const SPAWN_REFUSED: &str = "SpawnRefused";
 }
 
 /// Reasons of the leases the operator releases (phase `Released`).

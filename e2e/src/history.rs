@@ -71,6 +71,7 @@ struct Log {
 /// Records a namespace's history from the moment it is created.
 #[derive(Debug)]
 pub struct History {
+    namespace: String,
     log: Arc<Mutex<Log>>,
     watches: Vec<JoinHandle<()>>,
 }
@@ -112,6 +113,7 @@ impl History {
             .await
             .map_err(|_| anyhow::anyhow!("history watches did not list within 30s"))??;
         Ok(Self {
+            namespace: namespace.to_owned(),
             log,
             watches: vec![leases, tasks],
         })
@@ -212,8 +214,17 @@ impl History {
                 &log, &committed,
             ));
         }
+        // The API server's own record of when each write took effect (the
+        // control plane of `e2e/controlplane/up.sh` always writes one).
+        let server = match std::env::var_os("BATCHLEASE_AUDIT_LOG") {
+            Some(_) => Some(crate::audit::writes_in(&self.namespace)?),
+            None => None,
+        };
         out.extend(crate::history_controls::check_cancel(
-            &tasks, &leases, &writes,
+            &tasks,
+            &leases,
+            &writes,
+            server.as_deref(),
         ));
         if opts.all_final {
             out.extend(check_final(&tasks));

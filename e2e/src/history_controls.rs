@@ -7,6 +7,10 @@
 //! general — the API promises only opaque strings — but this checker runs
 //! against etcd, where it holds, and wall-clock receipt times of two
 //! different watches would not give a reliable order.)
+//!
+//! Storage commits are ordered against the API server's own clock: the
+//! audit log's record of the write that made a task Cancelled (see
+//! `cancel_write_time`), not the time the recorder received its event.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -23,28 +27,85 @@ fn rv(o: &impl kube::Resource) -> u64 {
         .unwrap_or(0)
 }
 
+/// When the API server applied the write that made a task `Cancelled`,
+/// from its audit log: the status update whose precondition
+/// (`objectRef.resourceVersion`, the version a PUT replaces) is the
+/// version the history recorded just before the first `Cancelled` one.
+/// The operator's status writes are compare-and-swap updates, so exactly
+/// one accepted write carries that precondition; a Metadata-level log
+/// records neither the body nor the version a write produced, and the
+/// object's `managedFields` time has whole seconds only, so this is the
+/// exact way to name the write.
+///
+/// The time is the request's receipt by the server: the write took effect
+/// between then and its response, and the operator had decided the task
+/// was over (no attempt could still commit) before it sent the write, so
+/// a commit after that instant breaks the promise. The recorder's own
+/// receipt of the watch event comes later still, by the watch's latency —
+/// a check against it would pass commits that landed after `Cancelled`.
+fn cancel_write_time(server: &[crate::audit::Write], name: &str, replaced: &str) -> Option<f64> {
+    server
+        .iter()
+        .find(|w| {
+            w.verb == "update"
+                && w.resource == "batchtasks/status"
+                && w.name == name
+                && w.resource_version.as_deref() == Some(replaced)
+        })
+        .map(|w| w.received)
+}
+
 /// A cancelled task: `Cancelled` is final, no lease of it is created or
 /// live after it became Cancelled, and storage accepts no write of it
-/// from then on.
+/// from then on — on the API server's clock (`server`: the namespace's
+/// writes from its audit log, see [`cancel_write_time`]); `None` when the
+/// run has no audit log: then storage writes are compared with the time
+/// the recorder received the Cancelled version, which is later.
 pub fn check_cancel(
     tasks: &[Recorded],
     leases: &[Recorded],
     writes: &[StorageWrite],
+    server: Option<&[crate::audit::Write]>,
 ) -> Vec<String> {
     let mut out = Vec::new();
-    // task UID → (receipt time, resourceVersion, name) of its first
-    // Cancelled version.
+    // task UID → (time it became Cancelled, resourceVersion, name) of its
+    // first Cancelled version.
     let mut cancelled: BTreeMap<String, (f64, u64, String)> = BTreeMap::new();
+    // task UID → the resourceVersion of the latest version recorded so far.
+    let mut last_rv: BTreeMap<String, u64> = BTreeMap::new();
     for r in tasks {
         let Change::Task(t) = &r.change else {
             continue;
         };
         let uid = t.uid().unwrap_or_default();
         let phase = t.status.as_ref().and_then(|s| s.phase);
+        let before = last_rv.insert(uid.clone(), rv(&**t));
         if phase == Some(TaskPhase::Cancelled) {
-            cancelled
-                .entry(uid)
-                .or_insert((r.at, rv(&**t), t.name_any()));
+            if cancelled.contains_key(&uid) {
+                continue;
+            }
+            let name = t.name_any();
+            let at = match (server, before) {
+                (None, _) => r.at,
+                (Some(server), Some(before)) => {
+                    match cancel_write_time(server, &name, &before.to_string()) {
+                        Some(at) => at,
+                        None => {
+                            out.push(format!(
+                                "task {name}: the audit log has no status update replacing resourceVersion {before} (the Cancelled write)"
+                            ));
+                            r.at
+                        }
+                    }
+                }
+                (Some(_), None) => {
+                    out.push(format!(
+                        "task {name}: Cancelled in its first recorded version; the write cannot be found in the audit log"
+                    ));
+                    r.at
+                }
+            };
+            cancelled.insert(uid, (at, rv(&**t), name));
         } else if let Some((_, at_rv, name)) = cancelled.get(&uid)
             && rv(&**t) > *at_rv
         {
@@ -110,7 +171,7 @@ pub fn check_cancel(
             && w.at >= *at
         {
             out.push(format!(
-                "storage: task {name}: {} write with token {} at {:.3}, after the task was seen Cancelled at {at:.3}",
+                "storage: task {name}: {} write with token {} at {:.6}, after the task became Cancelled at {at:.6}",
                 w.status, w.token, w.at
             ));
         }
@@ -232,17 +293,17 @@ mod tests {
             lease("a", LeasePhase::Held, 4, 2),
             lease("a", LeasePhase::Released, 6, 3),
         ];
-        assert!(check_cancel(&tasks, &leases, &[write(5.0)]).is_empty());
+        assert!(check_cancel(&tasks, &leases, &[write(5.0)], None).is_empty());
 
-        let late_write = check_cancel(&tasks, &leases, &[write(9.5)]);
+        let late_write = check_cancel(&tasks, &leases, &[write(9.5)], None);
         assert!(
-            late_write[0].contains("after the task was seen Cancelled"),
+            late_write[0].contains("after the task became Cancelled"),
             "{late_write:?}"
         );
 
         let mut revived = tasks.clone();
         revived.push(task(TaskPhase::Pending, 11, 11.0));
-        assert!(check_cancel(&revived, &leases, &[])[0].contains("left Cancelled"));
+        assert!(check_cancel(&revived, &leases, &[], None)[0].contains("left Cancelled"));
 
         // A held lease deleted before the cancel ended is not live then.
         let mut deleted = vec![lease("a", LeasePhase::Held, 2, 2)];
@@ -251,11 +312,11 @@ mod tests {
             gone.change = Change::LeaseDeleted(l);
         }
         deleted.push(gone);
-        assert!(check_cancel(&tasks, &deleted, &[]).is_empty());
+        assert!(check_cancel(&tasks, &deleted, &[], None).is_empty());
 
         // A lease still Offered when the task became Cancelled.
         let open = vec![lease("a", LeasePhase::Offered, 2, 1)];
-        let v = check_cancel(&tasks, &open, &[]);
+        let v = check_cancel(&tasks, &open, &[], None);
         assert!(
             v[0].contains("was live when the task became Cancelled"),
             "{v:?}"
@@ -263,9 +324,71 @@ mod tests {
 
         let mut issued_after = leases.clone();
         issued_after.push(lease("b", LeasePhase::Offered, 12, 1));
-        let v = check_cancel(&tasks, &issued_after, &[]);
+        let v = check_cancel(&tasks, &issued_after, &[], None);
         assert!(v.iter().any(|m| m.contains("created after")), "{v:?}");
         assert!(v.iter().any(|m| m.contains("live")), "{v:?}");
+    }
+
+    /// The update that made `t` Cancelled, as the audit log records it:
+    /// received at `received`, replacing resourceVersion `replaced`.
+    fn status_update(replaced: u64, received: f64) -> crate::audit::Write {
+        crate::audit::Write {
+            user: "operator-a".into(),
+            verb: "update".into(),
+            resource: "batchtasks/status".into(),
+            name: "t".into(),
+            at: received + 0.004,
+            received,
+            resource_version: Some(replaced.to_string()),
+        }
+    }
+
+    #[test]
+    fn storage_writes_are_judged_on_the_api_servers_clock() {
+        // The server received the Cancelled write (replacing version 3) at
+        // 9.0; the recorder got the watch event at 9.4 (watch latency).
+        let tasks = vec![
+            task(TaskPhase::Running, 3, 3.0),
+            task(TaskPhase::Cancelled, 9, 9.4),
+        ];
+        let leases = vec![
+            lease("a", LeasePhase::Offered, 2, 1),
+            lease("a", LeasePhase::Held, 4, 2),
+            lease("a", LeasePhase::Released, 6, 3),
+        ];
+        // Other writes of the task (and another task's) must not be taken
+        // for it.
+        let mut other_name = status_update(3, 1.0);
+        other_name.name = "u".into();
+        let server = vec![
+            status_update(1, 1.0),
+            other_name,
+            crate::audit::Write {
+                resource: "batchtasks".into(),
+                ..status_update(3, 2.0)
+            },
+            status_update(3, 9.0),
+        ];
+        let commit = write(9.2);
+        // Between the server's write and the recorder's receipt: the old
+        // comparison (receipt time) passed it; the server's time flags it.
+        assert!(check_cancel(&tasks, &leases, std::slice::from_ref(&commit), None).is_empty());
+        let v = check_cancel(&tasks, &leases, &[commit], Some(&server));
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].contains("after the task became Cancelled at 9.000000"),
+            "{v:?}"
+        );
+        assert!(check_cancel(&tasks, &leases, &[write(8.9)], Some(&server)).is_empty());
+
+        // A Cancelled version the audit log has no write for is itself a
+        // violation: the check cannot be made on the server's clock.
+        let v = check_cancel(&tasks, &leases, &[], Some(&server[..3]));
+        assert!(
+            v.iter()
+                .any(|m| m.contains("no status update replacing resourceVersion 3")),
+            "{v:?}"
+        );
     }
 
     #[test]

@@ -156,6 +156,15 @@ impl ApiServer {
         self.tasks[i] = encode(&t);
     }
 
+    /// `POST` of a task (a spawned child); the caller checked that no
+    /// task of its name exists.
+    pub fn create_task(&mut self, new: &BatchTask) {
+        let mut t = new.clone();
+        t.status = None;
+        t.metadata.resource_version = Some(self.next_rv(&format!("task/{}", t.name_any())));
+        self.tasks.push(encode(&t));
+    }
+
     /// `PUT …/status` carrying the writer's resourceVersion.
     pub fn replace_status(&mut self, new: &BatchTask) -> Result<(), Refused> {
         let i = self.task_index(&new.name_any()).ok_or(Refused::NotFound)?;

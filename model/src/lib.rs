@@ -37,6 +37,7 @@ pub mod cancel;
 pub mod locks;
 pub mod operator;
 mod properties;
+pub mod spawn;
 pub mod speculate;
 pub mod storage;
 pub mod worker;
@@ -137,6 +138,10 @@ pub struct Config {
     /// (design §9; see [`cancel`]).
     pub cancel: bool,
     pub cancel_rule: cancel::CancelRule,
+    /// Each attempt of the first task may spawn its one child (see
+    /// [`spawn`]): a fence check, then a create that lands any time later.
+    pub spawn: bool,
+    pub spawn_rule: spawn::SpawnRule,
 }
 
 impl Config {
@@ -165,6 +170,8 @@ impl Config {
             start_quarantined: false,
             cancel: false,
             cancel_rule: cancel::CancelRule::WaitTtl,
+            spawn: false,
+            spawn_rule: spawn::SpawnRule::Gate,
         }
     }
 }
@@ -201,9 +208,10 @@ impl Cluster {
 
     /// Whether worker `w` takes leases of `lease`'s queue.
     fn serves(&self, w: usize, lease: &TaskLease) -> bool {
-        !self.cfg.dedicated_workers
-            || self.cfg.tasks == 0
-            || lease.spec.task_name == task_name(w % self.cfg.tasks)
+        lease.spec.queue != spawn::CHILD_QUEUE
+            && (!self.cfg.dedicated_workers
+                || self.cfg.tasks == 0
+                || lease.spec.task_name == task_name(w % self.cfg.tasks))
     }
 
     /// Wall-clock time at `tick` (see [`Config::frozen_wall`]).
@@ -262,6 +270,8 @@ pub struct State {
     pub spec: SpecGhosts,
     /// Ghosts of cancellation.
     pub cancel: cancel::CancelGhosts,
+    /// Children's creates on their way, and ghosts of spawning.
+    pub spawn: spawn::SpawnGhosts,
 }
 
 /// A step.
@@ -299,6 +309,11 @@ pub enum Action {
     Complete(usize),
     /// A user sets `spec.cancel` on task `i`.
     Cancel(usize),
+    /// Worker `w`'s attempt (of the first task) passes its fence check
+    /// and sends the create of its child.
+    SpawnCheck(usize),
+    /// The `k`-th create on its way lands.
+    SpawnLands(usize),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -399,6 +414,7 @@ impl Model for Cluster {
             locks: LockGhosts::default(),
             spec: SpecGhosts::default(),
             cancel: cancel::CancelGhosts::default(),
+            spawn: spawn::SpawnGhosts::default(),
         });
         states.map(|s| self.started(s)).collect()
     }
@@ -484,6 +500,9 @@ impl Cluster {
         for i in 0..s.late.len() {
             actions.push(Action::LateWrite(i));
         }
+        for k in 0..s.spawn.in_flight.len() {
+            actions.push(Action::SpawnLands(k));
+        }
         if self.cfg.cancel && !s.api.task(0).spec.cancel {
             actions.push(Action::Cancel(0));
         }
@@ -533,7 +552,18 @@ impl Cluster {
                     if a.checked && !a.committed {
                         actions.push(Action::CommitLands(w));
                     }
-                    if a.committed || lost || a.not_started {
+                    // One create per run: every attempt spawns the same
+                    // child, so a second create only meets AlreadyExists.
+                    if self.cfg.spawn
+                        && a.task == 0
+                        && !a.spawned
+                        && s.spawn.in_flight.is_empty()
+                        && s.api.tasks.len() == spawn::child_index(self)
+                    {
+                        actions.push(Action::SpawnCheck(w));
+                    }
+                    // The handler returns only once its creates answered.
+                    if (a.committed || lost || a.not_started) && !Self::spawning(s, w, &a.lease) {
                         actions.push(Action::Complete(w));
                     }
                 }
@@ -619,13 +649,16 @@ impl Cluster {
                     not_started: false,
                     checked: false,
                     committed: false,
+                    spawned: false,
                     round: self.cfg.speculative.then(|| Round {
                         exclusive: mode == Some(TaskMode::Exclusive),
                         ..Round::default()
                     }),
                 });
             }
+            Action::SpawnLands(k) => self.spawn_lands(&mut s, *k),
             Action::Renew(w)
+            | Action::SpawnCheck(w)
             | Action::Register(w)
             | Action::CheckFence(w)
             | Action::ReadKey(w)

@@ -114,6 +114,23 @@ impl Cluster {
             return false;
         };
         let task: BatchTask = decode(&task_json);
+        // reconcile.rs: a spawned child's first pass reads its parent.
+        match self.admission(s, &task) {
+            Err(()) => return false,
+            Ok(Some(refused)) => {
+                let mut t = task.clone();
+                t.status = Some(refused);
+                let w = Write::Status {
+                    task: encode(&t),
+                    then_create: None,
+                };
+                if s.op.refused.get(&i) != Some(&w) {
+                    s.op.pending.insert(i, w);
+                }
+                return false;
+            }
+            Ok(None) => {}
+        }
         let uid = task.uid().unwrap_or_default();
         let mut leases: Vec<Arc<TaskLease>> =
             s.op.leases
@@ -250,6 +267,9 @@ impl Cluster {
                     then_decide: false,
                 })
             }
+            // reconcile.rs: a task ends once its listed children passed
+            // the spawn gate.
+            Decision::WriteStatus { status, .. } if self.children_pending(s, task, &status) => None,
             Decision::WriteStatus { status, .. } => {
                 let mut t = task.clone();
                 t.status = Some(*status);
@@ -390,6 +410,9 @@ impl Cluster {
                     if let Some(new) = &t.status {
                         crate::speculate::status_written(s, old.as_ref(), new);
                         crate::cancel::status_written(s, old.as_ref(), new);
+                        if let Some(i) = s.api.task_index(&t.name_any()) {
+                            crate::spawn::status_written(s, self, i, new);
+                        }
                     }
                     sent.applied = true;
                     sent.next = then_create.map(Write::Create);
@@ -414,6 +437,7 @@ impl Cluster {
                         if let Some(ti) = s.api.task_index(&l.spec.task_name) {
                             s.created[ti].push(l.spec.fencing_token);
                             crate::cancel::lease_created(s, ti);
+                            crate::spawn::lease_created(s, self, ti);
                         }
                         locks::lease_created(s, &l);
                     }

@@ -19,6 +19,7 @@ impl Cluster {
         p.extend(Self::lock_properties());
         p.extend(Self::speculative_properties());
         p.extend(crate::cancel::properties());
+        p.extend(crate::spawn::properties());
         p
     }
 

@@ -54,6 +54,9 @@ pub struct Attempt {
     /// Passed its fence check for the commit; the write may land later.
     pub checked: bool,
     pub committed: bool,
+    /// Passed its fence check for the child's create (sent, see
+    /// [`crate::spawn`]).
+    pub spawned: bool,
     /// A speculative attempt's round (`None`: not speculative).
     pub round: Option<Round>,
 }
@@ -220,6 +223,14 @@ impl Cluster {
                     return;
                 }
                 a.checked = true;
+            }
+            Action::SpawnCheck(_) => {
+                if !alive {
+                    end(s, w);
+                    return;
+                }
+                a.spawned = true;
+                Self::spawn_sent(s, w, &a.lease);
             }
             Action::ReadKey(_) => {
                 if !alive {

@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 
 use batchlease_model::cancel::CancelRule;
 use batchlease_model::locks::LockRule;
+use batchlease_model::spawn::SpawnRule;
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, KillRule, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
 
-const SAFETY: [&str; 18] = [
+const SAFETY: [&str; 20] = [
     "at most one attempt's effect is committed",
     "a token is used by at most one lease",
     "tokens of created leases strictly increase",
@@ -33,6 +34,8 @@ const SAFETY: [&str; 18] = [
     "Cancelled is final",
     "no lease of a Cancelled task is live",
     "no storage write is accepted after the task is Cancelled",
+    "no lease is created for a child spawned after its parent ended",
+    "a child spawned while its parent's attempt was live is not refused",
 ];
 
 /// How long one bound may take; stateright's `is_done()` is true after a
@@ -287,6 +290,57 @@ fn ending_a_cancelled_task_at_the_release_is_caught() {
     cfg.cancel = true;
     cfg.cancel_rule = CancelRule::EndAtRelease;
     let p = "no storage write is accepted after the task is Cancelled";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// One worker whose attempts spawn a child (fence check, then a create
+/// that lands any number of steps later — a worker paused between the
+/// two), a user who may cancel the parent at any step: the late create
+/// lands after the parent was Cancelled, or after it Succeeded or was
+/// retried, before or after the operator first looks at the child.
+/// The wall clocks stand still (as in [`locks`]): the cancel's wait is
+/// timed on the monotonic clock, and no backoff ends within the bound.
+fn spawning(ticks: u8) -> Config {
+    let mut cfg = config(ticks, 0, 0);
+    cfg.workers = 1;
+    cfg.cancel = true;
+    cfg.spawn = true;
+    cfg.frozen_wall = true;
+    cfg
+}
+
+#[test]
+fn safe_when_a_paused_parent_spawns_late() {
+    assert_safe(
+        spawning(3),
+        &[
+            "a child spawned after its parent ended is refused",
+            "a child spawned while its parent ran is admitted",
+            "a task cancelled while held ends Cancelled",
+        ],
+    );
+}
+
+/// Without the gate (the behaviour before issue 22) a child whose create
+/// lands after its parent was Cancelled is issued a lease.
+#[test]
+fn an_ungated_late_child_is_caught() {
+    let mut cfg = spawning(3);
+    cfg.spawn_rule = SpawnRule::Ungated;
+    let p = "no lease is created for a child spawned after its parent ended";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// The child's read alone is not enough: a parent that ends without
+/// waiting for its children's first pass gets a child created while it
+/// ran refused.
+#[test]
+fn a_parent_ending_before_its_children_passed_the_gate_is_caught() {
+    let mut cfg = spawning(3);
+    cfg.spawn_rule = SpawnRule::ParentDoesNotWait;
+    let p = "a child spawned while its parent's attempt was live is not refused";
     let path = run(cfg, Some(p)).0.assert_any_discovery(p);
     eprintln!("counterexample: {:?}", path.into_actions());
 }

@@ -12,5 +12,6 @@ pub mod lease_build;
 pub mod locks;
 pub mod observe;
 pub mod settle;
+pub mod spawn_gate;
 pub mod speculation;
 pub mod status;

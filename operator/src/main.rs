@@ -14,6 +14,7 @@ mod presence;
 mod queue_status;
 mod queues;
 mod reconcile;
+mod spawned;
 mod supervise;
 
 use batchlease_operator::{

@@ -159,6 +159,10 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     if ctx.cache_behind(&ns, &name, task.resource_version().as_deref()) {
         return Ok(Action::await_change());
     }
+    // A spawned child created after its parent ended never runs.
+    if let Some(action) = crate::spawned::admit(ctx, task).await? {
+        return Ok(action);
+    }
     let uid = task.uid().unwrap_or_default();
     let mut leases: Vec<Arc<TaskLease>> = ctx
         .tracker
@@ -330,6 +334,11 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                     Timestamp::now(),
                     speculation::health(&queue.queue, rate, n),
                 );
+            }
+            // A task ends only once its children created so far passed
+            // the spawn gate (their first pass reads it unfinished).
+            if crate::spawned::children_pending(ctx, task, &status).await? {
+                return Ok(Action::requeue(crate::spawned::CHILD_RECHECK));
             }
             write_status(ctx, task, *status).await?;
             if let Some(aborted) = speculative {
@@ -725,7 +734,7 @@ async fn repair_leases(
     Ok(())
 }
 
-async fn write_status(
+pub(crate) async fn write_status(
     ctx: &Ctx,
     task: &BatchTask,
     status: batchlease_api::BatchTaskStatus,
@@ -1004,7 +1013,7 @@ async fn delete_finished(
 /// Runs a write only as long as this term may still write: a request that
 /// has not answered when the term ends is abandoned (the term's end is the
 /// last moment this replica may believe it leads).
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     ctx: &Ctx,
     what: &'static str,
     write: impl std::future::Future<Output = Result<T, Error>>,
@@ -1146,7 +1155,13 @@ async fn report(ctx: &Ctx, task: &BatchTask, transition: &Transition) {
     publish(ctx, task, type_, reason, note).await;
 }
 
-async fn publish(ctx: &Ctx, task: &BatchTask, type_: EventType, reason: &str, note: String) {
+pub(crate) async fn publish(
+    ctx: &Ctx,
+    task: &BatchTask,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     // Events are writes too: none after the term, and only those asked for.
     if !ctx.leadership.is_leader() || !ctx.events.wants(&type_, reason) {
         return;

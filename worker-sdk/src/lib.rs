@@ -66,5 +66,7 @@ pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};
 pub use metrics::WorkerMetrics;
 pub use spawn::LABEL_PARENT;
+#[doc(hidden)]
+pub use spawn::{Parent, create_children};
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
 pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder};

@@ -25,8 +25,10 @@ use crate::subgraph::{PlannedChild, Subgraph, plan};
 
 /// Label on a spawned child: its parent's name (shortened by
 /// [`names::label_value`] when too long), so `kubectl get bt -l
-/// batchlease.dev/parent=NAME` lists a task's children.
-pub const LABEL_PARENT: &str = "batchlease.dev/parent";
+/// batchlease.dev/parent=NAME` lists a task's children. The operator finds
+/// a parent's children by it before the parent ends, and admits only a
+/// child created before its parent ended (see `docs/graphs.md`).
+pub const LABEL_PARENT: &str = batchlease_api::keys::LABEL_PARENT;
 
 /// Bound of one create or read of a child.
 const CALL_BUDGET: Duration = Duration::from_secs(5);
@@ -50,12 +52,15 @@ impl TaskContext {
     ///
     /// Calling it again — in a retry of the parent, or after an error — is
     /// safe: a child that exists with the same owner and spec counts as
-    /// created. That also makes a zombie's late create harmless: it can
-    /// only create a child its successor creates (or finds) anyway. This
-    /// holds only if the sub-graph is a deterministic function of the task
-    /// (payload, dependency results), never of time or chance; a different
-    /// spec under the same version is [`Error::SpawnConflict`]. A new
-    /// `version` is a new set of children, next to the old ones.
+    /// created. That also makes a zombie's late create harmless while the
+    /// parent is retried: it can only create a child its successor creates
+    /// (or finds) anyway. This holds only if the sub-graph is a
+    /// deterministic function of the task (payload, dependency results),
+    /// never of time or chance; a different spec under the same version is
+    /// [`Error::SpawnConflict`]. A new `version` is a new set of children,
+    /// next to the old ones. A create that lands after the parent ended
+    /// (cancelled, or its last attempt over) is refused by the operator:
+    /// the child is `Rejected` (condition `SpawnRefused`) and never runs.
     ///
     /// A parent that needs its children's results waits for them without
     /// holding its lease: end the parent, and let a follow-up task — a
@@ -63,30 +68,65 @@ impl TaskContext {
     /// `dependsOn` names the returned children — read them with
     /// [`TaskContext::dependency_results`].
     pub async fn spawn(&self, subgraph: &Subgraph) -> Result<Vec<String>, Error> {
-        let plan = plan(&self.task_name, &self.task_uid, subgraph)?;
-        let api: Api<BatchTask> = Api::namespaced(self.client.clone(), &self.namespace);
-        let mut created = 0usize;
-        for &i in &plan.create_order {
-            let Some(child) = plan.children.get(i) else {
-                continue;
-            };
-            // A zombie parent must not go on expanding.
-            self.fence.check()?;
-            let object = child_object(child, &self.task_name, &self.task_uid, &self.namespace);
-            if create_child(&api, &object, &self.task_uid).await? == Created::New {
-                created += 1;
-            }
-        }
+        let parent = Parent {
+            namespace: &self.namespace,
+            name: &self.task_name,
+            uid: &self.task_uid,
+        };
+        // A zombie parent must not go on expanding.
+        let (names, created) =
+            create_children(&self.client, &parent, subgraph, || self.fence.check()).await?;
         info!(
             task = %self.task_name,
             token = self.fence.token(),
             version = %subgraph.version,
-            children = plan.children.len(),
+            children = names.len(),
             created,
             "sub-graph spawned"
         );
-        Ok(plan.children.into_iter().map(|c| c.name).collect())
+        Ok(names)
     }
+}
+
+/// The task children are spawned under.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct Parent<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub uid: &'a str,
+}
+
+/// What [`TaskContext::spawn`] does once it has its parent: plan the
+/// sub-graph, then create each child (dependencies first), calling
+/// `check` right before each create; returns the children's names in
+/// logical order and how many were new.
+///
+/// Not for handlers — `ctx.spawn` passes the attempt's fence as `check`.
+/// Public so a test can play a worker that passed its fence check and
+/// was paused before its create landed (`e2e/tests/graphs.rs`), with the
+/// very objects the SDK sends.
+#[doc(hidden)]
+pub async fn create_children(
+    client: &kube::Client,
+    parent: &Parent<'_>,
+    subgraph: &Subgraph,
+    mut check: impl FnMut() -> Result<(), Error>,
+) -> Result<(Vec<String>, usize), Error> {
+    let plan = plan(parent.name, parent.uid, subgraph)?;
+    let api: Api<BatchTask> = Api::namespaced(client.clone(), parent.namespace);
+    let mut created = 0usize;
+    for &i in &plan.create_order {
+        let Some(child) = plan.children.get(i) else {
+            continue;
+        };
+        check()?;
+        let object = child_object(child, parent.name, parent.uid, parent.namespace);
+        if create_child(&api, &object, parent.uid).await? == Created::New {
+            created += 1;
+        }
+    }
+    Ok((plan.children.into_iter().map(|c| c.name).collect(), created))
 }
 
 /// What a create found.
