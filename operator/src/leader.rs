@@ -318,6 +318,8 @@ enum Wrote {
     Conflict,
     /// The Lease is gone (404).
     Gone,
+    /// Created, vacated: no term.
+    Created,
     /// Any other failure, or no answer before the deadline.
     Failed,
 }
@@ -403,7 +405,7 @@ impl Elector {
                 // Deleted: a standby may create it a duration after it
                 // saw it gone; this term cannot be renewed, so it ends now.
                 Wrote::Gone => return Tick::Deposed,
-                Wrote::Failed => return Tick::Again,
+                Wrote::Failed | Wrote::Created => return Tick::Again,
             }
         }
         let read = match timeout_at(deadline, self.api.get_opt(&self.cfg.lease_name)).await {
@@ -440,10 +442,9 @@ impl Elector {
     fn spec(&self, prev: Option<&LeaseSpec>, take_over: bool) -> LeaseSpec {
         let now = MicroTime(Timestamp::now());
         let mut spec = prev.cloned().unwrap_or_default();
-        if take_over || prev.is_none() {
+        if take_over {
             spec.acquire_time = Some(now.clone());
-            spec.lease_transitions =
-                Some(spec.lease_transitions.unwrap_or(0) + i32::from(prev.is_some()));
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
         }
         spec.holder_identity = Some(self.cfg.identity.clone());
         spec.lease_duration_seconds = i32::try_from(self.cfg.duration_seconds).ok();
@@ -451,14 +452,22 @@ impl Elector {
         spec
     }
 
+    /// Creates the missing Lease *vacated*: no holder, so no term. The new
+    /// version is then waited out like any other (see `leader_step`).
     async fn create(&mut self, deadline: Instant) -> Wrote {
         let mut lease = Lease::default();
         lease.metadata.name = Some(self.cfg.lease_name.clone());
         lease.metadata.namespace = Some(self.cfg.namespace.clone());
-        lease.spec = Some(self.spec(None, true));
-        let sent = Instant::now();
+        lease.spec = Some(LeaseSpec {
+            lease_duration_seconds: i32::try_from(self.cfg.duration_seconds).ok(),
+            renew_time: Some(MicroTime(Timestamp::now())),
+            ..LeaseSpec::default()
+        });
         match timeout_at(deadline, self.api.create(&PostParams::default(), &lease)).await {
-            Ok(Ok(stored)) => self.won(stored, sent),
+            Ok(Ok(_)) => {
+                info!("created the leader lease, vacated: taking it after a lease duration");
+                Wrote::Created
+            }
             Ok(Err(e)) => {
                 debug!(error = %batchlease_api::Chain(&e), "creating the leader lease failed");
                 Wrote::Failed

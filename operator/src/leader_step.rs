@@ -3,14 +3,24 @@
 //! Nothing in the Lease is trusted but its identity of version: anyone with
 //! RBAC on Leases can delete it, clear its holder, name another replica as
 //! holder, or shrink its `leaseDurationSeconds` (issue 23). So a replica
-//! that does not lead takes the Lease — creates it, takes it over — only
-//! after it observed the *same* state of it (the same version, or its
-//! absence) for a full duration of **its own configured** length, by its
-//! own monotonic clock. Whoever led before either renewed within that time
-//! (which changes the version and restarts the wait), or its term — which
-//! ends `grace` before a duration after its last renewal was sent — is
-//! over. A leader, for its part, treats any state it did not write as the
-//! end of its term: a Lease gone or held by another identity.
+//! that does not lead takes the Lease over only after it observed the
+//! *same version* of it for a full duration of **its own configured**
+//! length, by its own monotonic clock. Whoever led before either renewed
+//! within that time (which changes the version and restarts the wait), or
+//! its term — which ends `grace` before a duration after its last renewal
+//! was sent — is over.
+//!
+//! A missing Lease is created at once, but **vacated** (no holder): a
+//! create is never a term. Its absence could not be waited out instead:
+//! absence has no version, so a Lease created and deleted again between
+//! two looks (a rival's term begun in between) would look like one long
+//! absence — the model checker found exactly that. The created version is
+//! new and unique, and is waited out like any other; the old leader's
+//! renewals meet 404 or a conflict and end its term, which ran out anyway
+//! a duration after its last renewal, before the deletion.
+//!
+//! A leader, for its part, treats any state it did not write as the end of
+//! its term: a Lease gone or held by another identity.
 
 use std::time::Duration;
 
@@ -18,19 +28,17 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use tokio::time::Instant;
 
-/// One state of the Lease (a version of it, or its absence) and when this
-/// replica first saw it.
+/// One version of the Lease and when this replica first saw it.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Seen {
-    /// `None`: no Lease.
-    version: Option<String>,
-    since: Instant,
+pub struct Seen {
+    pub version: String,
+    pub since: Instant,
 }
 
 /// What to do with the Lease as read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Step {
-    /// No Lease, and none for a full duration: create it, holding it.
+pub enum Step {
+    /// No Lease: create it vacated (no holder, no term).
     Create,
     /// We lead and it is ours: renew it.
     Renew,
@@ -45,7 +53,7 @@ pub(crate) enum Step {
 /// Pure: the step for `lease` as read at `now` by replica `me`, which leads
 /// or not, with its own lease `duration`, given the state it saw before.
 /// Returns the observation to keep (none while leading).
-pub(crate) fn step(
+pub fn step(
     lease: Option<&Lease>,
     me: &str,
     leading: bool,
@@ -60,9 +68,12 @@ pub(crate) fn step(
     // Not leading: a vacated Lease, one naming this very replica (which
     // does not lead: someone wrote that by hand, or a renewal of a term
     // already given up landed late), one with a short duration — all are
-    // the same to a standby: a state that must stay unchanged for a full
+    // the same to a standby: a version that must stay unchanged for a full
     // duration of its own.
-    let version = lease.map(|l| l.resource_version().unwrap_or_default());
+    let Some(lease) = lease else {
+        return (Step::Create, None);
+    };
+    let version = lease.resource_version().unwrap_or_default();
     let seen = match prev {
         Some(p) if p.version == version => p.clone(),
         _ => Seen {
@@ -71,14 +82,10 @@ pub(crate) fn step(
         },
     };
     if now.saturating_duration_since(seen.since) < duration {
-        return (Step::Wait, Some(seen));
-    }
-    let next = if lease.is_some() {
-        Step::TakeOver
+        (Step::Wait, Some(seen))
     } else {
-        Step::Create
-    };
-    (next, Some(seen))
+        (Step::TakeOver, Some(seen))
+    }
 }
 
 fn holder(lease: &Lease) -> &str {
@@ -166,22 +173,22 @@ mod tests {
             ]),
             [Wait, Wait, Wait]
         );
-        // Deleted (by `kubectl delete leases --all`): its old leader may
-        // still be in its term; created only a full duration later.
+        // Deleted (by `kubectl delete leases --all`): created again at
+        // once, vacated; the created version is then waited out.
+        let created = lease(None, "5", 15);
         assert_eq!(
-            standby(&[(Some(&theirs), 0), (None, 1), (None, 15), (None, 16)]),
-            [Wait, Wait, Wait, Create]
+            standby(&[
+                (Some(&theirs), 0),
+                (None, 1),
+                (Some(&created), 2),
+                (Some(&created), 16),
+                (Some(&created), 17),
+            ]),
+            [Wait, Create, Wait, Wait, TakeOver]
         );
-        // A fresh replica that finds no Lease waits as well.
-        assert_eq!(
-            standby(&[(None, 0), (None, 14), (None, 15)]),
-            [Wait, Wait, Create]
-        );
-        // Recreated by someone else while we waited: a new state.
-        assert_eq!(
-            standby(&[(None, 0), (Some(&theirs), 14), (Some(&theirs), 20)]),
-            [Wait, Wait, Wait]
-        );
+        // Absence is never waited out: it has no version (a Lease created
+        // and deleted between two looks would look like one absence).
+        assert_eq!(standby(&[(None, 0), (None, 100)]), [Create, Create]);
         // Hand edits: holder cleared, holder set to this very replica, the
         // duration shrunk to 1 s — each waits the replica's own 15 s.
         for edited in [

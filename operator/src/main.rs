@@ -11,7 +11,6 @@ mod http;
 mod leader;
 #[cfg(test)]
 mod leader_fake;
-mod leader_step;
 mod metrics;
 mod queue_status;
 mod queues;
@@ -19,7 +18,7 @@ mod reconcile;
 mod supervise;
 
 use batchlease_operator::{
-    decide, deps, fit, lease_build, locks, observe, settle, speculation, status,
+    decide, deps, fit, leader_step, lease_build, locks, observe, settle, speculation, status,
 };
 
 use std::sync::Arc;
