@@ -34,6 +34,7 @@
 
 pub mod api_server;
 pub mod cancel;
+pub mod election;
 pub mod locks;
 pub mod operator;
 mod properties;

@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use batchlease_model::cancel::CancelRule;
+use batchlease_model::election::{Election, ElectionConfig, ElectionRule};
 use batchlease_model::locks::LockRule;
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, KillRule, RepairRule};
@@ -485,3 +486,79 @@ fn a_swap_outside_the_fence_is_caught() {
     let path = run(cfg, Some(p)).0.assert_any_discovery(p);
     eprintln!("counterexample: {:?}", path.into_actions());
 }
+
+/// The operator's own election (issue 23): two replicas, one hand edit of
+/// the election Lease anywhere (deleted, holder cleared, holder set to
+/// either replica), renewals that land late or never, for `ticks` seconds.
+fn election(ticks: u8, rule: ElectionRule) -> ElectionConfig {
+    ElectionConfig {
+        max_ticks: ticks,
+        edits: 1,
+        rule,
+    }
+}
+
+const ELECTION_SAFETY: [&str; 2] = [
+    "never two replicas in a term at once",
+    "a term handed out runs with its controllers",
+];
+
+fn run_election(
+    cfg: ElectionConfig,
+    stop_at: Option<&'static str>,
+) -> (impl Checker<Election>, bool) {
+    let started = Instant::now();
+    let mut checker = Election::new(cfg.clone())
+        .checker()
+        .threads(2)
+        .timeout(TIMEOUT);
+    if let Some(p) = stop_at {
+        checker = checker.finish_when(HasDiscoveries::AnyOf(BTreeSet::from([p])));
+    }
+    let checker = checker.spawn_bfs().join();
+    eprintln!(
+        "{cfg:?}: {} states ({} unique), depth {}, {:.1?}",
+        checker.state_count(),
+        checker.unique_state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    (checker, started.elapsed() < TIMEOUT)
+}
+
+/// The real rule: never two replicas in a term, never a term without
+/// controllers, through deletions, hand edits, takeovers and late renewals.
+#[test]
+fn the_election_is_safe_through_edits_and_late_renewals() {
+    let (checker, finished) = run_election(election(ELECTION_TICKS, ElectionRule::Real), None);
+    assert!(finished, "the bounded check did not finish in time");
+    for p in ELECTION_SAFETY {
+        checker.assert_no_discovery(p);
+    }
+    for p in [
+        "a replica leads",
+        "a replica takes the Lease over from another holder",
+        "the Lease is created again after a deletion",
+        "a renewal answers after its term ended",
+        "a late renewal's replica leads a new term",
+    ] {
+        checker.assert_any_discovery(p);
+    }
+}
+
+/// The mutations of the rules before issue 23, each caught.
+#[test]
+fn the_old_election_rules_are_caught() {
+    for (rule, p) in [
+        (ElectionRule::CreateAtOnce, ELECTION_SAFETY[0]),
+        (ElectionRule::TrustVacated, ELECTION_SAFETY[0]),
+        (ElectionRule::ReviveTerm, ELECTION_SAFETY[1]),
+    ] {
+        let (checker, _) = run_election(election(ELECTION_TICKS, rule), Some(p));
+        let path = checker.assert_any_discovery(p);
+        eprintln!("{rule:?}: counterexample: {:?}", path.into_actions());
+    }
+}
+
+/// Seconds explored by the election bounds.
+const ELECTION_TICKS: u8 = 6;
