@@ -160,13 +160,24 @@ fn the_liveness_check_is_not_vacuous() {
     run(cfg, None).0.assert_any_discovery("the task finishes");
 }
 
-/// Workers' clocks run 10 % fast or slow (every combination): the kill
-/// switch fires early or late by their own clock.
+/// Workers' clocks run 20 % slow or 70 % fast (every combination): the
+/// kill switch fires late or early by their own clock. With 2 s ticks a
+/// ±10 % drift never changed whether a worker was alive (issue 23): it
+/// takes ≤ 83 % or ≥ 167 %; 80 % is within the TTL/3 the protocol allows
+/// (a slow worker stops at 4.2 s of a 5 s TTL), a fast one only stops
+/// early. The coverage checks show the drift decides, both ways.
 #[test]
 fn safe_with_drifting_worker_clocks() {
     let mut cfg = config(3, 0, 0);
-    cfg.drift_percent = 10;
-    assert_safe(cfg, &[]);
+    cfg.drift_percent = 20;
+    cfg.fast_percent = 170;
+    assert_safe(
+        cfg,
+        &[
+            "a drifted worker is alive where a true clock says dead",
+            "a drifted worker is dead where a true clock says alive",
+        ],
+    );
 }
 
 /// A claim or a renewal is applied but its answer is lost: the worker
