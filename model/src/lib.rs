@@ -261,6 +261,10 @@ pub struct State {
     /// operator's request landed; a tombstone retired a token.
     pub fenced_by_storage: bool,
     pub late_landed: bool,
+    /// Coverage ghosts: an expiry landed after an answer was lost, after
+    /// the operator crashed.
+    pub expired_after_lost: bool,
+    pub expired_after_crash: bool,
     pub tombstones: u8,
     /// Ghosts of the lock properties.
     pub locks: LockGhosts,
@@ -405,6 +409,8 @@ impl Model for Cluster {
             write_after_expiry: false,
             fenced_by_storage: false,
             late_landed: false,
+            expired_after_lost: false,
+            expired_after_crash: false,
             tombstones: 0,
             locks: LockGhosts::default(),
             spec: SpecGhosts::default(),

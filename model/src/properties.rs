@@ -77,6 +77,15 @@ impl Cluster {
             Property::sometimes("the task succeeds", |_, s: &State| {
                 task_phase(s, 0) == Some(TaskPhase::Succeeded)
             }),
+            // Coverage of the lost-answer and crash bounds: they reach an
+            // expiry after the fault, where "no storage write after
+            // expiry" can fail at all.
+            Property::sometimes("an expiry follows a lost answer", |_, s: &State| {
+                s.expired_after_lost
+            }),
+            Property::sometimes("an expiry follows an operator crash", |_, s: &State| {
+                s.expired_after_crash
+            }),
             // Coverage of the drift bound: a drifted clock changes whether
             // a worker's kill switch lets it write, both ways.
             Property::sometimes(
