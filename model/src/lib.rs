@@ -261,9 +261,12 @@ pub struct State {
     /// operator's request landed; a tombstone retired a token.
     pub fenced_by_storage: bool,
     pub late_landed: bool,
-    /// Coverage ghosts: an expiry landed after an answer was lost, after
-    /// the operator crashed.
-    pub expired_after_lost: bool,
+    /// Coverage ghosts: a claim's or a renewal's answer was lost; an
+    /// expiry landed after each, after the operator crashed.
+    pub lost_claim: bool,
+    pub lost_renewal: bool,
+    pub expired_after_lost_claim: bool,
+    pub expired_after_lost_renewal: bool,
     pub expired_after_crash: bool,
     pub tombstones: u8,
     /// Ghosts of the lock properties.
@@ -409,7 +412,10 @@ impl Model for Cluster {
             write_after_expiry: false,
             fenced_by_storage: false,
             late_landed: false,
-            expired_after_lost: false,
+            lost_claim: false,
+            lost_renewal: false,
+            expired_after_lost_claim: false,
+            expired_after_lost_renewal: false,
             expired_after_crash: false,
             tombstones: 0,
             locks: LockGhosts::default(),
@@ -602,6 +608,7 @@ impl Cluster {
             }
             Action::ClaimAnswerLost(w, name) => {
                 s.lost += 1;
+                s.lost_claim = true;
                 self.claim(&mut s, *w, name)?;
             }
             Action::RenewAnswerLost(w) => {
@@ -611,6 +618,7 @@ impl Cluster {
                 let mut l: TaskLease = decode(&a.copy);
                 l.spec.renew_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(&a.lease))));
                 s.lost += 1;
+                s.lost_renewal = true;
                 s.api.replace_lease(&l).ok()?;
             }
             Action::Claim(w, name) => {

@@ -80,8 +80,11 @@ impl Cluster {
             // Coverage of the lost-answer and crash bounds: they reach an
             // expiry after the fault, where "no storage write after
             // expiry" can fail at all.
-            Property::sometimes("an expiry follows a lost answer", |_, s: &State| {
-                s.expired_after_lost
+            Property::sometimes("an expiry follows a lost claim answer", |_, s: &State| {
+                s.expired_after_lost_claim
+            }),
+            Property::sometimes("an expiry follows a lost renewal answer", |_, s: &State| {
+                s.expired_after_lost_renewal
             }),
             Property::sometimes("an expiry follows an operator crash", |_, s: &State| {
                 s.expired_after_crash
