@@ -99,6 +99,13 @@ fn bad_values_are_refused_with_a_clear_message() {
             "at '/metrics/service/enabled': value must be true",
             true,
         ),
+        // No grace: a standby's takeover could meet the old leader's last
+        // write (issue 23).
+        (
+            "leaderElection.graceSeconds=0",
+            "at '/leaderElection/graceSeconds': minimum: got 0, want 1",
+            true,
+        ),
         (
             "leaderElection.graceSeconds=15",
             "leaderElection.graceSeconds must be less than leaderElection.leaseDurationSeconds",

@@ -424,6 +424,9 @@ impl Cluster {
                     let ti = s.api.task_index(&stored.spec.task_name);
                     if let (Some(LeasePhase::Expired), Some(ti)) = (phase(&stored), ti) {
                         s.expired[ti].push(stored.spec.fencing_token);
+                        s.expired_after_lost_claim |= s.lost_claim;
+                        s.expired_after_lost_renewal |= s.lost_renewal;
+                        s.expired_after_crash |= s.crashes > 0;
                     }
                 }
             }

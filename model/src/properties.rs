@@ -14,6 +14,19 @@ fn task_phase(s: &State, i: usize) -> Option<TaskPhase> {
 }
 
 impl Cluster {
+    /// Whether a worker with a drifted clock is alive (`alive`) where the
+    /// same attempt with a true clock would not be, or the reverse.
+    fn drift_changes(&self, s: &State, alive: bool) -> bool {
+        s.workers.iter().any(|w| match w {
+            Worker::Holding(a) if a.rate != 100 => {
+                let mut true_clock = a.clone();
+                true_clock.rate = 100;
+                self.alive(a, s.now) == alive && self.alive(&true_clock, s.now) != alive
+            }
+            _ => false,
+        })
+    }
+
     pub(crate) fn safety(&self) -> Vec<Property<Self>> {
         let mut p = self.lease_properties();
         p.extend(Self::lock_properties());
@@ -65,6 +78,28 @@ impl Cluster {
             Property::sometimes("the task succeeds", |_, s: &State| {
                 task_phase(s, 0) == Some(TaskPhase::Succeeded)
             }),
+            // Coverage of the lost-answer and crash bounds: they reach an
+            // expiry after the fault, where "no storage write after
+            // expiry" can fail at all.
+            Property::sometimes("an expiry follows a lost claim answer", |_, s: &State| {
+                s.expired_after_lost_claim
+            }),
+            Property::sometimes("an expiry follows a lost renewal answer", |_, s: &State| {
+                s.expired_after_lost_renewal
+            }),
+            Property::sometimes("an expiry follows an operator crash", |_, s: &State| {
+                s.expired_after_crash
+            }),
+            // Coverage of the drift bound: a drifted clock changes whether
+            // a worker's kill switch lets it write, both ways.
+            Property::sometimes(
+                "a drifted worker is alive where a true clock says dead",
+                |m: &Cluster, s: &State| m.drift_changes(s, true),
+            ),
+            Property::sometimes(
+                "a drifted worker is dead where a true clock says alive",
+                |m: &Cluster, s: &State| m.drift_changes(s, false),
+            ),
             // Coverage: the situations the safety properties are about are
             // reached (asserted by the CI bounds that should reach them).
             Property::sometimes("two workers hold attempts at once", |_, s: &State| {

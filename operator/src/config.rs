@@ -43,14 +43,19 @@ pub struct Config {
     /// its own namespace).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub leader_lease_namespace: String,
-    /// Leader lease duration in seconds.
-    #[arg(long, env = "BATCHLEASE_LEADER_LEASE_SECONDS", default_value_t = 15)]
+    /// Leader lease duration in seconds. Every replica must be given the
+    /// same: a standby waits its own duration, whatever the Lease says.
+    #[arg(long, env = "BATCHLEASE_LEADER_LEASE_SECONDS", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(2..))]
     pub leader_lease_seconds: u64,
-    /// Renew the leader lease this many seconds before it runs out.
-    #[arg(long, env = "BATCHLEASE_LEADER_GRACE_SECONDS", default_value_t = 5)]
+    /// The leader stops writing this many seconds before a standby may take
+    /// over (at least 1, less than the duration): the margin for request
+    /// latency and for clocks that run at different rates.
+    #[arg(long, env = "BATCHLEASE_LEADER_GRACE_SECONDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub leader_grace_seconds: u64,
-    /// This replica's identity (default: POD_NAME, or the host name, plus a
-    /// random suffix).
+    /// This replica's identity (default: POD_NAME, or the host name); a
+    /// random suffix is always added, so two processes never share one.
     #[arg(long, env = "BATCHLEASE_IDENTITY")]
     pub identity: Option<String>,
     /// Log format.
@@ -83,6 +88,17 @@ pub struct Config {
 }
 
 impl Config {
+    /// Checks what clap cannot: the grace is below the lease duration.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.leader_grace_seconds < self.leader_lease_seconds,
+            "--leader-grace-seconds ({}) must be less than --leader-lease-seconds ({})",
+            self.leader_grace_seconds,
+            self.leader_lease_seconds
+        );
+        Ok(())
+    }
+
     /// Watched namespaces; `None` means all.
     pub fn watched_namespaces(&self) -> Option<Vec<String>> {
         let list: Vec<String> = self
@@ -92,5 +108,29 @@ impl Config {
             .cloned()
             .collect();
         (!list.is_empty()).then_some(list)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> anyhow::Result<Config> {
+        let cfg = Config::try_parse_from([&["batchlease-operator"], args].concat())?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    #[test]
+    fn the_election_needs_a_grace_below_the_duration() {
+        assert!(parse(&[]).is_ok());
+        assert!(parse(&["--leader-lease-seconds=6", "--leader-grace-seconds=2"]).is_ok());
+        for bad in [
+            &["--leader-grace-seconds=0"][..],
+            &["--leader-lease-seconds=1"],
+            &["--leader-lease-seconds=6", "--leader-grace-seconds=6"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} accepted");
+        }
     }
 }

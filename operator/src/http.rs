@@ -19,6 +19,13 @@ pub struct Health {
     pub ready: AtomicBool,
     /// Whether the process still does its job; `/healthz` reports it.
     pub live: Liveness,
+    /// Whether this replica holds the election Lease (set by the election
+    /// task)…
+    pub holding: Arc<AtomicBool>,
+    /// … and whether a term's controllers run. Holding the Lease without
+    /// them is not ready: every standby waits on a leader that does
+    /// nothing (issue 23; brief between a win and the controllers' start).
+    pub running: AtomicBool,
 }
 
 /// Liveness as `/healthz` reports it. A leader whose controllers died keeps
@@ -87,7 +94,12 @@ async fn healthz(State(h): State<Arc<Health>>) -> impl IntoResponse {
 }
 
 async fn readyz(State(h): State<Arc<Health>>) -> impl IntoResponse {
-    if h.ready.load(Ordering::Acquire) {
+    if h.holding.load(Ordering::Acquire) && !h.running.load(Ordering::Acquire) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "holding the leader lease without running controllers",
+        )
+    } else if h.ready.load(Ordering::Acquire) {
         (StatusCode::OK, "ready")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "caches not synced")
@@ -119,6 +131,8 @@ mod tests {
             registry: Registry::default(),
             ready: AtomicBool::new(true),
             live: Liveness::default(),
+            holding: Arc::default(),
+            running: AtomicBool::new(false),
         });
         assert_eq!(
             get(&health, "/healthz").await,
@@ -134,6 +148,30 @@ mod tests {
             )
         );
         // Readiness is separate: a dying replica may still be "ready".
+        assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn holding_the_lease_without_controllers_is_not_ready() {
+        let health = Arc::new(Health {
+            registry: Registry::default(),
+            ready: AtomicBool::new(true),
+            live: Liveness::default(),
+            holding: Arc::default(),
+            running: AtomicBool::new(false),
+        });
+        // A standby: ready.
+        assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
+        // Holding the Lease, no controllers: not ready.
+        health.holding.store(true, Ordering::Release);
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "holding the leader lease without running controllers".into()
+            )
+        );
+        health.running.store(true, Ordering::Release);
         assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
     }
 }

@@ -9,33 +9,61 @@
 //! renewals fail (its Lease's namespace deleted, RBAC revoked), or whose
 //! election task is starved stops writing on time — not when it notices.
 //!
-//! A standby takes the Lease only after it observed the same version of it
-//! for a full `leaseDuration` by its own clock, so the old leader stopped at
-//! least `grace` before. Every acquisition and takeover is a
+//! A standby takes the Lease — takes it over, or creates it when missing —
+//! only after it observed the same state of it (a version, or its absence)
+//! for a full duration of its *own* configuration by its own clock, so the
+//! old leader stopped at least `grace` before; nothing the Lease says
+//! (holder, duration) is trusted, since anyone may edit or delete it
+//! (`leader_step`, issue 23). Every acquisition and takeover is a
 //! resourceVersion CAS and bumps `leaseTransitions` (kubert's pattern).
+//!
+//! Every request of one look at the Lease is bounded by one deadline, the
+//! term's end while leading. A renewal that answers after its term ended
+//! starts a *new* term (new generation: `acquired()` hands it out and the
+//! controllers start again) — never revives the old one, whose writers
+//! stopped; a Lease found deleted or held by another identity ends the
+//! term at once.
 //!
 //! Losing the lease (deposed, or the term ran out during an outage) stops
 //! every writer of that term at once; the replica then campaigns again as a
 //! standby, and a new term starts its controllers afresh (empty caches and
 //! observations: every held lease gets a full TTL). Each term has its own
 //! generation, so a straggling writer of an old term can never write under
-//! a new one. On shutdown the Lease is vacated, bounded in time, so a
-//! standby takes over at once.
+//! a new one. On shutdown the Lease is vacated (its holder cleared),
+//! bounded in time; a standby still waits a full duration of that state.
 
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
+use kube::Client;
 use kube::api::{Api, PostParams};
-use kube::{Client, ResourceExt};
 use tokio::sync::watch;
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::leader_step::{Seen, Step, step};
 use crate::reconcile::Error;
+
+/// This process's identity in the election: the configured one (else the
+/// pod's or host's name) plus a random suffix, always. Two processes given
+/// the same `--identity` (a copied manifest, a restarted pod that kept its
+/// name while the old process still runs) would otherwise both "hold" the
+/// Lease and both lead.
+pub fn identity(configured: Option<&str>) -> String {
+    let base = configured.map(str::to_owned).unwrap_or_else(|| {
+        std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "batchlease-operator".into())
+    });
+    let suffix: u32 = rand::Rng::random_range(&mut rand::rng(), 0..0xff_ffff);
+    format!("{base}-{suffix:06x}")
+}
 
 /// Election settings.
 #[derive(Clone, Debug)]
@@ -139,6 +167,22 @@ impl Leadership {
         }
     }
 
+    /// Runs `write` while this term runs: abandoned (dropped, so nothing
+    /// more of it is sent — kube's client retries 429/503/504 inside it)
+    /// the moment the term ends, by its deadline or because it was lost.
+    /// Never started once the term ended. Without election, bounded by a
+    /// generous timeout.
+    /// `None` when the term ended first.
+    pub async fn bound<F: Future>(&self, write: F) -> Option<F::Output> {
+        let lost = self.clone().lost();
+        let limit = self.time_left();
+        tokio::select! {
+            biased;
+            () = lost => None,
+            r = timeout(limit, write) => r.ok(),
+        }
+    }
+
     /// Resolves when this term ends (never, when election is disabled).
     /// The term's own deadline ends it too, even if the election task is
     /// stuck.
@@ -169,6 +213,7 @@ pub struct Campaign {
     stop: CancellationToken,
     term: Option<Arc<Mutex<Term>>>,
     changed: Option<watch::Receiver<u64>>,
+    holding: Arc<AtomicBool>,
 }
 
 impl Campaign {
@@ -179,7 +224,15 @@ impl Campaign {
             stop: CancellationToken::new(),
             term: None,
             changed: None,
+            holding: Arc::default(),
         }
+    }
+
+    /// Whether this replica holds the election Lease right now (a term
+    /// runs). `/readyz` compares it with whether controllers run: holding
+    /// the Lease without them blocks every standby while nothing is done.
+    pub fn holding(&self) -> Arc<AtomicBool> {
+        self.holding.clone()
     }
 
     /// Resolves with the next term this replica leads. Fails once the
@@ -220,6 +273,7 @@ impl Campaign {
 /// Starts campaigning; [`Campaign::acquired`] yields each term led.
 pub fn campaign(client: Client, cfg: &ElectionConfig) -> Campaign {
     let term = Arc::new(Mutex::new(Term::default()));
+    let holding = Arc::new(AtomicBool::new(false));
     let (tx, rx) = watch::channel(0);
     let stop = CancellationToken::new();
     let elector = Elector {
@@ -229,6 +283,7 @@ pub fn campaign(client: Client, cfg: &ElectionConfig) -> Campaign {
         tx,
         ours: None,
         seen: None,
+        holding: holding.clone(),
     };
     let task = tokio::spawn(elector.run(stop.clone()));
     Campaign {
@@ -236,71 +291,7 @@ pub fn campaign(client: Client, cfg: &ElectionConfig) -> Campaign {
         stop,
         term: Some(term),
         changed: Some(rx),
-    }
-}
-
-/// A version of someone else's Lease, and when we first saw it.
-#[derive(Clone, Debug, PartialEq)]
-struct Seen {
-    holder: String,
-    version: String,
-    since: Instant,
-}
-
-/// What to do with the Lease as read.
-#[derive(Debug, Clone, PartialEq)]
-enum Step {
-    /// No Lease: create it, holding it.
-    Create,
-    /// Ours: renew it.
-    Renew,
-    /// Vacated, or silent for a full duration: take it over.
-    TakeOver,
-    /// Someone else holds it: look again later.
-    Wait,
-    /// We led, and now someone else holds it.
-    Deposed,
-}
-
-/// Pure: the step for `lease` as read at `now`, given what we saw before.
-/// Returns the new observation of a foreign holder too.
-fn step(
-    lease: Option<&Lease>,
-    me: &str,
-    leading: bool,
-    prev: Option<&Seen>,
-    now: Instant,
-) -> (Step, Option<Seen>) {
-    let Some(lease) = lease else {
-        return (Step::Create, None);
-    };
-    let spec = lease.spec.clone().unwrap_or_default();
-    let holder = spec.holder_identity.unwrap_or_default();
-    if holder == me {
-        return (Step::Renew, None);
-    }
-    if leading {
-        return (Step::Deposed, None);
-    }
-    if holder.is_empty() {
-        return (Step::TakeOver, None);
-    }
-    let version = lease.resource_version().unwrap_or_default();
-    let seen = match prev {
-        Some(p) if p.holder == holder && p.version == version => p.clone(),
-        _ => Seen {
-            holder,
-            version,
-            since: now,
-        },
-    };
-    let duration = Duration::from_secs(
-        u64::try_from(spec.lease_duration_seconds.unwrap_or(15).max(1)).unwrap_or(15),
-    );
-    if now.saturating_duration_since(seen.since) >= duration {
-        (Step::TakeOver, Some(seen))
-    } else {
-        (Step::Wait, Some(seen))
+        holding,
     }
 }
 
@@ -312,7 +303,36 @@ struct Elector {
     tx: watch::Sender<u64>,
     /// Our last copy of the Lease while we hold it.
     ours: Option<Lease>,
+    /// The state of the Lease a standby watches, and since when.
     seen: Option<Seen>,
+    /// Whether this replica holds the Lease (for `/readyz`).
+    holding: Arc<AtomicBool>,
+}
+
+/// How one write of the Lease went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wrote {
+    /// Applied, and a term runs from it.
+    Won,
+    /// Someone else wrote the Lease first (409): look at it.
+    Conflict,
+    /// The Lease is gone (404).
+    Gone,
+    /// Created, vacated: no term.
+    Created,
+    /// Any other failure, or no answer before the deadline.
+    Failed,
+}
+
+/// What one look at the Lease came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tick {
+    /// We hold it with a fresh term.
+    Leading,
+    /// Not (yet), or a renewal failed: try again.
+    Again,
+    /// We led, and the Lease is gone or someone else's: the term ends now.
+    Deposed,
 }
 
 impl Elector {
@@ -346,11 +366,21 @@ impl Elector {
                 _ = sleep_until(next) => {}
             }
             next = match self.tick().await {
-                Ok(true) => Instant::now() + self.cfg.renew_every(),
-                Ok(false) if self.leading() => Instant::now() + self.cfg.renew_every() / 2,
-                Ok(false) => Instant::now() + self.cfg.retry_every(),
-                Err(()) => {
-                    warn!("another replica holds the leader lease; standing by");
+                Tick::Leading => Instant::now() + self.cfg.renew_every(),
+                Tick::Again if self.leading() => {
+                    if self.valid_until().is_none_or(|v| Instant::now() >= v) {
+                        // Every call of the tick was bounded by the term,
+                        // and the term is over: it ends here, not later.
+                        warn!("leader term ran out while renewing; standing by");
+                        self.lose();
+                        Instant::now() + self.cfg.retry_every()
+                    } else {
+                        Instant::now() + self.cfg.renew_every() / 2
+                    }
+                }
+                Tick::Again => Instant::now() + self.cfg.retry_every(),
+                Tick::Deposed => {
+                    warn!("the leader lease is gone or held by another identity; standing by");
                     self.lose();
                     Instant::now() + self.cfg.retry_every()
                 }
@@ -358,32 +388,33 @@ impl Elector {
         }
     }
 
-    /// One look at the Lease. Ok(true): we hold it with a fresh term;
-    /// Ok(false): not (yet), or a renewal failed; Err: deposed.
-    async fn tick(&mut self) -> Result<bool, ()> {
-        // A request that cannot finish within the term is useless.
-        let budget = self
-            .valid_until()
-            .filter(|_| self.leading())
-            .map_or(self.cfg.retry_every() * 2, |v| {
-                v.saturating_duration_since(Instant::now())
-            });
+    /// One look at the Lease, every request of it bounded by one deadline:
+    /// the term's end while leading (an answer after it is of no use: the
+    /// term's writers stopped then), a short bound otherwise.
+    async fn tick(&mut self) -> Tick {
+        let deadline = match self.valid_until() {
+            Some(v) if self.leading() => v,
+            _ => Instant::now() + self.cfg.retry_every() * 2,
+        };
         if let Some(ours) = self.ours.clone() {
             // Renew from our copy: one CAS; a conflict means someone else
             // wrote the Lease, and then we look at it.
-            match self.write(&ours, false, budget).await {
-                Ok(true) => return Ok(true),
-                Ok(false) => {}
-                Err(()) => return Ok(false),
+            match self.write(&ours, false, deadline).await {
+                Wrote::Won => return Tick::Leading,
+                Wrote::Conflict => {}
+                // Deleted: a standby may create it a duration after it
+                // saw it gone; this term cannot be renewed, so it ends now.
+                Wrote::Gone => return Tick::Deposed,
+                Wrote::Failed | Wrote::Created => return Tick::Again,
             }
         }
-        let read = match timeout(budget, self.api.get_opt(&self.cfg.lease_name)).await {
+        let read = match timeout_at(deadline, self.api.get_opt(&self.cfg.lease_name)).await {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
                 warn!(error = %batchlease_api::Chain(&e), "reading the leader lease failed");
-                return Ok(false);
+                return Tick::Again;
             }
-            Err(_) => return Ok(false),
+            Err(_) => return Tick::Again,
         };
         let (step, seen) = step(
             read.as_ref(),
@@ -391,25 +422,29 @@ impl Elector {
             self.leading(),
             self.seen.as_ref(),
             Instant::now(),
+            self.cfg.duration(),
         );
         self.seen = seen;
-        match (step, read) {
-            (Step::Deposed, _) => Err(()),
-            (Step::Wait, _) => Ok(false),
-            (Step::Create, _) => Ok(self.create(budget).await),
-            (Step::Renew, Some(l)) => Ok(self.write(&l, false, budget).await == Ok(true)),
-            (Step::TakeOver, Some(l)) => Ok(self.write(&l, true, budget).await == Ok(true)),
-            (Step::Renew | Step::TakeOver, None) => Ok(false),
+        let wrote = match (step, read) {
+            (Step::Deposed, _) => return Tick::Deposed,
+            (Step::Wait, _) | (Step::Renew | Step::TakeOver, None) => return Tick::Again,
+            (Step::Create, _) => self.create(deadline).await,
+            (Step::Renew, Some(l)) => self.write(&l, false, deadline).await,
+            (Step::TakeOver, Some(l)) => self.write(&l, true, deadline).await,
+        };
+        match wrote {
+            Wrote::Won => Tick::Leading,
+            Wrote::Gone if self.leading() => Tick::Deposed,
+            _ => Tick::Again,
         }
     }
 
     fn spec(&self, prev: Option<&LeaseSpec>, take_over: bool) -> LeaseSpec {
         let now = MicroTime(Timestamp::now());
         let mut spec = prev.cloned().unwrap_or_default();
-        if take_over || prev.is_none() {
+        if take_over {
             spec.acquire_time = Some(now.clone());
-            spec.lease_transitions =
-                Some(spec.lease_transitions.unwrap_or(0) + i32::from(prev.is_some()));
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
         }
         spec.holder_identity = Some(self.cfg.identity.clone());
         spec.lease_duration_seconds = i32::try_from(self.cfg.duration_seconds).ok();
@@ -417,35 +452,40 @@ impl Elector {
         spec
     }
 
-    async fn create(&mut self, budget: Duration) -> bool {
+    /// Creates the missing Lease *vacated*: no holder, so no term. The new
+    /// version is then waited out like any other (see `leader_step`).
+    async fn create(&mut self, deadline: Instant) -> Wrote {
         let mut lease = Lease::default();
         lease.metadata.name = Some(self.cfg.lease_name.clone());
         lease.metadata.namespace = Some(self.cfg.namespace.clone());
-        lease.spec = Some(self.spec(None, true));
-        let sent = Instant::now();
-        match timeout(budget, self.api.create(&PostParams::default(), &lease)).await {
-            Ok(Ok(stored)) => {
-                self.won(stored, sent);
-                true
+        lease.spec = Some(LeaseSpec {
+            lease_duration_seconds: i32::try_from(self.cfg.duration_seconds).ok(),
+            renew_time: Some(MicroTime(Timestamp::now())),
+            ..LeaseSpec::default()
+        });
+        match timeout_at(deadline, self.api.create(&PostParams::default(), &lease)).await {
+            Ok(Ok(_)) => {
+                info!("created the leader lease, vacated: taking it after a lease duration");
+                Wrote::Created
             }
             Ok(Err(e)) => {
                 debug!(error = %batchlease_api::Chain(&e), "creating the leader lease failed");
-                false
+                Wrote::Failed
             }
-            Err(_) => false,
+            Err(_) => Wrote::Failed,
         }
     }
 
-    /// Renews (or takes over) `from` by CAS. Ok(true): a fresh term;
-    /// Ok(false): conflict (look again); Err: any other failure.
-    async fn write(&mut self, from: &Lease, take_over: bool, budget: Duration) -> Result<bool, ()> {
+    /// Renews (or takes over) `from` by CAS, answered by `deadline` or
+    /// abandoned.
+    async fn write(&mut self, from: &Lease, take_over: bool, deadline: Instant) -> Wrote {
         let mut lease = from.clone();
         lease.spec = Some(self.spec(from.spec.as_ref(), take_over));
         let sent = Instant::now();
-        match timeout(
-            budget,
-            self.api
-                .replace(&self.cfg.lease_name, &PostParams::default(), &lease),
+        let pp = PostParams::default();
+        match timeout_at(
+            deadline,
+            self.api.replace(&self.cfg.lease_name, &pp, &lease),
         )
         .await
         {
@@ -453,48 +493,65 @@ impl Elector {
                 if take_over {
                     info!(identity = %self.cfg.identity, "took over the leader lease");
                 }
-                self.won(stored, sent);
-                Ok(true)
+                self.won(stored, sent)
             }
-            Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(false),
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => Wrote::Conflict,
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+                warn!("the leader lease is gone");
+                Wrote::Gone
+            }
             Ok(Err(e)) => {
                 warn!(error = %batchlease_api::Chain(&e), "writing the leader lease failed");
-                Err(())
+                Wrote::Failed
             }
             Err(_) => {
                 warn!("writing the leader lease timed out");
-                Err(())
+                Wrote::Failed
             }
         }
     }
 
-    /// A write sent at `sent` succeeded: the term runs from then. The first
-    /// success after not leading starts a new generation.
-    fn won(&mut self, stored: Lease, sent: Instant) {
-        let first = self.ours.is_none();
+    /// A write sent at `sent` succeeded: a term runs until `sent + term`.
+    /// It continues the current term only if that term has not ended yet;
+    /// otherwise — the first success after standing by, or a renewal that
+    /// answered after its term's end, whose writers have stopped — it is a
+    /// new term, with a new generation that `acquired()` hands out, so
+    /// controllers start again. A write that answered too late to leave
+    /// any term at all counts as lost.
+    fn won(&mut self, stored: Lease, sent: Instant) -> Wrote {
+        let now = Instant::now();
+        let until = sent + self.cfg.term();
+        if until <= now {
+            warn!("the leader lease write answered after the term it would start; standing by");
+            self.lose();
+            return Wrote::Failed;
+        }
         self.ours = Some(stored);
         self.seen = None;
-        let until = sent + self.cfg.term();
-        let generation = {
+        self.holding.store(true, Ordering::Release);
+        let (generation, new) = {
             let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
-            if first {
+            let runs = t.valid_until.is_some_and(|v| now < v);
+            if runs {
+                t.valid_until = t.valid_until.map(|v| v.max(until));
+            } else {
                 t.generation += 1;
                 t.valid_until = Some(until);
-            } else {
-                t.valid_until = Some(t.valid_until.map_or(until, |v| v.max(until)));
             }
-            t.generation
+            (t.generation, !runs)
         };
-        if first {
+        if new {
             info!(identity = %self.cfg.identity, generation, "acquired the leader lease");
             let _ = self.tx.send(generation);
         }
+        Wrote::Won
     }
 
     /// Ends the current term at once (its writers stop), then stands by.
     fn lose(&mut self) {
         let was = self.ours.take().is_some();
         self.seen = None;
+        self.holding.store(false, Ordering::Release);
         let generation = {
             let mut t = self.term.lock().unwrap_or_else(|e| e.into_inner());
             t.valid_until = None;
@@ -535,138 +592,5 @@ impl Elector {
 const VACATE_BUDGET: Duration = Duration::from_secs(2);
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lease(holder: Option<&str>, rv: &str, secs: i32) -> Lease {
-        let mut l = Lease::default();
-        l.metadata.resource_version = Some(rv.into());
-        l.spec = Some(LeaseSpec {
-            holder_identity: holder.map(Into::into),
-            lease_duration_seconds: Some(secs),
-            ..Default::default()
-        });
-        l
-    }
-
-    #[test]
-    fn step_table() {
-        let t0 = Instant::now();
-        let s = Duration::from_secs;
-        assert_eq!(step(None, "me", false, None, t0).0, Step::Create);
-        let mine = lease(Some("me"), "1", 15);
-        assert_eq!(step(Some(&mine), "me", true, None, t0).0, Step::Renew);
-        let vacated = lease(None, "2", 1);
-        assert_eq!(
-            step(Some(&vacated), "me", false, None, t0).0,
-            Step::TakeOver
-        );
-        // We led and someone else holds it now: deposed, never "wait".
-        let theirs = lease(Some("other"), "3", 15);
-        assert_eq!(step(Some(&theirs), "me", true, None, t0).0, Step::Deposed);
-        // A standby waits a full duration of *unchanged* version by its own
-        // clock (the holder's renewTime is never trusted).
-        let (st, seen) = step(Some(&theirs), "me", false, None, t0);
-        assert_eq!(st, Step::Wait);
-        let seen = seen.unwrap();
-        assert_eq!(seen.since, t0);
-        let (st, again) = step(Some(&theirs), "me", false, Some(&seen), t0 + s(14));
-        assert_eq!(
-            (st, again.as_ref().map(|x| x.since)),
-            (Step::Wait, Some(t0))
-        );
-        assert_eq!(
-            step(Some(&theirs), "me", false, Some(&seen), t0 + s(15)).0,
-            Step::TakeOver
-        );
-        // A renewal (new version) restarts the clock.
-        let renewed = lease(Some("other"), "4", 15);
-        let (st, seen2) = step(Some(&renewed), "me", false, Some(&seen), t0 + s(15));
-        assert_eq!((st, seen2.map(|x| x.since)), (Step::Wait, Some(t0 + s(15))));
-    }
-
-    #[test]
-    fn timings() {
-        let cfg = ElectionConfig {
-            namespace: "ns".into(),
-            lease_name: "l".into(),
-            identity: "me".into(),
-            duration_seconds: 15,
-            grace_seconds: 5,
-        };
-        assert_eq!(cfg.term(), Duration::from_secs(10));
-        assert!(cfg.renew_every() < cfg.term() / 2);
-        // A grace larger than the duration still leaves a usable term.
-        let odd = ElectionConfig {
-            grace_seconds: 100,
-            ..cfg
-        };
-        assert_eq!(odd.term(), Duration::from_secs(5));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_dead_election_task_is_an_error_not_another_term() {
-        // The elector crashed mid-term: its term still looks valid until
-        // the deadline, but no term may be handed out again.
-        let term = Arc::new(Mutex::new(Term {
-            generation: 1,
-            valid_until: Some(Instant::now() + Duration::from_secs(10)),
-        }));
-        let (tx, rx) = watch::channel(1);
-        let mut campaign = Campaign {
-            task: None,
-            stop: CancellationToken::new(),
-            term: Some(term),
-            changed: Some(rx),
-        };
-        assert!(campaign.acquired().await.is_ok(), "the elector is alive");
-        drop(tx);
-        let err = tokio::time::timeout(Duration::from_secs(1), campaign.acquired())
-            .await
-            .expect("fails at once, does not wait for a change")
-            .unwrap_err();
-        assert!(err.to_string().contains("election task ended"), "{err}");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn writes_stop_when_the_term_runs_out_without_any_task_running() {
-        let term = Arc::new(Mutex::new(Term::default()));
-        let (tx, rx) = watch::channel(0);
-        let l = Leadership {
-            term: Some(term.clone()),
-            generation: 1,
-            changed: Some(rx),
-        };
-        assert!(l.ensure().is_err(), "not leading before the first win");
-        *term.lock().unwrap() = Term {
-            generation: 1,
-            valid_until: Some(Instant::now() + Duration::from_secs(10)),
-        };
-        let _ = tx.send(1);
-        assert!(l.ensure().is_ok());
-        let lost = tokio::spawn(l.clone().lost());
-        tokio::time::advance(Duration::from_millis(9_999)).await;
-        assert!(l.ensure().is_ok());
-        tokio::time::advance(Duration::from_millis(1)).await;
-        // Nobody marked it lost: the clock alone refuses the write …
-        assert!(matches!(l.ensure(), Err(Error::NotLeader)));
-        // … and `lost()` resolves by the same deadline.
-        tokio::time::timeout(Duration::from_millis(10), lost)
-            .await
-            .unwrap()
-            .unwrap();
-        // A later term (re-acquired after the outage) never revives the
-        // old term's writers.
-        *term.lock().unwrap() = Term {
-            generation: 2,
-            valid_until: Some(Instant::now() + Duration::from_secs(10)),
-        };
-        let _ = tx.send(2);
-        assert!(matches!(l.ensure(), Err(Error::NotLeader)));
-        let next = Leadership {
-            generation: 2,
-            ..l.clone()
-        };
-        assert!(next.ensure().is_ok());
-    }
-}
+#[path = "leader_tests.rs"]
+mod campaign_tests;

@@ -8,6 +8,7 @@ pub mod backoff;
 pub mod decide;
 pub mod deps;
 pub mod fit;
+pub mod leader_step;
 pub mod lease_build;
 pub mod locks;
 pub mod observe;

@@ -9,6 +9,8 @@ mod expectations;
 mod graph_index;
 mod http;
 mod leader;
+#[cfg(test)]
+mod leader_fake;
 mod metrics;
 mod presence;
 mod queue_status;
@@ -18,7 +20,7 @@ mod spawned;
 mod supervise;
 
 use batchlease_operator::{
-    decide, deps, fit, lease_build, locks, observe, settle, speculation, status,
+    decide, deps, fit, leader_step, lease_build, locks, observe, settle, speculation, status,
 };
 
 use std::sync::Arc;
@@ -28,7 +30,6 @@ use anyhow::Context;
 use clap::Parser;
 use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
-use rand::Rng;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -38,19 +39,11 @@ use crate::leader::ElectionConfig;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
+    cfg.validate()?;
     init_tracing(cfg.log_format);
     let client = client(&cfg).await?;
-    let identity = cfg.identity.clone().unwrap_or_else(default_identity);
+    let identity = leader::identity(cfg.identity.as_deref());
     info!(%identity, namespaces = ?cfg.watched_namespaces(), "starting batchlease-operator");
-
-    let mut registry = Registry::default();
-    let metrics = metrics::Metrics::new(&mut registry);
-    let health = Arc::new(http::Health {
-        registry,
-        ready: Default::default(),
-        live: Default::default(),
-    });
-    let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
 
     let mut campaign = if cfg.leader_election {
         let election = ElectionConfig {
@@ -64,6 +57,16 @@ async fn main() -> anyhow::Result<()> {
     } else {
         leader::Campaign::none()
     };
+    let mut registry = Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let health = Arc::new(http::Health {
+        registry,
+        ready: Default::default(),
+        live: Default::default(),
+        holding: campaign.holding(),
+        running: Default::default(),
+    });
+    let server = tokio::spawn(http::serve(cfg.metrics_addr, health.clone()));
     let namespaces: Vec<Option<String>> = match cfg.watched_namespaces() {
         Some(list) => list.into_iter().map(Some).collect(),
         None => vec![None],
@@ -104,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
             }
         };
         health.ready.store(false, Ordering::Release);
+        health.running.store(true, Ordering::Release);
         metrics.is_leader.set(1);
         info!(%identity, "leading: starting controllers");
         // Everything of a term is new: caches, observations (every held
@@ -164,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
             }
         };
         ready.abort();
+        health.running.store(false, Ordering::Release);
         stop.cancel();
         metrics.is_leader.set(0);
         metrics.watch_tasks(Vec::new(), Vec::new(), None);
@@ -200,14 +205,6 @@ async fn client(cfg: &Config) -> anyhow::Result<kube::Client> {
             .context("no kubeconfig and not in a cluster")?,
     };
     Ok(kube::Client::try_from(config)?)
-}
-
-fn default_identity() -> String {
-    let base = std::env::var("POD_NAME")
-        .or_else(|_| std::env::var("HOSTNAME"))
-        .unwrap_or_else(|_| "batchlease-operator".into());
-    let suffix: u32 = rand::rng().random_range(0..0xff_ffff);
-    format!("{base}-{suffix:06x}")
 }
 
 fn init_tracing(format: LogFormat) {

@@ -246,25 +246,31 @@ pub async fn run(src: Sources, stop: CancellationToken) {
                 break;
             }
             let api: Api<TaskQueue> = Api::namespaced(src.client.clone(), &ns);
-            match tokio::time::timeout(
-                PERIOD,
-                api.patch_status(
-                    &tq.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                ),
-            )
-            .await
+            // Written over the version summarized (a 409 when it changed:
+            // the next pass summarizes the new one), and bounded by the
+            // term: abandoned the moment it ends.
+            let mut patch = patch;
+            patch["metadata"] = serde_json::json!({ "resourceVersion": tq.resource_version() });
+            let (name, pp) = (tq.name_any(), PatchParams::default());
+            let patch = Patch::Merge(&patch);
+            match src
+                .leadership
+                .bound(api.patch_status(&name, &pp, &patch))
+                .await
             {
-                Ok(Ok(_)) => {
-                    debug!(queue = %tq.name_any(), namespace = %ns, "queue status written")
+                Some(Ok(_)) => {
+                    debug!(queue = %name, namespace = %ns, "queue status written")
                 }
-                Ok(Err(kube::Error::Api(s))) if s.code == 404 => {}
-                Ok(Err(e)) => {
-                    warn!(queue = %tq.name_any(), namespace = %ns, error = %e, "queue status write failed")
+                Some(Err(kube::Error::Api(s))) if s.code == 404 => {}
+                Some(Err(kube::Error::Api(s))) if s.code == 409 => {
+                    debug!(queue = %name, namespace = %ns, "queue changed since summarized")
                 }
-                Err(_) => {
-                    warn!(queue = %tq.name_any(), namespace = %ns, "queue status write timed out")
+                Some(Err(e)) => {
+                    warn!(queue = %name, namespace = %ns, error = %e, "queue status write failed")
+                }
+                None => {
+                    debug!(queue = %name, namespace = %ns, "queue status write abandoned: the term ended");
+                    break;
                 }
             }
         }

@@ -1011,16 +1011,17 @@ async fn delete_finished(
 }
 
 /// Runs a write only as long as this term may still write: a request that
-/// has not answered when the term ends is abandoned (the term's end is the
-/// last moment this replica may believe it leads).
+/// has not answered when the term ends — by its deadline, or lost before
+/// it — is abandoned (the term's end is the last moment this replica may
+/// believe it leads), and kube's retries inside it with it.
 pub(crate) async fn bounded<T>(
     ctx: &Ctx,
     what: &'static str,
     write: impl std::future::Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
-    match tokio::time::timeout(ctx.leadership.time_left(), write).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::Timeout { what }),
+    match ctx.leadership.bound(write).await {
+        Some(r) => r,
+        None => Err(Error::Timeout { what }),
     }
 }
 
@@ -1174,14 +1175,26 @@ pub(crate) async fn publish(
         secondary: None,
     };
     let regarding = task.object_ref(&());
-    let published = if task.name_any().len() <= crate::events::MAX_RECORDER_NAME {
-        ctx.recorder.publish(&event, &regarding).await
-    } else {
-        publish_long_named(ctx, &event, regarding).await
-    };
-    if let Err(e) = published {
+    // Bounded by the term like every write: kube's client retries an Event
+    // refused with 429/503/504 (honouring Retry-After), which could land
+    // it long after the term; the bound drops the request and its retries.
+    let published = ctx
+        .leadership
+        .bound(async {
+            if task.name_any().len() <= crate::events::MAX_RECORDER_NAME {
+                ctx.recorder.publish(&event, &regarding).await
+            } else {
+                publish_long_named(ctx, &event, regarding.clone()).await
+            }
+        })
+        .await;
+    match published {
+        Some(Ok(())) => {}
         // Events are best effort: the status already says what happened.
-        warn!(error = %batchlease_api::Chain(&e), task = %task.name_any(), "publishing event failed");
+        Some(Err(e)) => {
+            warn!(error = %batchlease_api::Chain(&e), task = %task.name_any(), "publishing event failed")
+        }
+        None => debug!(task = %task.name_any(), reason, "event abandoned: the term ended"),
     }
 }
 

@@ -72,6 +72,7 @@ fn main() {
                 cfg.cancel_rule = batchlease_model::cancel::CancelRule::EndAtRelease;
             }
             "--drift" => cfg.drift_percent = n(),
+            "--fast" => cfg.fast_percent = n(),
             "--repair" if v == "same-token" => cfg.repair = RepairRule::SameToken,
             "--storage" if v == "commit-only" => cfg.storage = StorageRule::CommitOnly,
             "--timeout-seconds" => {
