@@ -48,6 +48,7 @@ pub enum HolderRec {
     Free,
     Ours(i64),
     Live(String),
+    Stopping(String, std::time::Duration),
     Dead(String),
 }
 
@@ -57,6 +58,7 @@ impl From<&Holder> for HolderRec {
             Holder::Free => Self::Free,
             Holder::Ours { token } => Self::Ours(*token),
             Holder::Live(id) => Self::Live(id.clone()),
+            Holder::Stopping { id, left } => Self::Stopping(id.clone(), *left),
             Holder::Dead(id) => Self::Dead(id.clone()),
         }
     }
@@ -68,6 +70,10 @@ impl From<&HolderRec> for Holder {
             HolderRec::Free => Self::Free,
             HolderRec::Ours(token) => Self::Ours { token: *token },
             HolderRec::Live(id) => Self::Live(id.clone()),
+            HolderRec::Stopping(id, left) => Self::Stopping {
+                id: id.clone(),
+                left: *left,
+            },
             HolderRec::Dead(id) => Self::Dead(id.clone()),
         }
     }
@@ -247,9 +253,12 @@ impl Cluster {
                         )
                 })
         };
+        let gone_left =
+            |_: &str, _: &str, _: i64, _: std::time::Duration| std::time::Duration::ZERO;
         let look = locks::Lookups {
             task: &task,
             lease_live: &lease_live,
+            gone_left: &gone_left,
         };
         let h = locks::holder(lock, me, &look);
         let Holder::Live(id) = &h else {

@@ -181,9 +181,14 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     }
     let lookup_task = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
     let lease_live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let gone_left = |n: &str, u: &str, t: i64, ttl: Duration| {
+        ctx.tracker
+            .gone_attempt_left(&ns, n, u, t, ttl, Instant::now())
+    };
     let look = locks::Lookups {
         task: &lookup_task,
         lease_live: &lease_live,
+        gone_left: &gone_left,
     };
     // A new task (no phase yet) may be issued in its first write: its
     // dependencies are assessed too.
@@ -282,7 +287,15 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 // woken for goes to the next in line.
                 ctx.queues.release_waiter(&ns, &task.spec.queue, &name);
                 blocked(ctx, task, resource, holder).await;
-                return Ok(Action::requeue(crate::decide::LOCK_RECHECK));
+                // A deleted task's holder that is stopping frees its lock
+                // without any event: look again when it has surely stopped.
+                let recheck = slots
+                    .as_deref()
+                    .and_then(locks::soonest_free)
+                    .map_or(crate::decide::LOCK_RECHECK, |left| {
+                        left.min(crate::decide::LOCK_RECHECK)
+                    });
+                return Ok(Action::requeue(recheck));
             }
             _ => break,
         }
@@ -524,9 +537,14 @@ async fn fetch_locks(
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
     let lookup = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
     let live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let gone_left = |n: &str, u: &str, t: i64, ttl: Duration| {
+        ctx.tracker
+            .gone_attempt_left(&ns, n, u, t, ttl, Instant::now())
+    };
     let look = locks::Lookups {
         task: &lookup,
         lease_live: &live,
+        gone_left: &gone_left,
     };
     let wall = Timestamp::now();
     let me = locks::queue_key(task);
