@@ -142,11 +142,16 @@ pub fn soonest_free(slots: &[Slot]) -> Option<Duration> {
 
 /// `holderIdentity` of `task`'s attempt with fencing `token`.
 pub fn holder_identity(task: &BatchTask, token: i64) -> String {
-    format!(
-        "{}/{}@{token}",
-        task.namespace().unwrap_or_default(),
-        task.name_any()
+    holder_identity_of(
+        &task.namespace().unwrap_or_default(),
+        &task.name_any(),
+        token,
     )
+}
+
+/// `holderIdentity` of the attempt of task `namespace/name` with `token`.
+pub fn holder_identity_of(namespace: &str, name: &str, token: i64) -> String {
+    format!("{namespace}/{name}@{token}")
 }
 
 /// Who holds a lock, as the task that asks sees it.
@@ -283,6 +288,31 @@ pub fn holder(lock: Option<&Lease>, me: &BatchTask, look: &Lookups<'_>) -> Holde
     } else {
         Holder::Dead(id.to_owned())
     }
+}
+
+/// The attempt holding `lock` when it is another task's of `me`'s namespace
+/// that the cache no longer shows (deleted, or re-created under its name):
+/// (task name, task UID, token). Its lease is what tells whether it may
+/// still run; a reconciler reads it directly when its cache does not show
+/// it live (a lagging cache must not make a running holder look gone).
+pub fn gone_attempt(
+    lock: Option<&Lease>,
+    me: &BatchTask,
+    task: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+) -> Option<(String, String, i64)> {
+    let l = lock?;
+    let ns_of_me = me.namespace().unwrap_or_default();
+    if !is_lock(l, &ns_of_me) {
+        return None;
+    }
+    let id = l.spec.as_ref()?.holder_identity.as_deref()?;
+    let (ns, name, token) = parse_holder(id)?;
+    let uid = l.annotations().get(HOLDER_UID)?.clone();
+    if ns != ns_of_me || (name == me.name_any() && Some(&uid) == me.uid().as_ref()) {
+        return None;
+    }
+    let cached = task(name).is_some_and(|t| t.uid().as_ref() == Some(&uid));
+    (!cached).then(|| (name.to_owned(), uid, token))
 }
 
 /// The longest TTL a lease issued under `lock` may have: its

@@ -440,3 +440,41 @@ fn needed_is_sorted_and_empty_when_speculative() {
     t.status.as_mut().unwrap().effective_mode = Some(TaskMode::Exclusive);
     assert_eq!(needed(&t), vec!["a", "b"]);
 }
+
+#[test]
+fn gone_attempt_names_only_another_tasks_attempt_the_cache_lost() {
+    let me = task("me", "u-me", 4, TaskPhase::Pending);
+    let world: HashMap<&str, Arc<BatchTask>> =
+        [("running", task("running", "u-run", 2, TaskPhase::Running))]
+            .into_iter()
+            .collect();
+    let lookup = |n: &str| world.get(n).cloned();
+    let cases = [
+        (
+            "deleted",
+            Some(lock("r1", Some(("ns/gone@3", "u-gone")), 3)),
+            Some(("gone".to_owned(), "u-gone".to_owned(), 3)),
+        ),
+        (
+            "re-created under its name",
+            Some(lock("r1", Some(("ns/running@2", "u-old")), 3)),
+            Some(("running".to_owned(), "u-old".to_owned(), 2)),
+        ),
+        (
+            "cached",
+            Some(lock("r1", Some(("ns/running@2", "u-run")), 3)),
+            None,
+        ),
+        ("mine", Some(lock("r1", Some(("ns/me@5", "u-me")), 3)), None),
+        ("free", Some(lock("r1", None, 3)), None),
+        ("no lease", None, None),
+        (
+            "another namespace",
+            Some(lock("r1", Some(("other/gone@3", "u-gone")), 3)),
+            None,
+        ),
+    ];
+    for (what, l, want) in cases {
+        assert_eq!(gone_attempt(l.as_ref(), &me, &lookup), want, "{what}");
+    }
+}

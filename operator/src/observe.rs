@@ -85,7 +85,7 @@ pub fn lease_ttl(lease: &TaskLease) -> Duration {
 
 /// Whether `lease` may have (or get) a running holder: `Offered` (a claim
 /// may land), `Held`, or `Released` by a cancel after a claim.
-fn may_be_held(lease: &TaskLease) -> bool {
+pub fn may_be_held(lease: &TaskLease) -> bool {
     match lease.status.as_ref().and_then(|s| s.phase) {
         None | Some(LeasePhase::Offered | LeasePhase::Held) => true,
         Some(LeasePhase::Released) => lease.spec.holder_identity.is_some(),

@@ -23,7 +23,7 @@ use crate::deps::{self, Readiness};
 use crate::expectations::Expectations;
 use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
-use crate::locks::{self, Slot};
+use crate::locks::{self, Holder, Slot};
 use crate::metrics::{ErrorLabels, Metrics, QueueLabels, ReasonLabels, reason_label};
 use crate::observe::Tracker;
 use crate::settle::Transition;
@@ -558,7 +558,15 @@ async fn fetch_locks(
             })
         })
         .await?;
-        let holder = locks::holder(lease.as_ref(), task, &look);
+        let mut holder = locks::holder(lease.as_ref(), task, &look);
+        if matches!(holder, Holder::Stopping { .. } | Holder::Dead(_))
+            && let Some((n, u, t)) = locks::gone_attempt(lease.as_ref(), task, &lookup)
+            && lease_live_in_store(ctx, &ns, &n, &u, t).await?
+        {
+            // The cache lags (or its watch is down): the holder's lease is
+            // still there, and its worker renews it.
+            holder = Holder::Live(locks::holder_identity_of(&ns, &n, t));
+        }
         let older_waiter = ctx
             .index
             .users_of(&ns, resource)
@@ -583,6 +591,31 @@ async fn fetch_locks(
         });
     }
     Ok(slots)
+}
+
+/// Whether task `(name, uid)`'s lease of `token`, read directly, may have
+/// a running holder (see `observe::may_be_held`).
+async fn lease_live_in_store(
+    ctx: &Ctx,
+    ns: &str,
+    name: &str,
+    uid: &str,
+    token: i64,
+) -> Result<bool, Error> {
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), ns);
+    let lease_name = batchlease_api::names::lease_name(name, token);
+    let found = bounded(ctx, "holder lease read", async {
+        api.get_opt(&lease_name)
+            .await
+            .map_err(|source| Error::Kube {
+                what: "holder lease read",
+                source,
+            })
+    })
+    .await?;
+    Ok(found.is_some_and(|l| {
+        l.spec.task_uid == uid && l.spec.fencing_token == token && crate::observe::may_be_held(&l)
+    }))
 }
 
 /// Whether the lease cache shows task `(name, uid)`'s lease of `token`
