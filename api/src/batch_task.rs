@@ -297,6 +297,14 @@ pub struct BatchTaskStatus {
     /// Name of the TaskLease of the current attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_lease: Option<String>,
+    /// The TTL the current lease was issued with (its
+    /// `spec.leaseDurationSeconds`), written with the token. Should that
+    /// lease go missing, its holder's kill switch runs on this TTL, not on
+    /// the task's `spec.leaseDurationSeconds`, which may have been edited
+    /// since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub current_lease_duration_seconds: Option<i32>,
     /// Identity of the worker holding the current lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,
@@ -359,7 +367,7 @@ pub struct Failure {
 }
 
 /// One past attempt of a task.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct AttemptRecord {
     /// Fencing token of the attempt's lease.
@@ -380,6 +388,12 @@ pub struct AttemptRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 128))]
     pub reason: Option<String>,
+    /// For a `Lost` attempt: the TTL its lease was issued with. Its holder
+    /// may run until its kill switch, within this TTL of the loss; a
+    /// cancelled task ends only after that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub lease_duration_seconds: Option<i32>,
 }
 
 /// Defaults shared by serde and the CRD schema (schemars reads them from the

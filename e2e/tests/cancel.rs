@@ -318,3 +318,110 @@ async fn a_cancelled_task_whose_lease_was_deleted_ends_a_ttl_after_the_loss() {
     eprintln!("Cancelled {after:?} after the lease was deleted; history {outcomes:?}");
     ns.finish().await.unwrap();
 }
+
+/// Issue 22 (2), the recipe with shorter times: a task issued with TTL 45
+/// (its holder renews every 15 s) whose handler commits after 12 s; while
+/// it runs its lease is deleted, then the TTL is cut to 5 s and the task
+/// cancelled. The holder's kill clock runs on the lease's 45 s, so it
+/// commits before its first renewal could find the lease gone; the task
+/// must not end Cancelled before that. Before the fix it waited the
+/// edited 5 s (+1) after the loss and ended Cancelled seconds before the
+/// commit landed.
+#[tokio::test]
+async fn a_cancelled_task_waits_the_lost_leases_own_ttl_when_the_spec_ttl_was_cut() {
+    const LONG: u64 = 45;
+    let (ns, op) = Operator::in_new_namespace("cancel-ttl", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let db = pg::connect().await.unwrap();
+    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    tasks::create(
+        &ns,
+        "edited",
+        json!({"queue": "demo", "leaseDurationSeconds": LONG,
+               "payload": {"steps": 120, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    let logs = || format!("{}{}", op.logs(), worker[0].logs());
+    let t = wait_phase(
+        &ns,
+        "edited",
+        TaskPhase::Running,
+        Duration::from_secs(30),
+        logs,
+    )
+    .await
+    .unwrap();
+    let uid = t.metadata.uid.clone().unwrap();
+    let st = t.status.unwrap();
+    ns.api::<TaskLease>()
+        .delete(st.current_lease.as_deref().unwrap(), &Default::default())
+        .await
+        .unwrap();
+    ns.api::<BatchTask>()
+        .patch(
+            "edited",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"leaseDurationSeconds": 5, "cancel": true}})),
+        )
+        .await
+        .unwrap();
+    let edited = Instant::now();
+    // The old holder commits (its handler knows nothing of the deletion
+    // until its first renewal, 15 s after its claim).
+    let (token, _) = wait_for(
+        "the old holder's commit",
+        Duration::from_secs(20),
+        logs,
+        || {
+            let db = &db;
+            let uid = &uid;
+            async move { pg::row(db, uid).await }
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(token, 1);
+    let phase = tasks::phase_of(&ns.api::<BatchTask>().get("edited").await.unwrap());
+    eprintln!(
+        "the old holder committed {:?} after the edit; the task was {phase:?}",
+        edited.elapsed()
+    );
+    assert_ne!(
+        phase,
+        Some(TaskPhase::Cancelled),
+        "Cancelled before the lost lease's holder stopped: its commit landed after"
+    );
+    // Cancelled a whole lease TTL (45 s, not 5 s) after the loss.
+    let t = wait_phase(
+        &ns,
+        "edited",
+        TaskPhase::Cancelled,
+        Duration::from_secs(LONG + 15),
+        logs,
+    )
+    .await
+    .unwrap();
+    let after = edited.elapsed();
+    let st = t.status.unwrap();
+    let lost = st
+        .history
+        .iter()
+        .find(|h| h.outcome == "Lost")
+        .unwrap_or_else(|| panic!("no Lost entry: {:?}", st.history));
+    assert_eq!(
+        lost.lease_duration_seconds,
+        Some(i32::try_from(LONG).unwrap())
+    );
+    assert_eq!(
+        st.current_lease_duration_seconds,
+        Some(i32::try_from(LONG).unwrap()),
+        "the issue recorded the lease's TTL"
+    );
+    assert!(
+        after >= Duration::from_secs(LONG - 5),
+        "Cancelled {after:?} after the loss, before a lease TTL"
+    );
+    ns.finish().await.unwrap();
+}

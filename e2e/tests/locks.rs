@@ -427,3 +427,154 @@ async fn a_zombie_holder_of_a_resource_cannot_commit_after_the_resource_moved_on
     );
     ns.finish().await.unwrap();
 }
+
+/// When `line` was logged: the demo worker's log lines start with an
+/// RFC 3339 timestamp (tracing's default format).
+fn logged_at(line: &str) -> k8s_openapi::jiff::Timestamp {
+    line.split_whitespace()
+        .next()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no timestamp in {line:?}"))
+}
+
+/// The first line of `text` containing every one of `needles`.
+fn line_with<'a>(text: &'a str, needles: &[&str]) -> Option<&'a str> {
+    text.lines().find(|l| needles.iter().all(|n| l.contains(n)))
+}
+
+/// Issue 22 (3): a deleted task's attempt runs on until its worker's next
+/// renewal finds the lease gone (or its kill switch fires), so its locks
+/// are not free when the task and its lease are gone: the next task's
+/// handler must not start before the deleted task's has stopped. TTL 15 s:
+/// the holder renews every 5 s, and the task is deleted right after its
+/// claim, so its handler runs about 5 s past the deletion — before the
+/// fix, the waiting task's handler started within a second or two.
+#[tokio::test]
+async fn a_deleted_tasks_lock_waits_until_its_holder_has_stopped() {
+    const TTL: u64 = 15;
+    let (ns, op) = setup("lockdeleted").await;
+    let w = start_workers(&ns, 2, 1);
+    // A long handler: it is stopped by its worker, never completes.
+    tasks::create(
+        &ns,
+        "first",
+        json!({"queue": "demo", "leaseDurationSeconds": TTL, "resources": ["db"],
+               "payload": {"steps": 1200, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    let running = wait_task_held(&ns, "first", &op, &w).await;
+    let holder = running.spec.holder_identity.clone().unwrap();
+    tasks::create(
+        &ns,
+        "second",
+        json!({"queue": "demo", "leaseDurationSeconds": TTL, "resources": ["db"],
+               "payload": {"steps": 5, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    wait_for(
+        "second waits for db",
+        T,
+        || logs(&op, &w),
+        || {
+            let ns = &ns;
+            async move {
+                let reasons = event_reasons(ns, "second").await?;
+                Ok(reasons
+                    .iter()
+                    .any(|r| r == "WaitingForResource")
+                    .then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    ns.api::<BatchTask>()
+        .delete("first", &Default::default())
+        .await
+        .unwrap();
+    let deleted = std::time::Instant::now();
+    let second = wait_phase(&ns, "second", TaskPhase::Succeeded, T, || logs(&op, &w))
+        .await
+        .unwrap();
+    let took = deleted.elapsed();
+    // The first task's worker stopped its handler when a renewal found
+    // the lease gone (or at its kill switch); the second's handler
+    // started ("working") only after that. Both workers log on this
+    // machine's clock.
+    let first_lease = format!("lease={}", running.name_any());
+    let stopped = wait_for(
+        "first's worker to stop its handler",
+        Duration::from_secs(TTL + 10),
+        || logs(&op, &w),
+        || {
+            let (w, first_lease) = (&w, &first_lease);
+            async move {
+                Ok(w.iter().find_map(|p| {
+                    let t = p.log_text();
+                    line_with(&t, &["renewal found the lease lost", first_lease])
+                        .or_else(|| line_with(&t, &["kill switch fired", first_lease]))
+                        .map(str::to_owned)
+                }))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let stopped = stopped.as_str();
+    let all: Vec<String> = w.iter().map(Process::log_text).collect();
+    let second_lease = second
+        .status
+        .as_ref()
+        .unwrap()
+        .current_lease
+        .clone()
+        .unwrap();
+    let started = all
+        .iter()
+        .find_map(|t| line_with(t, &["working", "second"]))
+        .unwrap_or_else(|| panic!("no handler of second logged: {}", logs(&op, &w)));
+    let (stopped_at, started_at) = (logged_at(stopped), logged_at(started));
+    eprintln!(
+        "first's handler stopped at {stopped_at} ({holder}); second's ({second_lease}) started \
+         at {started_at}, {took:?} after the deletion"
+    );
+    assert!(
+        started_at > stopped_at,
+        "second's handler started at {started_at}, while first's still ran (stopped at \
+         {stopped_at})\n{}",
+        logs(&op, &w)
+    );
+    // The lock was held a TTL after the last renewal seen (the claim, a
+    // moment before the deletion), not a TTL after the deletion.
+    assert!(
+        took < Duration::from_secs(TTL + 10),
+        "second ran {took:?} after the deletion"
+    );
+    ns.finish().await.unwrap();
+}
+
+/// Waits until `name`'s current lease is held; returns it.
+async fn wait_task_held(ns: &TestNamespace, name: &str, op: &Operator, w: &[Process]) -> TaskLease {
+    wait_for(
+        &format!("{name}'s lease held"),
+        T,
+        || logs(op, w),
+        || async move {
+            let Some(t) = ns.api::<BatchTask>().get_opt(name).await? else {
+                return Ok(None);
+            };
+            let Some(lease) = t.status.and_then(|s| s.current_lease) else {
+                return Ok(None);
+            };
+            Ok(ns
+                .api::<TaskLease>()
+                .get_opt(&lease)
+                .await?
+                .filter(|l| tasks::lease_phase(l) == Some(LeasePhase::Held)))
+        },
+    )
+    .await
+    .unwrap()
+}

@@ -48,6 +48,15 @@ pub struct ApiServer {
     pub leases: BTreeMap<String, String>,
     /// Lock Leases by name (all in [`LOCK_NAMESPACE`]).
     pub locks: BTreeMap<String, String>,
+    /// Indices of the tasks deleted (their last state stays in `tasks`, for
+    /// the properties; the API serves them no more).
+    pub deleted: std::collections::BTreeSet<usize>,
+    /// The last state of each lease the garbage collector deleted (and not
+    /// created again since): what its Delete event carries to a watch.
+    /// Only these: other deletions (a user's, the operator's pruning) need
+    /// no departure timing in the model — only a deleted task's lock does —
+    /// and recording them would split the other bounds' states.
+    pub deleted_leases: BTreeMap<String, String>,
 }
 
 pub fn decode<T: serde::de::DeserializeOwned>(json: &str) -> T {
@@ -109,6 +118,8 @@ impl ApiServer {
             tasks,
             leases: BTreeMap::new(),
             locks: BTreeMap::new(),
+            deleted: std::collections::BTreeSet::new(),
+            deleted_leases: BTreeMap::new(),
         }
     }
 
@@ -117,9 +128,55 @@ impl ApiServer {
         decode(&self.tasks[i])
     }
 
-    /// The index of the task named `name`.
+    /// The index of the task named `name` (`None` once it is deleted).
     pub fn task_index(&self, name: &str) -> Option<usize> {
-        (0..self.tasks.len()).find(|i| crate::task_name(*i) == name)
+        (0..self.tasks.len()).find(|i| crate::task_name(*i) == name && !self.deleted.contains(i))
+    }
+
+    /// The tasks as a watch shows them: a deleted one as `""`.
+    pub fn task_view(&self) -> Vec<String> {
+        self.tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if self.deleted.contains(&i) {
+                    String::new()
+                } else {
+                    t.clone()
+                }
+            })
+            .collect()
+    }
+
+    /// A user deletes task `i`; its leases stay until the garbage
+    /// collector deletes them ([`Self::collectable`]).
+    pub fn delete_task(&mut self, i: usize) {
+        self.deleted.insert(i);
+    }
+
+    /// The garbage collector deletes lease `name`, whose task is gone; its
+    /// last state is kept for the operator's watch (see `deleted_leases`).
+    pub fn collect_lease(&mut self, name: &str) {
+        if let Some(last) = self.leases.remove(name) {
+            self.deleted_leases.insert(name.to_owned(), last);
+        }
+    }
+
+    /// Leases whose task is deleted: the garbage collector's to delete.
+    pub fn collectable(&self) -> Vec<String> {
+        if self.deleted.is_empty() {
+            return Vec::new();
+        }
+        let uids: Vec<String> = self
+            .deleted
+            .iter()
+            .filter_map(|i| self.task(*i).metadata.uid)
+            .collect();
+        self.leases
+            .iter()
+            .filter(|(_, l)| uids.contains(&decode::<TaskLease>(l).spec.task_uid))
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     pub fn lease(&self, name: &str) -> Option<TaskLease> {
@@ -149,8 +206,14 @@ impl ApiServer {
     /// A user sets `spec.cancel` on task `i` (an update of the spec: a new
     /// resourceVersion and generation, status kept).
     pub fn cancel_task(&mut self, i: usize) {
+        self.edit_spec(i, |spec| spec.cancel = true);
+    }
+
+    /// A user edits task `i`'s spec (a new resourceVersion and
+    /// generation, status kept).
+    pub fn edit_spec(&mut self, i: usize, f: impl FnOnce(&mut batchlease_api::BatchTaskSpec)) {
         let mut t = self.task(i);
-        t.spec.cancel = true;
+        f(&mut t.spec);
         t.metadata.generation = Some(t.metadata.generation.unwrap_or(1) + 1);
         t.metadata.resource_version = Some(self.next_rv(&format!("task/{}", t.name_any())));
         self.tasks[i] = encode(&t);
@@ -190,10 +253,24 @@ impl ApiServer {
         if self.leases.contains_key(&name) {
             return Err(Refused::AlreadyExists);
         }
+        // A lease of a deleted task: the real API server takes it and the
+        // garbage collector deletes it; nobody can claim it meanwhile (a
+        // worker reads the task first). The model drops it at once: an
+        // operator whose task cache lags would otherwise create and the
+        // collector delete it without end (a new resourceVersion each
+        // time), and the bound would never close.
+        if self
+            .deleted
+            .iter()
+            .any(|i| self.task(*i).metadata.uid.as_deref() == Some(new.spec.task_uid.as_str()))
+        {
+            return Err(Refused::NotFound);
+        }
         let mut stored = new.clone();
         let rv = self.next_rv(&format!("lease/{name}"));
         stored.metadata.uid = Some(format!("lease-uid-{name}-{rv}"));
         stored.metadata.resource_version = Some(rv);
+        self.deleted_leases.remove(&name);
         self.leases.insert(name, encode(&stored));
         Ok(stored)
     }

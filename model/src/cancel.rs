@@ -21,6 +21,12 @@ pub enum CancelRule {
     /// At once (a mutation: the checker must find the holder's write
     /// landing after `Cancelled`).
     EndAtRelease,
+    /// A lost lease's holder timed by the task's current
+    /// `spec.leaseDurationSeconds` rather than the TTL the lease was issued
+    /// with (the rule before issue 22; a mutation: with
+    /// [`crate::Config::ttl_edit`] the checker must find the lost holder's
+    /// write landing after `Cancelled`).
+    SpecTtl,
 }
 
 /// What the checker remembers of cancellations.

@@ -50,7 +50,7 @@ use api_server::{ApiServer, decode, encode};
 use batchlease_api::{
     BackoffSpec, BatchTask, BatchTaskSpec, LeasePhase, TaskLease, TaskMode, TaskPhase,
 };
-use batchlease_operator::observe::next_seen;
+use batchlease_operator::observe::{holder_stops_by, next_seen};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
 use locks::{LockGhosts, LockRule};
@@ -147,6 +147,16 @@ pub struct Config {
     /// [`spawn`]): a fence check, then a create that lands any time later.
     pub spawn: bool,
     pub spawn_rule: spawn::SpawnRule,
+    /// The first task is created with [`LONG_TTL_SECONDS`], and the cancel
+    /// also cuts its `spec.leaseDurationSeconds` to [`TTL_SECONDS`] (one
+    /// spec update, the recipe); it comes only after a lease was
+    /// deleted (the other orders are the plain cancel bounds'). Leases
+    /// issued before keep their TTL (and their holders' kill clocks run on
+    /// it).
+    pub ttl_edit: bool,
+    /// A user may delete the first task, once, at any step; the garbage
+    /// collector then deletes its leases, one step each.
+    pub task_deletion: bool,
 }
 
 impl Config {
@@ -178,12 +188,17 @@ impl Config {
             cancel_rule: cancel::CancelRule::WaitTtl,
             spawn: false,
             spawn_rule: spawn::SpawnRule::Gate,
+            ttl_edit: false,
+            task_deletion: false,
         }
     }
 }
 
 /// The lease TTL of the task (the CRD's minimum).
 pub const TTL_SECONDS: i32 = 5;
+
+/// The first task's TTL with [`Config::ttl_edit`], before the edit.
+pub const LONG_TTL_SECONDS: i32 = 10;
 
 /// Seconds per tick. Two keep the model small and still separate the
 /// protocol's instants: a worker renews at most once per tick (the SDK
@@ -327,6 +342,10 @@ pub enum Action {
     SpawnCheck(usize),
     /// The `k`-th create on its way lands.
     SpawnLands(usize),
+    /// A user deletes task `i`.
+    DeleteTask(usize),
+    /// The garbage collector deletes a lease whose task is gone.
+    CollectLease(String),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -354,7 +373,11 @@ fn new_task(cfg: &Config, i: usize) -> BatchTask {
         spec.mode = TaskMode::Speculative;
         spec.max_speculative_aborts = 1;
     }
-    spec.lease_duration_seconds = TTL_SECONDS;
+    spec.lease_duration_seconds = if cfg.ttl_edit && i == 0 {
+        LONG_TTL_SECONDS
+    } else {
+        TTL_SECONDS
+    };
     spec.max_retries = 1;
     spec.backoff = BackoffSpec {
         initial_seconds: 1,
@@ -479,14 +502,14 @@ impl Cluster {
     fn started(&self, mut s: State) -> State {
         if self.cfg.start_pending {
             for i in 0..s.api.tasks.len() {
-                s.op.tasks = Some(s.api.tasks.clone());
+                s.op.tasks = Some(s.api.task_view());
                 self.reconcile(&mut s, i);
                 self.send_pending(&mut s, i);
             }
             if self.cfg.start_quarantined {
                 speculate::quarantine_last(&mut s);
             }
-            s.op.tasks = Some(s.api.tasks.clone());
+            s.op.tasks = Some(s.api.task_view());
         }
         s
     }
@@ -500,7 +523,7 @@ impl Cluster {
 
     /// Every step but a tick that `s` allows.
     fn steps(&self, s: &State, actions: &mut Vec<Action>) {
-        if s.op.tasks.as_ref() != Some(&s.api.tasks) {
+        if s.op.tasks.as_ref() != Some(&s.api.task_view()) {
             actions.push(Action::SyncTask);
         }
         if s.op.leases != s.api.leases {
@@ -525,8 +548,17 @@ impl Cluster {
         for k in 0..s.spawn.in_flight.len() {
             actions.push(Action::SpawnLands(k));
         }
-        if self.cfg.cancel && !s.api.task(0).spec.cancel {
+        // With a TTL edit the cancel (which cuts the TTL) comes after a
+        // lease was deleted: the other orders are the cancel bounds'.
+        if self.cfg.cancel && !s.api.task(0).spec.cancel && (!self.cfg.ttl_edit || s.deletions > 0)
+        {
             actions.push(Action::Cancel(0));
+        }
+        if self.cfg.task_deletion && s.api.deleted.is_empty() {
+            actions.push(Action::DeleteTask(0));
+        }
+        for name in s.api.collectable() {
+            actions.push(Action::CollectLease(name));
         }
         if s.deletions < self.cfg.lease_deletions {
             for (name, l) in &s.api.leases {
@@ -598,11 +630,35 @@ impl Cluster {
         match &action {
             Action::Tick => s.now += 1,
             Action::SyncTask => {
-                s.op.tasks = Some(s.api.tasks.clone());
+                s.op.tasks = Some(s.api.task_view());
                 s.op.refused.clear();
             }
             Action::SyncLeases => {
                 let now = self.instant(s.now);
+                // Leases gone since the last sync: the watch's Delete
+                // event carries each one's last state (`Tracker::forget`).
+                // (Only with task deletion: the timing matters only for a
+                // deleted task's lock, and would split the other bounds'
+                // states.)
+                let gone: Vec<String> = if self.cfg.task_deletion {
+                    s.op.leases
+                        .keys()
+                        .filter(|n| !s.api.leases.contains_key(*n))
+                        .cloned()
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                for name in gone {
+                    let (last, final_state) = match s.api.deleted_leases.get(&name) {
+                        Some(l) => (decode::<TaskLease>(l), true),
+                        None => (decode::<TaskLease>(&s.op.leases[&name]), false),
+                    };
+                    let until = holder_stops_by(s.op.seen.get(&name), &last, final_state, now)
+                        .unwrap_or(now);
+                    s.op.departed
+                        .insert(name, (last.spec.task_uid.clone(), until));
+                }
                 let mut seen = BTreeMap::new();
                 for (name, json) in &s.api.leases {
                     let l: TaskLease = decode(json);
@@ -632,9 +688,20 @@ impl Cluster {
                 }
             }
             Action::Cancel(i) => {
-                s.api.cancel_task(*i);
+                let cut = self.cfg.ttl_edit;
+                s.api.edit_spec(*i, |spec| {
+                    spec.cancel = true;
+                    if cut {
+                        spec.lease_duration_seconds = TTL_SECONDS;
+                    }
+                });
                 cancel::requested(&mut s, *i);
             }
+            Action::DeleteTask(i) => {
+                locks::task_deleted(&mut s, *i);
+                s.api.delete_task(*i);
+            }
+            Action::CollectLease(name) => s.api.collect_lease(name),
             Action::DeleteLease(name) => {
                 s.deletions += 1;
                 let _ = s.api.delete_lease(name, None);
@@ -666,6 +733,7 @@ impl Cluster {
                     resource_tokens: stored.spec.resource_tokens.clone(),
                     lease: name.clone(),
                     token: stored.spec.fencing_token,
+                    ttl: stored.spec.lease_duration_seconds,
                     copy: encode(&stored),
                     claim_sent: s.now,
                     last_ok_sent: s.now,

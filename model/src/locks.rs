@@ -40,6 +40,10 @@ pub enum LockRule {
     /// progress", so a lock taken for an attempt not issued yet looks
     /// dead.
     AheadIsDead,
+    /// A mutation the checker must catch (the rule before issue 22): a
+    /// deleted task's attempt counts as over once its lease is gone,
+    /// though its worker learns of the deletion only at its next renewal.
+    GoneIsDead,
 }
 
 /// [`Holder`], hashable (the state keeps it in a [`Pass`]).
@@ -48,6 +52,7 @@ pub enum HolderRec {
     Free,
     Ours(i64),
     Live(String),
+    Stopping(String, std::time::Duration),
     Dead(String),
 }
 
@@ -57,6 +62,7 @@ impl From<&Holder> for HolderRec {
             Holder::Free => Self::Free,
             Holder::Ours { token } => Self::Ours(*token),
             Holder::Live(id) => Self::Live(id.clone()),
+            Holder::Stopping { id, left } => Self::Stopping(id.clone(), *left),
             Holder::Dead(id) => Self::Dead(id.clone()),
         }
     }
@@ -68,6 +74,10 @@ impl From<&HolderRec> for Holder {
             HolderRec::Free => Self::Free,
             HolderRec::Ours(token) => Self::Ours { token: *token },
             HolderRec::Live(id) => Self::Live(id.clone()),
+            HolderRec::Stopping(id, left) => Self::Stopping {
+                id: id.clone(),
+                left: *left,
+            },
             HolderRec::Dead(id) => Self::Dead(id.clone()),
         }
     }
@@ -202,6 +212,10 @@ pub struct LockGhosts {
     pub fenced_by_resource: bool,
     /// Coverage: a task other than the oldest took a lock before anyone.
     pub younger_first: bool,
+    /// Coverage: a task was deleted while a worker held its lease and it
+    /// held the lock; the lock then passed to another task.
+    pub deleted_holding: bool,
+    pub passed_from_deleted: bool,
 }
 
 /// The resource a lock Lease stands for (its label).
@@ -220,13 +234,50 @@ fn parse_holder(id: &str) -> Option<(&str, i64)> {
 }
 
 impl Cluster {
-    /// The operator's cached tasks, decoded.
+    /// The operator's cached tasks, decoded (deleted ones are gone).
     fn cached_tasks(s: &State) -> Vec<Arc<BatchTask>> {
         s.op.tasks
             .iter()
             .flatten()
+            .filter(|t| !t.is_empty())
             .map(|t| Arc::new(decode(t)))
             .collect()
+    }
+
+    /// `Tracker::gone_attempt_left`'s first sightings: before a pass reads
+    /// the locks, every lock held by an attempt of a task gone from the
+    /// cache whose lease is gone too, and whose departure the operator did
+    /// not see, is noted as first asked about now.
+    pub(crate) fn note_unknown_holders(&self, s: &mut State) {
+        let cached = Self::cached_tasks(s);
+        let now = self.instant(s.now);
+        let mut first = Vec::new();
+        for l in s.api.locks.values() {
+            let lock: Lease = decode(l);
+            let Some(uid) = lock.annotations().get(locks::HOLDER_UID).cloned() else {
+                continue;
+            };
+            let Some((name, token)) = lock
+                .spec
+                .as_ref()
+                .and_then(|sp| sp.holder_identity.as_deref())
+                .and_then(parse_holder)
+            else {
+                continue;
+            };
+            let lease = names::lease_name(name, token);
+            let known = cached
+                .iter()
+                .any(|t| t.name_any() == name && t.uid().as_deref() == Some(uid.as_str()))
+                || s.op.leases.contains_key(&lease)
+                || s.op.departed.get(&lease).is_some_and(|(u, _)| *u == uid);
+            if !known {
+                first.push((lease, uid));
+            }
+        }
+        for k in first {
+            s.op.unknown_since.entry(k).or_insert(now);
+        }
     }
 
     /// `locks::holder` on the operator's caches (its task cache; its lease
@@ -247,9 +298,29 @@ impl Cluster {
                         )
                 })
         };
+        // `Tracker::gone_attempt_left` on the operator's memory.
+        let now = self.instant(s.now);
+        let gone_left = |n: &str, uid: &str, token: i64, ttl: std::time::Duration| {
+            if self.cfg.lock_rule == LockRule::GoneIsDead {
+                return std::time::Duration::ZERO;
+            }
+            let lease = names::lease_name(n, token);
+            if let Some((u, until)) = s.op.departed.get(&lease)
+                && u == uid
+            {
+                return until.saturating_duration_since(now);
+            }
+            let since =
+                s.op.unknown_since
+                    .get(&(lease, uid.to_owned()))
+                    .copied()
+                    .unwrap_or(now);
+            (since + ttl).saturating_duration_since(now)
+        };
         let look = locks::Lookups {
             task: &task,
             lease_live: &lease_live,
+            gone_left: &gone_left,
         };
         let h = locks::holder(lock, me, &look);
         let Holder::Live(id) = &h else {
@@ -285,7 +356,20 @@ impl Cluster {
             .map(|resource| {
                 let name = locks::lock_name(&ns, resource);
                 let lease = s.api.lock(&name);
-                let holder = self.holder(s, lease.as_ref(), task);
+                let mut holder = self.holder(s, lease.as_ref(), task);
+                // reconcile.rs reads the lease of a gone task's attempt
+                // directly when its cache does not show it live.
+                if matches!(holder, Holder::Stopping { .. } | Holder::Dead(_))
+                    && self.cfg.lock_rule != LockRule::GoneIsDead
+                    && let Some((n, u, t)) = locks::gone_attempt(lease.as_ref(), task, &lookup)
+                    && s.api.lease(&names::lease_name(&n, t)).is_some_and(|l| {
+                        l.spec.task_uid == u
+                            && l.spec.fencing_token == t
+                            && batchlease_operator::observe::may_be_held(&l)
+                    })
+                {
+                    holder = Holder::Live(locks::holder_identity_of(&ns, &n, t));
+                }
                 // The graph index's users of the resource: the cached
                 // tasks that list it.
                 let older_waiter = cached
@@ -355,7 +439,34 @@ pub(crate) fn took(s: &mut State, written: &Lease) {
     if rt == 1 && task != 0 {
         s.locks.younger_first = true;
     }
+    if let Some((before, _)) = before
+        && before != task
+        && s.api.deleted.contains(&before)
+    {
+        s.locks.passed_from_deleted = true;
+    }
     s.locks.taken.insert((resource, task), (rt, token));
+}
+
+/// Ghosts of a user's deletion of task `i`: was a worker holding its lease
+/// while it held a lock?
+pub(crate) fn task_deleted(s: &mut State, i: usize) {
+    let name = crate::task_name(i);
+    let holding = s
+        .workers
+        .iter()
+        .any(|w| matches!(w, crate::worker::Worker::Holding(a) if a.task == i));
+    let locked = s.api.locks.values().any(|l| {
+        let lock: Lease = decode(l);
+        lock.spec
+            .as_ref()
+            .and_then(|sp| sp.holder_identity.as_deref())
+            .and_then(parse_holder)
+            .is_some_and(|(n, _)| n == name)
+    });
+    if holding && locked {
+        s.locks.deleted_holding = true;
+    }
 }
 
 /// Ghosts of a TaskLease created with resource tokens.

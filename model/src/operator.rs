@@ -39,6 +39,12 @@ pub struct Operator {
     /// again before the caches change is no step (a retry loop is not
     /// progress).
     pub refused: BTreeMap<usize, Write>,
+    /// The tracker's departures (`observe::Tracker`): per lease gone from
+    /// the cache, its task's UID and until when its holder may run.
+    pub departed: BTreeMap<String, (String, tokio::time::Instant)>,
+    /// Attempts of deleted tasks whose departure it did not see: when it
+    /// first asked about one (lease name, task UID).
+    pub unknown_since: BTreeMap<(String, String), tokio::time::Instant>,
 }
 
 /// What became of a request.
@@ -110,10 +116,27 @@ impl Cluster {
     /// task was held back by a live lock holder (for a coverage
     /// property: kept out of the state, where it would double it).
     pub(crate) fn reconcile(&self, s: &mut State, i: usize) -> bool {
-        let Some(task_json) = s.op.tasks.as_ref().and_then(|t| t.get(i)).cloned() else {
+        let Some(task_json) =
+            s.op.tasks
+                .as_ref()
+                .and_then(|t| t.get(i))
+                .filter(|t| !t.is_empty())
+                .cloned()
+        else {
             return false;
         };
-        let task: BatchTask = decode(&task_json);
+        let mut task: BatchTask = decode(&task_json);
+        if self.cfg.cancel_rule == crate::cancel::CancelRule::SpecTtl
+            && let Some(st) = task.status.as_mut()
+        {
+            // The mutation: no lease TTL on record, so a loss is timed by
+            // the spec's (what decide did before issue 22).
+            st.current_lease_duration_seconds = None;
+            for h in &mut st.history {
+                h.lease_duration_seconds = None;
+            }
+        }
+        let task = task;
         // reconcile.rs: a spawned child's first pass reads its parent.
         match self.admission(s, &task) {
             Err(()) => return false,
@@ -175,13 +198,14 @@ impl Cluster {
                 lookup = Lookup::Creating;
             }
         }
+        let tick = s.now;
         let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
             decide(&Input {
                 task: &task,
                 leases,
                 observation,
-                now: self.instant(s.now),
-                wall: self.wall(s.now, 0),
+                now: self.instant(tick),
+                wall: self.wall(tick, 0),
                 jitter: 0.5,
                 lookup,
                 deps: Readiness::Ready,
@@ -216,6 +240,7 @@ impl Cluster {
         let mut slots = None;
         let mut held_back = false;
         if let Decision::FetchLocks(resources) = &decision {
+            self.note_unknown_holders(s);
             let fetched = self.fetch_locks(s, &task, resources);
             decision = decide_with(&leases, lookup, Some(fetched.clone()));
             slots = Some(fetched);

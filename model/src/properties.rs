@@ -178,6 +178,14 @@ impl Cluster {
                 "an attempt writes after its task took its lock again",
                 |_, s: &State| s.locks.write_after_retaken,
             ),
+            Property::sometimes(
+                "a task is deleted while its lease is held and it holds the lock",
+                |_, s: &State| s.locks.deleted_holding,
+            ),
+            Property::sometimes(
+                "a deleted task's lock passes to another task",
+                |_, s: &State| s.locks.passed_from_deleted,
+            ),
         ]
     }
 

@@ -99,7 +99,7 @@ impl Cluster {
             return false;
         };
         (0..cached.len())
-            .filter(|i| !s.op.pending.contains_key(i))
+            .filter(|i| !s.op.pending.contains_key(i) && !cached[*i].is_empty())
             .filter(|i| {
                 let t: BatchTask = decode(&cached[*i]);
                 t.status.and_then(|st| st.phase) == Some(TaskPhase::Pending)

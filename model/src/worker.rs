@@ -23,7 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
 use crate::api_server::{Refused, decode, encode};
 use crate::storage::{Key, Refusal, Swap};
-use crate::{Action, Cluster, KillRule, State, TTL_SECONDS, phase};
+use crate::{Action, Cluster, KillRule, State, phase};
 
 /// One worker.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -43,6 +43,8 @@ pub struct Attempt {
     pub resource_tokens: BTreeMap<String, i64>,
     pub lease: String,
     pub token: i64,
+    /// The lease's TTL (`spec.leaseDurationSeconds`): its kill clock's.
+    pub ttl: i32,
     /// The worker's last copy of the lease (JSON).
     pub copy: String,
     pub claim_sent: u8,
@@ -156,7 +158,8 @@ impl Cluster {
     }
 
     fn kill_clock(&self, a: &Attempt) -> KillClock {
-        let ttl = Duration::from_secs(TTL_SECONDS.unsigned_abs().into());
+        // The TTL of the lease it holds (the SDK reads it from the lease).
+        let ttl = Duration::from_secs(a.ttl.unsigned_abs().into());
         // The worker's own monotonic clock.
         let mut c = KillClock::new(ttl, self.worker_instant(a.rate, a.claim_sent), None);
         c.renewed(self.worker_instant(a.rate, a.last_ok_sent));

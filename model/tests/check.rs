@@ -377,6 +377,40 @@ fn a_parent_ending_before_its_children_passed_the_gate_is_caught() {
     eprintln!("counterexample: {:?}", path.into_actions());
 }
 
+/// Issue 22 (2): the task is issued with a 10 s TTL, which the cancel cuts
+/// to 5 s (one spec update, at any step: before the issue, while offered,
+/// held, after the held lease was deleted and its loss recorded). The lost
+/// lease's holder runs on the lease's 10 s; the task ends only once that
+/// holder has surely stopped.
+#[test]
+fn safe_when_the_ttl_is_cut_after_a_lease_is_lost() {
+    let mut cfg = config(3, 0, 1);
+    cfg.workers = 1;
+    cfg.start_pending = true;
+    cfg.cancel = true;
+    cfg.ttl_edit = true;
+    // The task cannot end Cancelled within 6 s of a loss (it waits 11 s):
+    // what is checked is that it does not end early.
+    assert_safe(cfg, &["a tombstone retires a token"]);
+}
+
+/// Timing a lost lease's holder by the task's current TTL (the rule before
+/// issue 22, a mutation): the TTL cut from 10 s to 5 s with the cancel
+/// after the loss ends the task while the holder, whose kill clock runs on
+/// 10 s, still writes.
+#[test]
+fn timing_a_lost_holder_by_the_edited_ttl_is_caught() {
+    let mut cfg = config(3, 0, 1);
+    cfg.workers = 1;
+    cfg.start_pending = true;
+    cfg.cancel = true;
+    cfg.ttl_edit = true;
+    cfg.cancel_rule = CancelRule::SpecTtl;
+    let p = "no storage write is accepted after the task is Cancelled";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
 /// Two tasks share the resource `r`: the lock passes between them through
 /// contention, CAS races of concurrent passes, expiry (the zombie's commit
 /// lands after the next holder registered) and success.
@@ -438,6 +472,37 @@ fn safe_when_a_locked_lease_is_deleted() {
             "an attempt writes after its task took its lock again",
         ],
     );
+}
+
+/// Issue 22 (3): the task holding the lock is deleted at any step (its
+/// worker may be running, renewing, registering, committing); the garbage
+/// collector deletes its leases. Its worker learns of the deletion at its
+/// next renewal at the latest: the lock passes on only once it has surely
+/// stopped, a TTL after its last renewal was observed.
+#[test]
+fn safe_when_a_task_holding_the_lock_is_deleted() {
+    let mut cfg = locks(1);
+    cfg.task_deletion = true;
+    assert_safe(
+        cfg,
+        &[
+            "a task is deleted while its lease is held and it holds the lock",
+            "a deleted task's lock passes to another task",
+        ],
+    );
+}
+
+/// A deleted task's lock taken over as soon as its lease is gone (the rule
+/// before issue 22, a mutation of the holder rule): the deleted task's
+/// worker, still running, writes after the lock passed to the other task.
+#[test]
+fn a_deleted_tasks_lock_taken_at_once_is_caught() {
+    let mut cfg = locks(1);
+    cfg.task_deletion = true;
+    cfg.lock_rule = LockRule::GoneIsDead;
+    let p = "no storage write for a resource is accepted after its lock passed to another task";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
 }
 
 /// The operator crashes once anywhere while tasks take, give back and

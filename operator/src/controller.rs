@@ -159,7 +159,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                     lease_queues.lease_seen(l, now);
                 }
                 watcher::Event::Delete(l) => {
-                    tracker.forget(l);
+                    tracker.forget(l, now);
                     lease_queues.lease_gone(l, now);
                     // A deleted task's lock is held until its lease is gone
                     // (see locks::holder): then its waiters may go.
@@ -174,7 +174,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                     lease_queues.list_started();
                 }
                 watcher::Event::InitDone => {
-                    tracker.list_done();
+                    tracker.list_done(now);
                     lease_queues.list_done(now);
                 }
             }

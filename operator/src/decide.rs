@@ -633,7 +633,10 @@ pub const LEASE_MISSING: &str = "LeaseMissing";
 /// How long until every attempt whose lease went missing (recorded `Lost`
 /// in the history, with the time the loss was seen) has surely stopped:
 /// its holder, if it had one, runs at most until its kill switch, within a
-/// TTL of the loss. `None`: nothing to wait for.
+/// TTL of the loss — the TTL its lease was issued with, recorded in the
+/// entry: `spec.leaseDurationSeconds` may have been edited since (an entry
+/// of an earlier release, without one, falls back to the spec's). `None`:
+/// nothing to wait for.
 ///
 /// A cancelled task must not end before then. Otherwise nothing fences
 /// such a zombie out of storage: its successor — the attempt that would
@@ -643,13 +646,20 @@ fn lost_attempt_wait(
     current: &BatchTaskStatus,
     wall: Timestamp,
 ) -> Option<Duration> {
-    let ttl = SignedDuration::from_secs(i64::from(task.spec.lease_duration_seconds.max(1)) + 1);
     current
         .history
         .iter()
         .filter(|h| h.outcome == "Lost")
-        .filter_map(|h| h.end.as_ref())
-        .map(|end| end.0.checked_add(ttl).unwrap_or(end.0).duration_since(wall))
+        .filter_map(|h| {
+            let secs = h
+                .lease_duration_seconds
+                .unwrap_or(task.spec.lease_duration_seconds);
+            Some((
+                h.end.as_ref()?,
+                SignedDuration::from_secs(i64::from(secs.max(1)) + 1),
+            ))
+        })
+        .map(|(end, ttl)| end.0.checked_add(ttl).unwrap_or(end.0).duration_since(wall))
         .filter(|left| left.is_positive())
         .max()
         .map(|left| Duration::try_from(left).unwrap_or(Duration::from_secs(1)))
@@ -808,6 +818,7 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
                 start: None,
                 end: Some(Time(input.wall)),
                 reason: Some(LEASE_MISSING.into()),
+                lease_duration_seconds: current.current_lease_duration_seconds,
             },
         );
     }
@@ -852,6 +863,9 @@ fn issue(
     status.fencing_token = token;
     status.phase = Some(TaskPhase::Ready);
     status.current_lease = Some(names::lease_name(&task.name_any(), token));
+    // The lease's own TTL, on record with its token: should the lease go
+    // missing, its holder is timed by it, whatever the spec says by then.
+    status.current_lease_duration_seconds = Some(task.spec.lease_duration_seconds);
     status.holder = None;
     status.next_attempt_after = None;
     status.observed_generation = task.metadata.generation;

@@ -108,6 +108,7 @@ fn a_cancelled_replacement_waits_for_the_lost_attempt_before_it() {
             start: None,
             end: Some(Time(tests::wall(-2))),
             reason: Some(LEASE_MISSING.into()),
+            lease_duration_seconds: None,
         });
     }));
     let mut w = (*lease(2, LeasePhase::Released, None)).clone();
@@ -122,6 +123,70 @@ fn a_cancelled_replacement_waits_for_the_lost_attempt_before_it() {
         s.history[0].end = Some(Time(tests::wall(-i64::try_from(ttl).unwrap() - 1)));
     });
     let (st, _) = into_status(Case::new(later).leases(vec![w]).run());
+    assert_eq!(st.phase, Some(TaskPhase::Cancelled));
+}
+
+/// Issue 22 (2): the lost lease's holder runs on the TTL its lease was
+/// issued with; `spec.leaseDurationSeconds` may have been cut since (the
+/// recipe: 600 s, lease deleted while Running, then 5 s and cancel). The
+/// wait counts from the lease's own TTL, recorded with the token at the
+/// issue and copied into the `Lost` entry.
+#[test]
+fn a_cancelled_task_waits_the_lost_lease_ttl_not_the_edited_one() {
+    // Issued under TTL 600 (the issue records it in status).
+    let t = task().spec(|s| s.lease_duration_seconds = 600);
+    let issued = match Case::new(t.clone().phase(TaskPhase::Pending, 0)).run() {
+        Decision::Issue { status, lease, .. } => {
+            assert_eq!(lease.spec.lease_duration_seconds, 600);
+            status
+        }
+        other => panic!("expected an issue, got {other:?}"),
+    };
+    assert_eq!(issued.current_lease_duration_seconds, Some(600));
+    // Running; then the lease is deleted, the TTL cut to 5 and the task
+    // cancelled.
+    let running = t
+        .with(|s| {
+            *s = (*issued).clone();
+            s.phase = Some(TaskPhase::Running);
+            s.holder = Some("w1".into());
+        })
+        .spec(|s| {
+            s.lease_duration_seconds = 5;
+            s.cancel = true;
+        });
+    let mut tomb = (*lease(1, LeasePhase::Released, None)).clone();
+    tomb.status.as_mut().unwrap().reason = Some(TOKEN_RETIRED.into());
+    let tomb = Arc::new(tomb);
+    let (st, tr) = into_status(Case::new(running.clone()).leases(vec![tomb.clone()]).run());
+    assert_eq!(tr, Transition::CancelAwaitsLostHolder);
+    let lost = st.history.last().unwrap();
+    assert_eq!(
+        (lost.outcome.as_str(), lost.lease_duration_seconds),
+        ("Lost", Some(600)),
+        "the Lost entry carries the lost lease's TTL"
+    );
+    // 30 s after the loss (past the edited TTL): still waiting, for the
+    // rest of the lease's own TTL.
+    let waiting = running.with(|s| {
+        *s = st.clone();
+        s.history.last_mut().unwrap().end = Some(Time(tests::wall(-30)));
+    });
+    assert_eq!(
+        Case::new(waiting.clone()).leases(vec![tomb.clone()]).run(),
+        Decision::Wait(Some(Duration::from_secs(600 + 1 - 30))),
+    );
+    // The same for a cancelled task back in Pending (the Lost entry of an
+    // earlier attempt).
+    let pending = waiting.clone().with(|s| s.phase = Some(TaskPhase::Pending));
+    assert_eq!(
+        Case::new(pending).run(),
+        Decision::Wait(Some(Duration::from_secs(600 + 1 - 30))),
+    );
+    // A Lost entry written by an earlier release (no TTL recorded) falls
+    // back to the task's TTL.
+    let legacy = waiting.with(|s| s.history.last_mut().unwrap().lease_duration_seconds = None);
+    let (st, _) = into_status(Case::new(legacy).leases(vec![tomb]).run());
     assert_eq!(st.phase, Some(TaskPhase::Cancelled));
 }
 

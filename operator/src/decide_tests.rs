@@ -860,6 +860,7 @@ fn interrupted_before(s: &mut BatchTaskStatus, n: i64) {
                 start: None,
                 end: None,
                 reason: None,
+                lease_duration_seconds: None,
             },
         );
     }

@@ -28,9 +28,18 @@
 //! `Running` under that token (or `Pending` one token below, while it is
 //! still acquiring). Only those facts are trusted, because each is final
 //! once observed; a judgement from a stale cache errs towards "alive".
+//!
+//! A deleted task's attempt runs on after its task and lease are gone: its
+//! worker learns of the deletion only at its next renewal, or stops at its
+//! kill switch. Its locks stay held until then — a TTL (the lease's own)
+//! after its last renewal was observed, or, when this process did not see
+//! the lease go (a new leader), a TTL from the first time it looks, the
+//! TTL being the lock Lease's `leaseDurationSeconds`, which is never below
+//! the TTL of a lease issued under the lock (see [`acquire`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use batchlease_api::{BatchTask, TaskMode, TaskPhase, names};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -114,19 +123,35 @@ pub fn respected(task: &BatchTask) -> Vec<String> {
 /// task waits for it (see [`respected`]). A free lock promised to an older
 /// waiter does not hold it back: it takes nothing that waiter needs.
 pub fn held_by_other(slots: &[Slot]) -> Option<(String, String)> {
-    slots.iter().find_map(|s| match &s.holder {
-        Holder::Live(h) => Some((s.resource.clone(), h.clone())),
-        _ => None,
-    })
+    slots
+        .iter()
+        .find_map(|s| s.holder.live().map(|h| (s.resource.clone(), h)))
+}
+
+/// The soonest a slot held by a deleted task's attempt becomes free (when
+/// its holder has surely stopped): a task blocked by it looks again then.
+pub fn soonest_free(slots: &[Slot]) -> Option<Duration> {
+    slots
+        .iter()
+        .filter_map(|s| match &s.holder {
+            Holder::Stopping { left, .. } => Some(*left),
+            _ => None,
+        })
+        .min()
 }
 
 /// `holderIdentity` of `task`'s attempt with fencing `token`.
 pub fn holder_identity(task: &BatchTask, token: i64) -> String {
-    format!(
-        "{}/{}@{token}",
-        task.namespace().unwrap_or_default(),
-        task.name_any()
+    holder_identity_of(
+        &task.namespace().unwrap_or_default(),
+        &task.name_any(),
+        token,
     )
+}
+
+/// `holderIdentity` of the attempt of task `namespace/name` with `token`.
+pub fn holder_identity_of(namespace: &str, name: &str, token: i64) -> String {
+    format!("{namespace}/{name}@{token}")
 }
 
 /// Who holds a lock, as the task that asks sees it.
@@ -138,9 +163,26 @@ pub enum Holder {
     Ours { token: i64 },
     /// Another task whose attempt is (or may be) alive.
     Live(String),
-    /// A holder whose attempt ended, or whose task is gone: the lock may be
-    /// taken over.
+    /// A deleted task's attempt whose lease is gone too: it may run for
+    /// `left` more, until its holder's kill switch has surely fired.
+    Stopping { id: String, left: Duration },
+    /// A holder whose attempt ended, or whose task is gone and whose
+    /// holder has surely stopped: the lock may be taken over.
     Dead(String),
+}
+
+impl Holder {
+    /// Who keeps the lock from others, if anyone does.
+    fn live(&self) -> Option<String> {
+        match self {
+            Self::Live(h) => Some(h.clone()),
+            Self::Stopping { id, left } => Some(format!(
+                "{id} (task deleted; its attempt may run for {}s more)",
+                left.as_secs() + u64::from(left.subsec_nanos() > 0)
+            )),
+            _ => None,
+        }
+    }
 }
 
 /// Parses `<namespace>/<task>@<token>`.
@@ -158,6 +200,10 @@ pub struct Lookups<'a> {
     /// (`Offered` or `Held`): a deleted task's attempt runs on until the
     /// garbage collector deletes its lease.
     pub lease_live: &'a (dyn Fn(&str, &str, i64) -> bool + Sync),
+    /// For task `(name, uid)`, gone, whose lease under `token` is gone too:
+    /// how long its holder may still run, given the longest TTL the lease
+    /// may have had (`observe::Tracker::gone_attempt_left`).
+    pub gone_left: &'a (dyn Fn(&str, &str, i64, Duration) -> Duration + Sync),
 }
 
 impl std::fmt::Debug for Lookups<'_> {
@@ -217,15 +263,24 @@ pub fn holder(lock: Option<&Lease>, me: &BatchTask, look: &Lookups<'_>) -> Holde
     }
     let task = (look.task)(name).filter(|t| uid.is_some() && uid == t.uid());
     let Some(task) = task else {
-        // Deleted (or re-created under the same name): its attempt is over
-        // once its lease is gone.
-        let live = uid
-            .as_deref()
-            .is_some_and(|u| (look.lease_live)(name, u, token));
-        return if live {
-            Holder::Live(id.to_owned())
-        } else {
+        // Deleted (or re-created under the same name): its attempt runs on
+        // while its lease is live, and after the lease is gone until its
+        // holder has surely stopped (the worker learns of the deletion at
+        // its next renewal at the earliest).
+        let Some(uid) = uid.as_deref() else {
+            return Holder::Dead(id.to_owned());
+        };
+        if (look.lease_live)(name, uid, token) {
+            return Holder::Live(id.to_owned());
+        }
+        let left = (look.gone_left)(name, uid, token, lock_ttl(lock));
+        return if left.is_zero() {
             Holder::Dead(id.to_owned())
+        } else {
+            Holder::Stopping {
+                id: id.to_owned(),
+                left,
+            }
         };
     };
     if attempt_alive(&task, token) {
@@ -234,6 +289,44 @@ pub fn holder(lock: Option<&Lease>, me: &BatchTask, look: &Lookups<'_>) -> Holde
         Holder::Dead(id.to_owned())
     }
 }
+
+/// The attempt holding `lock` when it is another task's of `me`'s namespace
+/// that the cache no longer shows (deleted, or re-created under its name):
+/// (task name, task UID, token). Its lease is what tells whether it may
+/// still run; a reconciler reads it directly when its cache does not show
+/// it live (a lagging cache must not make a running holder look gone).
+pub fn gone_attempt(
+    lock: Option<&Lease>,
+    me: &BatchTask,
+    task: &(dyn Fn(&str) -> Option<Arc<BatchTask>> + Sync),
+) -> Option<(String, String, i64)> {
+    let l = lock?;
+    let ns_of_me = me.namespace().unwrap_or_default();
+    if !is_lock(l, &ns_of_me) {
+        return None;
+    }
+    let id = l.spec.as_ref()?.holder_identity.as_deref()?;
+    let (ns, name, token) = parse_holder(id)?;
+    let uid = l.annotations().get(HOLDER_UID)?.clone();
+    if ns != ns_of_me || (name == me.name_any() && Some(&uid) == me.uid().as_ref()) {
+        return None;
+    }
+    let cached = task(name).is_some_and(|t| t.uid().as_ref() == Some(&uid));
+    (!cached).then(|| (name.to_owned(), uid, token))
+}
+
+/// The longest TTL a lease issued under `lock` may have: its
+/// `leaseDurationSeconds` (the CRD's maximum if it has none).
+fn lock_ttl(lock: Option<&Lease>) -> Duration {
+    let secs = lock
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.lease_duration_seconds)
+        .unwrap_or(MAX_LEASE_SECONDS);
+    Duration::from_secs(u64::try_from(secs.max(1)).unwrap_or(1))
+}
+
+/// The largest `spec.leaseDurationSeconds` the CRD admits.
+const MAX_LEASE_SECONDS: i32 = 3600;
 
 /// Whether `task`'s attempt under `token` may still be running or about to
 /// run. Dead only on facts that stay true once seen: the task moved to a
@@ -299,7 +392,7 @@ pub fn acquire(task: &BatchTask, want: i64, slots: &[Slot], wall: Timestamp, fai
         let by = match &slot.holder {
             Holder::Ours { .. } => None,
             Holder::Free | Holder::Dead(_) => slot.older_waiter.clone().filter(|_| fair),
-            Holder::Live(h) => Some(h.clone()),
+            h @ (Holder::Live(_) | Holder::Stopping { .. }) => h.live(),
         };
         by.map(|by| (slot.resource.clone(), by))
     });
@@ -318,6 +411,23 @@ pub fn acquire(task: &BatchTask, want: i64, slots: &[Slot], wall: Timestamp, fai
         .find(|s| s.holder != Holder::Ours { token: want })
     {
         return Step::Take(Box::new(taken(task, want, slot, wall)));
+    }
+    // Each lock carries at least the TTL the lease will be issued with: a
+    // waiter that cannot see that lease (its task deleted, this process a
+    // new leader) waits that long for its holder. The spec may have been
+    // edited since a lock was taken; then the lock is updated first.
+    let ttl = task.spec.lease_duration_seconds;
+    if let Some(lease) = slots.iter().filter_map(|s| s.lease.as_ref()).find(|l| {
+        l.spec
+            .as_ref()
+            .and_then(|s| s.lease_duration_seconds)
+            .is_some_and(|t| t < ttl)
+    }) {
+        let mut l = lease.clone();
+        l.spec
+            .get_or_insert_with(LeaseSpec::default)
+            .lease_duration_seconds = Some(ttl);
+        return Step::Take(Box::new(l));
     }
     Step::Held(
         slots

@@ -57,10 +57,26 @@ fn holder_table() {
     let lookup = |n: &str| world.get(n).cloned();
     // Deleted task "gone-running": its lease under token 1 is still Held.
     let lease_live = |n: &str, u: &str, t: i64| (n, u, t) == ("gone-running", "u-gr", 1);
+    // Deleted task "gone-stopping": its lease is gone, and its holder may
+    // run 4 s more; "gone": its holder has surely stopped. The lock's TTL
+    // (7 s) is what a departure this process did not see is timed by.
+    let gone_left = |n: &str, u: &str, t: i64, ttl: Duration| {
+        if (n, u, t) == ("gone-stopping", "u-gs", 1) {
+            assert_eq!(ttl, Duration::from_secs(7), "the lock's TTL");
+            Duration::from_secs(4)
+        } else {
+            Duration::ZERO
+        }
+    };
     let look = Lookups {
         task: &lookup,
         lease_live: &lease_live,
+        gone_left: &gone_left,
     };
+    let mut stopping = lock("r1", Some(("ns/gone-stopping@1", "u-gs")), 3);
+    stopping.spec.as_mut().unwrap().lease_duration_seconds = Some(7);
+    let mut gone = lock("r1", Some(("ns/gone@1", "u-gone")), 3);
+    gone.spec.as_mut().unwrap().lease_duration_seconds = Some(7);
     let mut foreign = lock("r1", None, 3);
     foreign.labels_mut().clear();
     let mut exhausted = lock("r1", None, i32::MAX);
@@ -121,9 +137,17 @@ fn holder_table() {
             Holder::Dead("ns/rejected@3".into()),
         ),
         (
-            "a deleted task",
-            Some(lock("r1", Some(("ns/gone@1", "u-gone")), 3)),
+            "a deleted task whose holder has surely stopped",
+            Some(gone),
             Holder::Dead("ns/gone@1".into()),
+        ),
+        (
+            "a deleted task whose lease is gone but whose holder may run on",
+            Some(stopping),
+            Holder::Stopping {
+                id: "ns/gone-stopping@1".into(),
+                left: Duration::from_secs(4),
+            },
         ),
         (
             "an identity we never write is never taken over",
@@ -219,6 +243,33 @@ fn acquire_takes_in_order_and_rolls_back_in_reverse() {
         step,
         Step::Held(BTreeMap::from([("r1".into(), 1), ("r2".into(), 9)]))
     );
+    // Everything held, but the task's TTL was raised since r2 was taken:
+    // r2 is updated first (same holder, same token), so the lock never
+    // carries less than the TTL of the lease issued under it.
+    let mut short = mine("r2", 9);
+    short.spec.as_mut().unwrap().lease_duration_seconds = Some(5);
+    let step = acquire(
+        &me,
+        5,
+        &[
+            slot("r1", ours.clone(), Some(mine("r1", 1)), None),
+            slot("r2", ours.clone(), Some(short), None),
+        ],
+        wall(),
+        true,
+    );
+    let Step::Take(l) = step else {
+        panic!("{step:?}")
+    };
+    let spec = l.spec.clone().unwrap();
+    assert_eq!(l.metadata.name.as_deref(), Some("ns.r2"));
+    assert_eq!(
+        spec.lease_duration_seconds,
+        Some(me.spec.lease_duration_seconds)
+    );
+    assert_eq!(spec.lease_transitions, Some(9), "no new resource token");
+    assert_eq!(spec.holder_identity.as_deref(), Some("ns/me@5"));
+    assert_eq!(l.metadata.resource_version.as_deref(), Some("7"), "a CAS");
     // Contention on the third: give back the first two, last first.
     let step = acquire(
         &me,
@@ -388,4 +439,42 @@ fn needed_is_sorted_and_empty_when_speculative() {
     // Quarantined: back to Exclusive, so the locks are needed again.
     t.status.as_mut().unwrap().effective_mode = Some(TaskMode::Exclusive);
     assert_eq!(needed(&t), vec!["a", "b"]);
+}
+
+#[test]
+fn gone_attempt_names_only_another_tasks_attempt_the_cache_lost() {
+    let me = task("me", "u-me", 4, TaskPhase::Pending);
+    let world: HashMap<&str, Arc<BatchTask>> =
+        [("running", task("running", "u-run", 2, TaskPhase::Running))]
+            .into_iter()
+            .collect();
+    let lookup = |n: &str| world.get(n).cloned();
+    let cases = [
+        (
+            "deleted",
+            Some(lock("r1", Some(("ns/gone@3", "u-gone")), 3)),
+            Some(("gone".to_owned(), "u-gone".to_owned(), 3)),
+        ),
+        (
+            "re-created under its name",
+            Some(lock("r1", Some(("ns/running@2", "u-old")), 3)),
+            Some(("running".to_owned(), "u-old".to_owned(), 2)),
+        ),
+        (
+            "cached",
+            Some(lock("r1", Some(("ns/running@2", "u-run")), 3)),
+            None,
+        ),
+        ("mine", Some(lock("r1", Some(("ns/me@5", "u-me")), 3)), None),
+        ("free", Some(lock("r1", None, 3)), None),
+        ("no lease", None, None),
+        (
+            "another namespace",
+            Some(lock("r1", Some(("other/gone@3", "u-gone")), 3)),
+            None,
+        ),
+    ];
+    for (what, l, want) in cases {
+        assert_eq!(gone_attempt(l.as_ref(), &me, &lookup), want, "{what}");
+    }
 }

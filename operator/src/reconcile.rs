@@ -23,7 +23,7 @@ use crate::deps::{self, Readiness};
 use crate::expectations::Expectations;
 use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
-use crate::locks::{self, Slot};
+use crate::locks::{self, Holder, Slot};
 use crate::metrics::{
     ErrorLabels, Metrics, QueueCounter, QueueLabels, ReasonCounter, reason_label,
 };
@@ -187,9 +187,14 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
     }
     let lookup_task = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
     let lease_live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let gone_left = |n: &str, u: &str, t: i64, ttl: Duration| {
+        ctx.tracker
+            .gone_attempt_left(&ns, n, u, t, ttl, Instant::now())
+    };
     let look = locks::Lookups {
         task: &lookup_task,
         lease_live: &lease_live,
+        gone_left: &gone_left,
     };
     // A new task (no phase yet) may be issued in its first write: its
     // dependencies are assessed too.
@@ -287,7 +292,15 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 // woken for goes to the next in line.
                 ctx.queues.release_waiter(&ns, &task.spec.queue, &name);
                 blocked(ctx, task, resource, holder).await;
-                return Ok(Action::requeue(crate::decide::LOCK_RECHECK));
+                // A deleted task's holder that is stopping frees its lock
+                // without any event: look again when it has surely stopped.
+                let recheck = slots
+                    .as_deref()
+                    .and_then(locks::soonest_free)
+                    .map_or(crate::decide::LOCK_RECHECK, |left| {
+                        left.min(crate::decide::LOCK_RECHECK)
+                    });
+                return Ok(Action::requeue(recheck));
             }
             _ => break,
         }
@@ -533,9 +546,14 @@ async fn fetch_locks(
     let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.lock_namespace);
     let lookup = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
     let live = |n: &str, u: &str, t: i64| lease_live(ctx, &ns, n, u, t);
+    let gone_left = |n: &str, u: &str, t: i64, ttl: Duration| {
+        ctx.tracker
+            .gone_attempt_left(&ns, n, u, t, ttl, Instant::now())
+    };
     let look = locks::Lookups {
         task: &lookup,
         lease_live: &live,
+        gone_left: &gone_left,
     };
     let wall = Timestamp::now();
     let me = locks::queue_key(task);
@@ -549,7 +567,15 @@ async fn fetch_locks(
             })
         })
         .await?;
-        let holder = locks::holder(lease.as_ref(), task, &look);
+        let mut holder = locks::holder(lease.as_ref(), task, &look);
+        if matches!(holder, Holder::Stopping { .. } | Holder::Dead(_))
+            && let Some((n, u, t)) = locks::gone_attempt(lease.as_ref(), task, &lookup)
+            && lease_live_in_store(ctx, &ns, &n, &u, t).await?
+        {
+            // The cache lags (or its watch is down): the holder's lease is
+            // still there, and its worker renews it.
+            holder = Holder::Live(locks::holder_identity_of(&ns, &n, t));
+        }
         let older_waiter = ctx
             .index
             .users_of(&ns, resource)
@@ -574,6 +600,31 @@ async fn fetch_locks(
         });
     }
     Ok(slots)
+}
+
+/// Whether task `(name, uid)`'s lease of `token`, read directly, may have
+/// a running holder (see `observe::may_be_held`).
+async fn lease_live_in_store(
+    ctx: &Ctx,
+    ns: &str,
+    name: &str,
+    uid: &str,
+    token: i64,
+) -> Result<bool, Error> {
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), ns);
+    let lease_name = batchlease_api::names::lease_name(name, token);
+    let found = bounded(ctx, "holder lease read", async {
+        api.get_opt(&lease_name)
+            .await
+            .map_err(|source| Error::Kube {
+                what: "holder lease read",
+                source,
+            })
+    })
+    .await?;
+    Ok(found.is_some_and(|l| {
+        l.spec.task_uid == uid && l.spec.fencing_token == token && crate::observe::may_be_held(&l)
+    }))
 }
 
 /// Whether the lease cache shows task `(name, uid)`'s lease of `token`

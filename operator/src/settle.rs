@@ -157,6 +157,7 @@ pub fn settle(
             start: lease.metadata.creation_timestamp.clone(),
             end: Some(Time(wall)),
             reason: Some(reason.clone()),
+            lease_duration_seconds: None,
         },
     );
     set_condition(
@@ -299,6 +300,7 @@ pub fn cancelled(
                 start: l.metadata.creation_timestamp.clone(),
                 end: Some(Time(wall)),
                 reason: Some(lst.reason.unwrap_or_else(|| "Cancelled".into())),
+                lease_duration_seconds: None,
             },
         );
     }

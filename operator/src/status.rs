@@ -121,6 +121,7 @@ mod tests {
                     start: None,
                     end: None,
                     reason: None,
+                    lease_duration_seconds: None,
                 },
             );
         }

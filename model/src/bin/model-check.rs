@@ -5,14 +5,19 @@
 //! `cargo run -p batchlease-model --release --bin model-check -- --ticks=8
 //!  [--workers=2] [--crashes=1] [--deletions=1] [--repair=same-token]
 //!  [--lost=1] [--drift=10] [--fair] [--storage=commit-only]
-//!  [--tasks=2 --locks [--holder=ahead-is-dead]] [--frozen-wall] [--dedicated]
+//!  [--tasks=2 --locks [--holder=ahead-is-dead|gone-is-dead]] [--frozen-wall] [--dedicated]
 //!  [--kill=never] [--speculative [--start-quarantined]
-//!  [--cas=blind|outside-fence]] [--cancel [--cancel-rule=end-at-release]]
+//!  [--cas=blind|outside-fence]] [--cancel [--cancel-rule=end-at-release|spec-ttl]]
+//!  [--ttl-edit] [--delete-task]
 //!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--cancel`: a user may set `spec.cancel` on the first task at any step;
 //! `--cancel-rule=end-at-release`: the mutation that ends the task as soon
-//! as its held lease is released (the checker must catch it).
+//! as its held lease is released (the checker must catch it);
+//! `--ttl-edit`: the first task is created with a 10 s TTL that a user may
+//! cut to 5 s at any step; `--cancel-rule=spec-ttl`: the mutation that
+//! times a lost lease's holder by the task's current TTL (the checker must
+//! catch it with `--ttl-edit`).
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -63,11 +68,17 @@ fn main() {
             "--stop-at-failure" => stop_at_failure = true,
             "--dfs" => dfs = true,
             "--holder" if v == "ahead-is-dead" => cfg.lock_rule = LockRule::AheadIsDead,
+            "--holder" if v == "gone-is-dead" => cfg.lock_rule = LockRule::GoneIsDead,
             "--crashes" => cfg.operator_crashes = n(),
             "--deletions" => cfg.lease_deletions = n(),
             "--lost" => cfg.lost_answers = n(),
             "--fair" => cfg.fair = true,
             "--cancel" => cfg.cancel = true,
+            "--ttl-edit" => cfg.ttl_edit = true,
+            "--delete-task" => cfg.task_deletion = true,
+            "--cancel-rule" if v == "spec-ttl" => {
+                cfg.cancel_rule = batchlease_model::cancel::CancelRule::SpecTtl;
+            }
             "--cancel-rule" if v == "end-at-release" => {
                 cfg.cancel_rule = batchlease_model::cancel::CancelRule::EndAtRelease;
             }
