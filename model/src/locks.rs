@@ -308,7 +308,14 @@ impl Cluster {
             if let Some((u, until)) = s.op.departed.get(&lease)
                 && u == uid
             {
-                return until.saturating_duration_since(now);
+                // As the Tracker: the latest of the task's departed attempts.
+                let latest =
+                    s.op.departed
+                        .values()
+                        .filter(|(u, _)| u == uid)
+                        .map(|(_, t)| *t)
+                        .fold(*until, std::cmp::max);
+                return latest.saturating_duration_since(now);
             }
             let since =
                 s.op.unknown_since

@@ -482,7 +482,14 @@ fn taken(task: &BatchTask, want: i64, slot: &Slot, wall: Timestamp) -> Lease {
     spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
     spec.acquire_time = Some(MicroTime(wall));
     spec.renew_time = Some(MicroTime(wall));
-    spec.lease_duration_seconds = Some(task.spec.lease_duration_seconds);
+    // Taken over from our own older attempt (its lease lost and replaced):
+    // that attempt may still run on its own, possibly longer, TTL, which a
+    // waiter that cannot see its lease must wait out; never shorten it.
+    let kept = match slot.holder {
+        Holder::Ours { .. } => spec.lease_duration_seconds.unwrap_or(0),
+        _ => 0,
+    };
+    spec.lease_duration_seconds = Some(task.spec.lease_duration_seconds.max(kept));
     lease
         .annotations_mut()
         .insert(HOLDER_UID.into(), task.uid().unwrap_or_default());

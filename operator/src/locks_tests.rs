@@ -478,3 +478,53 @@ fn gone_attempt_names_only_another_tasks_attempt_the_cache_lost() {
         assert_eq!(gone_attempt(l.as_ref(), &me, &lookup), want, "{what}");
     }
 }
+
+/// A replacement attempt (token 6) takes over the lock from the task's own
+/// lost attempt (token 5), whose lease had a longer TTL than the task's
+/// spec says now: the lock keeps the longer TTL, which a waiter that
+/// cannot see the lost lease (a new leader) waits out.
+#[test]
+fn taking_over_from_our_own_older_attempt_never_shortens_the_lock() {
+    let me = task("me", "u-me", 5, TaskPhase::Running);
+    assert_eq!(me.spec.lease_duration_seconds, 30);
+    let mut long = lock("r1", Some(("ns/me@5", "u-me")), 3);
+    long.spec.as_mut().unwrap().lease_duration_seconds = Some(600);
+    let free = slot("r2", Holder::Free, None, None);
+    let step = acquire(
+        &me,
+        6,
+        &[
+            slot("r1", Holder::Ours { token: 5 }, Some(long), None),
+            free.clone(),
+        ],
+        wall(),
+        true,
+    );
+    let Step::Take(l) = step else {
+        panic!("{step:?}")
+    };
+    let spec = l.spec.unwrap();
+    assert_eq!(spec.holder_identity.as_deref(), Some("ns/me@6"));
+    assert_eq!(
+        spec.lease_duration_seconds,
+        Some(600),
+        "kept, not cut to 30"
+    );
+    // Taken from another task's dead holder: the task's own TTL.
+    let mut other = lock("r1", Some(("ns/x@1", "u-x")), 3);
+    other.spec.as_mut().unwrap().lease_duration_seconds = Some(600);
+    let step = acquire(
+        &me,
+        6,
+        &[
+            slot("r1", Holder::Dead("ns/x@1".into()), Some(other), None),
+            free,
+        ],
+        wall(),
+        true,
+    );
+    let Step::Take(l) = step else {
+        panic!("{step:?}")
+    };
+    assert_eq!(l.spec.unwrap().lease_duration_seconds, Some(30));
+}

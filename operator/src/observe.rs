@@ -311,7 +311,16 @@ impl Tracker {
         if let Some((u, until)) = state.departed.get(&key)
             && u == uid
         {
-            return until.saturating_duration_since(now);
+            // The task's earlier attempts that departed too (a lease lost
+            // and replaced under the same lock, then the task deleted): the
+            // lock is free only once every one of them has stopped.
+            let latest = state
+                .departed
+                .iter()
+                .filter(|((ns, _), (u, _))| ns == namespace && u == uid)
+                .map(|(_, (_, t))| *t)
+                .fold(*until, Instant::max);
+            return latest.saturating_duration_since(now);
         }
         let since = *state
             .unknown_since
@@ -519,14 +528,54 @@ mod tests {
         let t2 = t0 + Duration::from_secs(20);
         tracker.list_done(t2);
         assert_eq!(tracker.departed_until("ns", "t-2"), Some(t2 + ttl));
-        // Deleted while offered, seen as such: no holder to wait for.
+        // Deleted while offered, seen as such: no holder of its own to wait
+        // for — but the task's earlier attempts (t-1, t-2) departed too and
+        // may still run: the latest of them counts.
         let mut unclaimed = lease("u3", None, LeasePhase::Offered, 1);
         unclaimed.metadata.name = Some("t-3".into());
         unclaimed.spec.task_uid = "task-uid".into();
         tracker.observe(&unclaimed, t0);
         tracker.forget(&unclaimed, t1);
+        assert_eq!(tracker.departed_until("ns", "t-3"), Some(t1));
         assert_eq!(
             tracker.gone_attempt_left("ns", "t", "task-uid", 3, long, t1),
+            t2 + ttl - t1
+        );
+    }
+
+    /// A held lease lost (deleted) and replaced under the same lock, then
+    /// the task deleted while the replacement was only offered: the lock
+    /// names the replacement's token, whose lease had no holder — but the
+    /// lost attempt's worker runs until its kill switch.
+    #[test]
+    fn a_lock_named_for_a_replacement_waits_for_the_lost_attempt_too() {
+        let tracker = Tracker::default();
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(30);
+        let mut lost = lease("u1", Some("w1"), LeasePhase::Held, 1);
+        lost.spec.task_uid = "task-uid".into();
+        tracker.observe(&lost, t0);
+        let t1 = t0 + Duration::from_secs(2);
+        tracker.forget(&lost, t1);
+        let mut replacement = lease("u2", None, LeasePhase::Offered, 1);
+        replacement.metadata.name = Some("t-2".into());
+        replacement.spec.task_uid = "task-uid".into();
+        tracker.observe(&replacement, t1);
+        let t2 = t0 + Duration::from_secs(5);
+        tracker.forget(&replacement, t2);
+        assert_eq!(
+            tracker.gone_attempt_left("ns", "t", "task-uid", 2, ttl, t2),
+            t0 + ttl - t2,
+            "the lost attempt of token 1 may run until a TTL after its last renewal"
+        );
+        // Another task's departures do not count.
+        let mut other = lease("u3", Some("w2"), LeasePhase::Held, 1);
+        other.metadata.name = Some("o-1".into());
+        other.spec.task_uid = "other-uid".into();
+        tracker.observe(&other, t2);
+        tracker.forget(&other, t2);
+        assert_eq!(
+            tracker.gone_attempt_left("ns", "t", "task-uid", 2, ttl, t0 + ttl),
             Duration::ZERO
         );
     }

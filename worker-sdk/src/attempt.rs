@@ -138,9 +138,18 @@ impl Attempt {
                     // Design §4: the token goes into storage before any user
                     // code runs, so every write of an older attempt that
                     // lands later is refused, whatever its timing.
-                    match registry.register(&ctx.task_uid, &ctx.fence).await {
-                        Ok(earlier) => ctx.earlier_commit = earlier,
-                        Err(e) => return Run::NotStarted(e),
+                    // Bounded: a storage that does not answer (a
+                    // black-holed connection has no client-side timeout)
+                    // must not keep the lease renewed with nothing running.
+                    let budget = ctx.fence.ttl() / 3;
+                    match timeout(budget, registry.register(&ctx.task_uid, &ctx.fence)).await {
+                        Ok(Ok(earlier)) => ctx.earlier_commit = earlier,
+                        Ok(Err(e)) => return Run::NotStarted(e),
+                        Err(_) => {
+                            return Run::NotStarted(Error::Timeout {
+                                what: "registration",
+                            });
+                        }
                     }
                     ctx.registered = true;
                 }

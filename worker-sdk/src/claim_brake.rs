@@ -6,8 +6,12 @@
 //!
 //! After [`STREAK`] such attempts in a row the worker pauses its claims,
 //! for [`FIRST_PAUSE`] doubling to [`MAX_PAUSE`] while it keeps happening;
-//! one attempt whose handler ran resets it. Pure: the caller passes the
-//! time and acts on the answer.
+//! one attempt whose handler ran resets it. Only attempts claimed after
+//! the last pause began count towards the next one: the slots that were
+//! already running when a database blipped all fail together, and must
+//! not double the pause once each (a fleet sharing that database would
+//! stop claiming for minutes after an outage of seconds). Pure: the
+//! caller passes the times and acts on the answer.
 
 use std::time::Duration;
 
@@ -29,12 +33,18 @@ pub struct ClaimBrake {
     /// Pauses since the last attempt whose handler ran.
     pauses: u32,
     paused_until: Option<Instant>,
+    /// When the last pause began.
+    paused_at: Option<Instant>,
 }
 
 impl ClaimBrake {
-    /// An attempt ended before its handler ran, at `now`. Returns the
-    /// pause this starts, if it starts one.
-    pub fn not_started(&mut self, now: Instant) -> Option<Duration> {
+    /// An attempt claimed at `claimed` ended before its handler ran, at
+    /// `now`. Returns the pause this starts, if it starts one.
+    pub fn not_started(&mut self, claimed: Instant, now: Instant) -> Option<Duration> {
+        if self.paused_at.is_some_and(|began| claimed < began) {
+            // In flight when the last pause began: already counted.
+            return None;
+        }
         self.streak = self.streak.saturating_add(1);
         if self.streak < STREAK {
             return None;
@@ -47,6 +57,7 @@ impl ClaimBrake {
         // decides alone whether to pause again (and longer).
         self.streak = STREAK - 1;
         self.paused_until = Some(now + pause);
+        self.paused_at = Some(now);
         Some(pause)
     }
 
@@ -70,19 +81,19 @@ mod tests {
     fn pauses_after_a_streak_doubling_to_the_cap() {
         let t0 = Instant::now();
         let mut b = ClaimBrake::default();
-        assert_eq!(b.not_started(t0), None);
-        assert_eq!(b.not_started(t0), None);
+        assert_eq!(b.not_started(t0, t0), None);
+        assert_eq!(b.not_started(t0, t0), None);
         assert_eq!(b.paused_until(t0), None, "no pause before the streak");
-        assert_eq!(b.not_started(t0), Some(FIRST_PAUSE));
+        assert_eq!(b.not_started(t0, t0), Some(FIRST_PAUSE));
         assert_eq!(b.paused_until(t0), Some(t0 + FIRST_PAUSE));
         assert_eq!(b.paused_until(t0 + FIRST_PAUSE), None, "the pause ends");
         // After a pause, one more failure pauses again, twice as long.
         let t1 = t0 + FIRST_PAUSE;
-        assert_eq!(b.not_started(t1), Some(FIRST_PAUSE * 2));
-        assert_eq!(b.not_started(t1), Some(FIRST_PAUSE * 4));
+        assert_eq!(b.not_started(t1, t1), Some(FIRST_PAUSE * 2));
+        assert_eq!(b.not_started(t1, t1), Some(FIRST_PAUSE * 4));
         let mut last = None;
         for _ in 0..20 {
-            last = b.not_started(t1);
+            last = b.not_started(t1, t1);
         }
         assert_eq!(last, Some(MAX_PAUSE));
     }
@@ -92,18 +103,33 @@ mod tests {
         let t0 = Instant::now();
         let mut b = ClaimBrake::default();
         for _ in 0..STREAK {
-            b.not_started(t0);
+            b.not_started(t0, t0);
         }
         assert!(b.paused_until(t0).is_some());
         b.started();
         assert_eq!(b.paused_until(t0), None);
-        assert_eq!(b.not_started(t0), None, "a fresh streak");
-        assert_eq!(b.not_started(t0), None);
+        assert_eq!(b.not_started(t0, t0), None, "a fresh streak");
+        assert_eq!(b.not_started(t0, t0), None);
         assert_eq!(
-            b.not_started(t0),
+            b.not_started(t0, t0),
             Some(FIRST_PAUSE),
             "from the first pause again"
         );
+    }
+
+    /// Eight slots whose registrations all fail at once (a database
+    /// fail-over): one pause, not one doubling per slot.
+    #[test]
+    fn attempts_in_flight_when_a_pause_began_do_not_double_it() {
+        let t0 = Instant::now();
+        let mut b = ClaimBrake::default();
+        let ended = t0 + Duration::from_secs(1);
+        let pauses: Vec<_> = (0..8).filter_map(|_| b.not_started(t0, ended)).collect();
+        assert_eq!(pauses, vec![FIRST_PAUSE]);
+        assert_eq!(b.paused_until(ended), Some(ended + FIRST_PAUSE));
+        // One claimed after the pause ended and failing again doubles it.
+        let later = ended + FIRST_PAUSE;
+        assert_eq!(b.not_started(later, later), Some(FIRST_PAUSE * 2));
     }
 
     #[test]
@@ -111,8 +137,8 @@ mod tests {
         let t0 = Instant::now();
         let mut b = ClaimBrake::default();
         for _ in 0..10 {
-            assert_eq!(b.not_started(t0), None);
-            assert_eq!(b.not_started(t0), None);
+            assert_eq!(b.not_started(t0, t0), None);
+            assert_eq!(b.not_started(t0, t0), None);
             b.started();
         }
         assert_eq!(b.paused_until(t0), None);

@@ -279,7 +279,8 @@ impl Worker {
         // Compensations of speculative rounds whose handler was dropped:
         // they run to the end even then, and the worker waits for them.
         let background = tokio_util::task::TaskTracker::new();
-        let mut running: JoinSet<Ended> = JoinSet::new();
+        // Each attempt's end, with when it was claimed (for the brake).
+        let mut running: JoinSet<(Ended, Instant)> = JoinSet::new();
         futures::pin_mut!(shutdown);
         // After a claim failed for a reason other than a lost race (an API
         // error), look again soon: no watch event may come to wake us. In
@@ -345,7 +346,8 @@ impl Worker {
                 let handler = handler.clone();
                 running.spawn(async move {
                     let _permit = permit;
-                    attempt.run(held, task, sent, move |ctx| handler(ctx)).await
+                    let ended = attempt.run(held, task, sent, move |ctx| handler(ctx)).await;
+                    (ended, sent)
                 });
             }
         }
@@ -381,10 +383,14 @@ impl Worker {
 
     /// Feeds how an attempt ended to the claim brake; says so, loudly and
     /// in the metrics, when the worker stops claiming.
-    fn brake_on(&self, brake: &mut ClaimBrake, ended: Result<Ended, tokio::task::JoinError>) {
+    fn brake_on(
+        &self,
+        brake: &mut ClaimBrake,
+        ended: Result<(Ended, Instant), tokio::task::JoinError>,
+    ) {
         match ended {
-            Ok(Ended::NotStarted) => {
-                if let Some(pause) = brake.not_started(Instant::now()) {
+            Ok((Ended::NotStarted, claimed)) => {
+                if let Some(pause) = brake.not_started(claimed, Instant::now()) {
                     self.metrics.claims_paused.set(1);
                     self.metrics.claim_pauses.inc();
                     warn!(
@@ -394,10 +400,13 @@ impl Worker {
                     );
                 }
             }
-            Ok(_) => brake.started(),
-            // A panicked or cancelled attempt task says nothing about the
-            // storage.
-            Err(_) => {}
+            // The handler ran (and returned): the storage took the
+            // registration.
+            Ok((Ended::Completed(_) | Ended::CompletionRejected, _)) => brake.started(),
+            // A kill switch says nothing about the storage (the handler
+            // may not have run), nor does a panicked or cancelled attempt
+            // task.
+            Ok((Ended::Killed(_), _)) | Err(_) => {}
         }
     }
 
