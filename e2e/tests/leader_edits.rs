@@ -77,6 +77,29 @@ fn load(ns: &TestNamespace) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// Waits until the new term has issued `n` more leases for the load than
+/// there are now (instead of letting it write "for a while").
+async fn wait_new_term_writes(ns: &TestNamespace, ops: [&Operator; 2], n: usize) {
+    let leases: Api<TaskLease> = ns.api();
+    let before = leases.list(&Default::default()).await.unwrap().items.len();
+    wait_for(
+        "the new term to issue leases",
+        T,
+        || format!("{}{}", ops[0].logs(), ops[1].logs()),
+        || {
+            let leases = leases.clone();
+            async move {
+                Ok(
+                    (leases.list(&Default::default()).await?.items.len() >= before + n)
+                        .then_some(()),
+                )
+            }
+        },
+    )
+    .await
+    .unwrap();
+}
+
 /// Waits until the leader `op` issued leases for the load.
 async fn wait_writing(ns: &TestNamespace, op: &Operator) {
     let leases: Api<TaskLease> = ns.api();
@@ -232,8 +255,7 @@ async fn deleting_the_election_lease_never_gives_two_leaders() {
         .await
         .unwrap();
     wait_new_leader(&ns, [&a, &b], edited).await;
-    // Let the new term write for a while.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_new_term_writes(&ns, [&a, &b], 3).await;
     load.abort();
     assert_one_writer_at_a_time(&ns.name, edited);
     assert!(
@@ -269,7 +291,7 @@ async fn a_shrunk_lease_handed_to_the_standby_is_waited_out() {
         .await
         .unwrap();
     wait_new_leader(&ns, [&a, &b], edited).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_new_term_writes(&ns, [&a, &b], 3).await;
     load.abort();
     assert_one_writer_at_a_time(&ns.name, edited);
     ns.cleanup().await.unwrap();
