@@ -108,6 +108,8 @@ pub struct Replica {
     pub valid_until: Option<u8>,
     /// The version a standby watches and since when.
     pub seen: Option<(u8, u8)>,
+    /// The version our last successful write produced (`Elector::wrote`).
+    pub wrote: Option<u8>,
     pub req: Option<Req>,
     /// The last generation `acquired()` handed out.
     pub handed: u8,
@@ -217,11 +219,13 @@ impl Election {
             version: version.to_string(),
             since: self.instant(since),
         });
+        let wrote = me.wrote.map(|v| v.to_string());
         step(
             lease.as_ref(),
             &identity(r),
             leading,
             prev.as_ref(),
+            wrote.as_deref(),
             self.instant(s.now),
             Duration::from_secs(u64::from(DURATION)),
         )
@@ -315,6 +319,7 @@ impl Election {
         let now = s.now;
         let until = sent + TERM;
         let me = &mut s.replicas[usize::from(r)];
+        me.wrote = Some(version);
         let leading = me.ours.is_some();
         let runs = me.in_term(now);
         if leading && !runs {

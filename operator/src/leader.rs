@@ -283,6 +283,7 @@ pub fn campaign(client: Client, cfg: &ElectionConfig) -> Campaign {
         tx,
         ours: None,
         seen: None,
+        wrote: None,
         holding: holding.clone(),
     };
     let task = tokio::spawn(elector.run(stop.clone()));
@@ -305,6 +306,9 @@ struct Elector {
     ours: Option<Lease>,
     /// The state of the Lease a standby watches, and since when.
     seen: Option<Seen>,
+    /// The version our last successful write of the Lease produced (kept
+    /// when the term ends: see `leader_step`).
+    wrote: Option<String>,
     /// Whether this replica holds the Lease (for `/readyz`).
     holding: Arc<AtomicBool>,
 }
@@ -421,6 +425,7 @@ impl Elector {
             &self.cfg.identity,
             self.leading(),
             self.seen.as_ref(),
+            self.wrote.as_deref(),
             Instant::now(),
             self.cfg.duration(),
         );
@@ -519,6 +524,7 @@ impl Elector {
     /// controllers start again. A write that answered too late to leave
     /// any term at all counts as lost.
     fn won(&mut self, stored: Lease, sent: Instant) -> Wrote {
+        self.wrote = stored.metadata.resource_version.clone();
         let now = Instant::now();
         let until = sent + self.cfg.term();
         if until <= now {

@@ -21,6 +21,15 @@
 //!
 //! A leader, for its part, treats any state it did not write as the end of
 //! its term: a Lease gone or held by another identity.
+//!
+//! One state a replica can trust without waiting: the very version its own
+//! last write produced (this process wrote it, the identity is unique per
+//! process, and nobody wrote since — any later write changes the version).
+//! Its own term has ended (it does not lead), so taking that version over
+//! by CAS at once overlaps no term: a standby racing for the same version
+//! loses the CAS, or wins it and this replica's loses. Without this, a lone
+//! operator whose renewals failed through an API-server outage would sit
+//! out a whole extra duration after the server came back.
 
 use std::time::Duration;
 
@@ -51,13 +60,15 @@ pub enum Step {
 }
 
 /// Pure: the step for `lease` as read at `now` by replica `me`, which leads
-/// or not, with its own lease `duration`, given the state it saw before.
-/// Returns the observation to keep (none while leading).
+/// or not, with its own lease `duration`, given the state it saw before and
+/// the version its own last successful write produced (`wrote`). Returns
+/// the observation to keep (none while leading).
 pub fn step(
     lease: Option<&Lease>,
     me: &str,
     leading: bool,
     prev: Option<&Seen>,
+    wrote: Option<&str>,
     now: Instant,
     duration: Duration,
 ) -> (Step, Option<Seen>) {
@@ -74,6 +85,10 @@ pub fn step(
         return (Step::Create, None);
     };
     let version = lease.resource_version().unwrap_or_default();
+    if wrote == Some(version.as_str()) && holder(lease) == me {
+        // Exactly what this process wrote last, untouched since.
+        return (Step::TakeOver, None);
+    }
     let seen = match prev {
         Some(p) if p.version == version => p.clone(),
         _ => Seen {
@@ -127,6 +142,7 @@ mod tests {
                     "me",
                     false,
                     seen.as_ref(),
+                    None,
                     t0 + Duration::from_secs(*at),
                     D,
                 );
@@ -150,8 +166,38 @@ mod tests {
             // may create it a duration later; it stops now.
             (None, Step::Deposed),
         ] {
-            assert_eq!(step(l, "me", true, None, t0, D), (want, None), "{l:?}");
+            assert_eq!(
+                step(l, "me", true, None, None, t0, D),
+                (want, None),
+                "{l:?}"
+            );
         }
+    }
+
+    /// A replica whose term ended (renewals failed through an outage)
+    /// finds the Lease exactly as its own last write left it: taken back at
+    /// once. The same identity in a version it did not write (a hand edit,
+    /// or a write of ours whose answer was lost) is waited out.
+    #[test]
+    fn the_version_our_own_last_write_produced_is_taken_back_at_once() {
+        let t0 = Instant::now();
+        let ours = lease(Some("me"), "7", 15);
+        assert_eq!(
+            step(Some(&ours), "me", false, None, Some("7"), t0, D),
+            (Step::TakeOver, None)
+        );
+        let edited = lease(Some("me"), "8", 15);
+        assert_eq!(
+            step(Some(&edited), "me", false, None, Some("7"), t0, D).0,
+            Step::Wait
+        );
+        // Our version, but someone else's name in it cannot happen; a
+        // vacated one (a hand edit keeps no version) is waited out too.
+        let vacated = lease(None, "7", 15);
+        assert_eq!(
+            step(Some(&vacated), "me", false, None, Some("7"), t0, D).0,
+            Step::Wait
+        );
     }
 
     #[test]
