@@ -175,6 +175,36 @@ impl Operator {
         .await
     }
 
+    /// Whether this replica leads and is ready, now.
+    pub async fn leads(&self) -> bool {
+        let leading = self.metric("batchlease_is_leader").await.ok().flatten() == Some(1.0);
+        leading
+            && self
+                .get("/readyz")
+                .await
+                .map(|(c, _)| c == 200)
+                .unwrap_or(false)
+    }
+
+    /// Waits until one of `ops` leads (replicas started together: which
+    /// one takes the election Lease is up to the race for it); its index.
+    pub async fn wait_one_leading(ops: &[&Operator], timeout: Duration) -> anyhow::Result<usize> {
+        wait_for(
+            "one replica to lead",
+            timeout,
+            || ops.iter().map(|o| o.logs()).collect(),
+            || async {
+                for (i, op) in ops.iter().enumerate() {
+                    if op.leads().await {
+                        return Ok(Some(i));
+                    }
+                }
+                Ok(None)
+            },
+        )
+        .await
+    }
+
     /// Where the replica logs.
     pub fn log_path(&self) -> &Path {
         &self.process.log

@@ -211,9 +211,10 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         Operator::start(&ns.name, "op-a")?,
         Operator::start(&ns.name, "op-b")?,
     ]));
-    ops.lock().await[0]
-        .wait_leading(Duration::from_secs(60))
-        .await?;
+    {
+        let ops = ops.lock().await;
+        Operator::wait_one_leading(&[&ops[0], &ops[1]], Duration::from_secs(60)).await?;
+    }
 
     let pg_url = workers::pg_url()?;
     let pg_addr = pg_url
