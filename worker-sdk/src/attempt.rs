@@ -186,7 +186,20 @@ impl Attempt {
                 .take();
             // If the heartbeat already ended (kill switch), the send fails
             // and its verdict below stands.
-            let _ = finish.send(completion_of(result, checkpoint));
+            let completion = match result {
+                // Given back, not failed: a user's handler returning the
+                // same reason is an ordinary failure (see `completion_of`).
+                Err(TaskError::Retryable { reason, message }) if not_started => Completion {
+                    outcome: LeaseOutcome::Interrupted,
+                    reason: Some(clip(reason, MAX_REASON_CHARS)),
+                    message: Some(clip(message, MAX_MESSAGE_CHARS)),
+                    permanent: false,
+                    result: None,
+                    checkpoint: None,
+                },
+                result => completion_of(result, checkpoint),
+            };
+            let _ = finish.send(completion);
         } else {
             drop(finish);
         }
@@ -341,18 +354,14 @@ fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObjec
             result: out.result.and_then(Result::ok),
             checkpoint,
         },
-        Err(TaskError::Retryable { reason, message })
-            if reason == INTERRUPTED || reason == REGISTRATION_FAILED =>
-        {
-            Completion {
-                outcome: LeaseOutcome::Interrupted,
-                reason: Some(clip(reason, MAX_REASON_CHARS)),
-                message: Some(clip(message, MAX_MESSAGE_CHARS)),
-                permanent: false,
-                result: None,
-                checkpoint,
-            }
-        }
+        Err(TaskError::Retryable { reason, message }) if reason == INTERRUPTED => Completion {
+            outcome: LeaseOutcome::Interrupted,
+            reason: Some(reason),
+            message: Some(message),
+            permanent: false,
+            result: None,
+            checkpoint,
+        },
         Err(TaskError::Aborted { message }) => Completion {
             outcome: LeaseOutcome::Aborted,
             reason: Some(crate::speculate::ABORTED_REASON.into()),
@@ -643,6 +652,18 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             cancelled.load(Ordering::SeqCst),
         )
+    }
+
+    /// Only the SDK gives an attempt back for a failed registration: a
+    /// handler returning the same reason has failed, and spends a retry.
+    #[test]
+    fn a_handler_cannot_pass_its_failure_off_as_a_give_back() {
+        let c = completion_for_tests(Err(
+            TaskError::retryable("no").with_reason(REGISTRATION_FAILED)
+        ));
+        assert_eq!(c.outcome, LeaseOutcome::Failed);
+        let drained = completion_for_tests(Err(interrupted()));
+        assert_eq!(drained.outcome, LeaseOutcome::Interrupted);
     }
 
     /// An oversized or non-object result, or an over-long message, used to
