@@ -9,11 +9,12 @@ use anyhow::{Context, bail};
 /// (`e2e/controlplane/restart.sh`).
 pub fn restart(component: &str, down: std::time::Duration) -> anyhow::Result<()> {
     let dir = std::env::var("BATCHLEASE_CP_DIR").context("BATCHLEASE_CP_DIR unset")?;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/controlplane/restart.sh");
+    let script = crate::crate_dir().join("controlplane/restart.sh");
     let out = std::process::Command::new("bash")
-        .args([script, &dir, component, &down.as_secs().to_string()])
+        .arg(&script)
+        .args([&dir, component, &down.as_secs().to_string()])
         .output()
-        .with_context(|| format!("running {script}"))?;
+        .with_context(|| format!("running {}", script.display()))?;
     if !out.status.success() {
         bail!(
             "restarting {component} failed: {}",

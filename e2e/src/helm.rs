@@ -17,7 +17,7 @@ pub fn run(args: &[&str]) -> anyhow::Result<Output> {
     let bin = binary()?;
     let out = Command::new(&bin)
         .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .current_dir(crate::repo_root())
         .output()
         .with_context(|| format!("running {bin} {}", args.join(" ")))?;
     Ok(Output {

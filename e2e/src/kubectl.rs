@@ -28,7 +28,7 @@ pub fn binary() -> String {
 /// Runs kubectl with `args`, from the repository root so relative paths such
 /// as `examples/` work.
 pub fn run(args: &[&str]) -> anyhow::Result<Output> {
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let root = crate::repo_root();
     let out = Command::new(binary())
         .args(args)
         .current_dir(root)
@@ -46,7 +46,7 @@ pub fn run(args: &[&str]) -> anyhow::Result<Output> {
 /// otherwise be YAML of quadratic size (every level indents further).
 pub fn run_capped(args: &[&str], max: usize) -> anyhow::Result<String> {
     use std::io::Read;
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let root = crate::repo_root();
     let mut child = Command::new(binary())
         .args(args)
         .current_dir(root)

@@ -35,4 +35,22 @@ pub mod worker;
 pub mod workers;
 
 pub use cluster::{Cluster, TestNamespace};
+
+/// The e2e crate's directory. Cargo sets `CARGO_MANIFEST_DIR` when it runs
+/// a test, and that is read first: the compile-time value can name another
+/// checkout whose build cargo reused from a shared target directory (a CI
+/// clone elsewhere), where `kubectl` then failed to start ("No such file or
+/// directory" for its working directory).
+pub fn crate_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .filter(|p| p.join("Cargo.toml").is_file())
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+}
+
+/// The repository root (kubectl and helm run from it so relative paths such
+/// as `examples/` work).
+pub fn repo_root() -> std::path::PathBuf {
+    crate_dir().join("..")
+}
 pub use wait::wait_for;

@@ -31,8 +31,8 @@ fn chart_lints_and_ships_the_generated_crds() {
         "taskleases.batchlease.dev.yaml",
         "taskqueues.batchlease.dev.yaml",
     ] {
-        let crd = std::fs::read_to_string(format!("{}/../crds/{file}", env!("CARGO_MANIFEST_DIR")))
-            .unwrap();
+        let crd =
+            std::fs::read_to_string(batchlease_e2e::repo_root().join("crds").join(file)).unwrap();
         assert!(
             shown.contains(crd.trim()),
             "chart's {file} differs from crds/{file}"
@@ -42,10 +42,9 @@ fn chart_lints_and_ships_the_generated_crds() {
 
 #[test]
 fn app_version_follows_the_crate_version() {
-    let chart = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../charts/batchlease-operator/Chart.yaml"
-    ))
+    let chart = std::fs::read_to_string(
+        batchlease_e2e::repo_root().join("charts/batchlease-operator/Chart.yaml"),
+    )
     .unwrap();
     let chart: serde_json::Value = serde_yaml::from_str(&chart).unwrap();
     // The workspace shares one version; the image tag defaults to it.

@@ -416,10 +416,29 @@ async fn sigterm_with_the_api_server_unreachable_exits_promptly() {
     wait_phase(&ns, "job", TaskPhase::Running, T, || op.logs())
         .await
         .unwrap();
+    let log = op.log_path().to_owned();
+    // The operator must have had the answer to its Running write before the
+    // cut: cut while that answer is on the wire, the reconcile waits on it
+    // until the term ends and no expiry is ever decided (seen once in CI).
+    // A reconcile that decided after the Running write shows the answer came
+    // (a task is never reconciled twice at once).
+    wait_for(
+        "the operator to reconcile after its Running write",
+        T,
+        || op.logs(),
+        || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let done = text
+                .rfind("phase: Some(Running)")
+                .is_some_and(|at| text[at..].contains("decision=Wait("));
+            async move { Ok(done.then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
     // Cut the operator off; the silent holder's expiry is then a write that
     // goes out into the void and never answers.
     proxy.cut();
-    let log = op.log_path().to_owned();
     let expiries = || {
         std::fs::read_to_string(&log)
             .unwrap_or_default()

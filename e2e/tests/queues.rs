@@ -1,7 +1,7 @@
 //! `TaskQueue` (design §9): pause withdraws unclaimed offers and lets held
 //! leases finish, resume runs the rest; `maxConcurrent` bounds the leases
 //! Offered or Held at once (audited over the whole recorded lease watch);
-//! `maxIssuesPerSecond` bounds the issue rate (measured from the watch).
+//! `maxIssuesPerSecond` bounds the issue rate (measured from the audit log).
 //! Real operator and demo workers; each namespace's history is checked at
 //! the end.
 
@@ -313,23 +313,53 @@ async fn max_issues_per_second_bounds_the_issue_rate() {
     )
     .await
     .unwrap();
-    let (recorded, _) = ns.recorded().await.unwrap();
-    let times = issue_times(&recorded, "demo");
-    assert_eq!(times.len(), N);
+    // When the API server received each lease create (its audit log): the
+    // watch's delivery times bunch up on a loaded machine. A write still
+    // reaches the server some time after the bucket let it go; JITTER allows
+    // for that. A missing or doubled limiter still fails: unthrottled, all 24
+    // land within a second; at twice the rate, in 2.4 s.
+    const JITTER: f64 = 0.5;
+    let times = wait_for(
+        "every lease create in the audit log",
+        Duration::from_secs(30),
+        logs,
+        || async {
+            let mut t: Vec<f64> = batchlease_e2e::audit::writes_in(&ns.name)?
+                .into_iter()
+                .filter(|w| w.verb == "create" && w.resource == "taskleases")
+                .map(|w| w.received)
+                .collect();
+            t.sort_by(f64::total_cmp);
+            Ok((t.len() >= N).then_some(t))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(times.len(), N, "{times:?}");
     // A bucket of one second's worth (4) then 4 per second: the last issue
-    // comes at least (N - 4) / 4 s after the first.
+    // comes at least (N - 5) / 4 s after the first.
     let span = times[N - 1] - times[0];
     let rate = (N - 1 - 4) as f64 / span;
     eprintln!("{N} issues over {span:.2} s: {rate:.2}/s beyond the burst (limit {RATE}/s)");
-    assert!(rate <= RATE * 1.1, "issued at {rate:.2}/s, above {RATE}/s");
+    let first = times[0];
+    let rel: Vec<String> = times.iter().map(|t| format!("{:.3}", t - first)).collect();
+    assert!(
+        span >= (N - 1 - 4) as f64 / RATE - JITTER,
+        "issued at {rate:.2}/s, above {RATE}/s: {rel:?}"
+    );
     assert!(
         rate >= RATE * 0.5,
-        "issued at only {rate:.2}/s: throttled too hard"
+        "issued at only {rate:.2}/s: throttled too hard: {rel:?}"
     );
-    // No one-second window holds more than the burst plus the rate.
+    // No one-second window holds more than the burst plus the rate (and
+    // what the jitter can push into it).
     for (i, t) in times.iter().enumerate() {
         let in_window = times[i..].iter().take_while(|u| **u < t + 1.0).count();
-        assert!(in_window <= 8, "{in_window} issues within 1 s from {t:.3}");
+        assert!(
+            in_window as f64 <= 4.0 + RATE * (1.0 + JITTER),
+            "{in_window} issues within 1 s from {:.3}: {rel:?}",
+            t - first
+        );
     }
     let (_, body) = op.get("/metrics").await.unwrap();
     assert!(
