@@ -627,8 +627,20 @@ fn has_condition(status: &BatchTaskStatus, type_: &str) -> bool {
     status.conditions.iter().any(|c| c.type_ == type_)
 }
 
-/// Reason of the history record of an attempt whose lease went missing.
+/// Reason of the history record of an attempt whose lease went missing
+/// while a holder was known (the task was Running).
 pub const LEASE_MISSING: &str = "LeaseMissing";
+
+/// Reason of the history record of a token whose lease went missing while
+/// no holder had been seen (the task was Ready). Its lease may have been
+/// claimed a moment before (the Running write follows the claim) and then
+/// deleted — so the record stays, and a cancel still waits for the TTL —
+/// or it may never have existed: an operator stopped between the status
+/// write that reserved the token and the lease's create leaves exactly
+/// this. Nothing left in the API server tells the two apart (a deleted
+/// object leaves no trace), so the reason names what is known, not a loss
+/// that may not have happened.
+pub const OFFER_MISSING: &str = "OfferMissing";
 
 /// How long until every attempt whose lease went missing (recorded `Lost`
 /// in the history, with the time the loss was seen) has surely stopped:
@@ -817,7 +829,14 @@ fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: TaskPhase) 
                 outcome: "Lost".into(),
                 start: None,
                 end: Some(Time(input.wall)),
-                reason: Some(LEASE_MISSING.into()),
+                reason: Some(
+                    if phase == TaskPhase::Running {
+                        LEASE_MISSING
+                    } else {
+                        OFFER_MISSING
+                    }
+                    .into(),
+                ),
                 lease_duration_seconds: current.current_lease_duration_seconds,
             },
         );
