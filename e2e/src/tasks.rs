@@ -8,6 +8,22 @@ use kube::api::{Api, PostParams};
 use crate::TestNamespace;
 use crate::wait::wait_for;
 
+/// Creates TaskQueue `name` in `ns` with `spec` (JSON, as in a manifest).
+pub async fn create_queue(
+    ns: &TestNamespace,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<batchlease_api::TaskQueue> {
+    let q: batchlease_api::TaskQueue = serde_json::from_value(serde_json::json!({
+        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskQueue",
+        "metadata": {"name": name}, "spec": spec,
+    }))?;
+    Ok(ns
+        .api::<batchlease_api::TaskQueue>()
+        .create(&PostParams::default(), &q)
+        .await?)
+}
+
 /// Creates a BatchTask from a JSON spec (so tests read like manifests).
 pub async fn create(
     ns: &TestNamespace,

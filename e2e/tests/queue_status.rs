@@ -23,15 +23,7 @@ use serde_json::json;
 const PERIOD: f64 = 3.0;
 
 async fn create_queue(ns: &TestNamespace, name: &str, spec: serde_json::Value) {
-    let q: TaskQueue = serde_json::from_value(json!({
-        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskQueue",
-        "metadata": {"name": name}, "spec": spec
-    }))
-    .unwrap();
-    ns.api::<TaskQueue>()
-        .create(&PostParams::default(), &q)
-        .await
-        .unwrap();
+    tasks::create_queue(ns, name, spec).await.unwrap();
 }
 
 async fn queue_status(ns: &TestNamespace, name: &str) -> anyhow::Result<TaskQueueStatus> {

@@ -17,19 +17,11 @@ use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, lease_phase, phase_of};
 use batchlease_e2e::wait::wait_for;
 use batchlease_e2e::workers;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use serde_json::json;
 
 async fn create_queue(ns: &TestNamespace, name: &str, spec: serde_json::Value) {
-    let q: TaskQueue = serde_json::from_value(json!({
-        "apiVersion": "batchlease.dev/v1alpha1", "kind": "TaskQueue",
-        "metadata": {"name": name}, "spec": spec
-    }))
-    .unwrap();
-    ns.api::<TaskQueue>()
-        .create(&PostParams::default(), &q)
-        .await
-        .unwrap();
+    tasks::create_queue(ns, name, spec).await.unwrap();
 }
 
 async fn set_paused(ns: &TestNamespace, name: &str, paused: bool) -> i64 {

@@ -463,11 +463,7 @@ fn first_status(input: &Input<'_>) -> Decision {
 }
 
 fn initialize(task: &BatchTask, wall: Timestamp) -> Decision {
-    let mut status = task.status.clone().unwrap_or_default();
-    status.phase = Some(TaskPhase::Pending);
-    status.effective_mode = Some(status.effective_mode.unwrap_or(task.spec.mode));
-    status.observed_redrive = task.spec.redrive;
-    status.observed_generation = task.metadata.generation;
+    let mut status = status::first(task, TaskPhase::Pending);
     set_condition(
         &mut status,
         task,

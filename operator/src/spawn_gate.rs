@@ -117,13 +117,9 @@ pub fn admission(child: &BatchTask, parent: Option<&BatchTask>, wall: Timestamp)
 
 /// The first (and final) status of a refused child.
 fn refused_status(child: &BatchTask, message: &str, wall: Timestamp) -> BatchTaskStatus {
-    let mut st = child.status.clone().unwrap_or_default();
-    st.phase = Some(TaskPhase::Rejected);
-    st.completion_time = Some(Time(wall));
-    st.effective_mode = Some(st.effective_mode.unwrap_or(child.spec.mode));
     // Only a later raise of spec.redrive runs it.
-    st.observed_redrive = child.spec.redrive;
-    st.observed_generation = child.metadata.generation;
+    let mut st = status::first(child, TaskPhase::Rejected);
+    st.completion_time = Some(Time(wall));
     set_condition(
         &mut st,
         child,

@@ -1,7 +1,7 @@
 //! Small pure helpers for BatchTask status: conditions and history.
 
 use batchlease_api::keys::condition;
-use batchlease_api::{AttemptRecord, BatchTask, BatchTaskStatus};
+use batchlease_api::{AttemptRecord, BatchTask, BatchTaskStatus, TaskPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
@@ -51,6 +51,19 @@ pub fn dependency_failed(status: bool, reason: &str, message: &str) -> Cond {
 /// `CycleDetected`.
 pub fn cycle_detected(status: bool, reason: &str, message: &str) -> Cond {
     cond(condition::CYCLE_DETECTED, status, reason, message)
+}
+
+/// The status of a task's first write, in `phase`: the mode it runs in
+/// fixed (a later spec edit does not switch a running task), and the
+/// redrive and generation it has seen, so only a later raise of
+/// `spec.redrive` or a later spec edit counts as one.
+pub fn first(task: &BatchTask, phase: TaskPhase) -> BatchTaskStatus {
+    let mut st = task.status.clone().unwrap_or_default();
+    st.phase = Some(phase);
+    st.effective_mode = Some(st.effective_mode.unwrap_or(task.spec.mode));
+    st.observed_redrive = task.spec.redrive;
+    st.observed_generation = task.metadata.generation;
+    st
 }
 
 /// Sets a condition; `lastTransitionTime` changes only when its status does
