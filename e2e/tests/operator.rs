@@ -176,6 +176,22 @@ async fn crash_between_status_write_and_lease_creation_retires_the_token() {
         (2, Some("job-2"), 0),
         "a new token, and no retry spent on the operator's crash"
     );
+    // On record as a token whose offer went missing, not as a lost lease
+    // of a holder: no holder was ever seen, and the lease may never have
+    // existed.
+    let lost: Vec<_> = st
+        .history
+        .iter()
+        .map(|h| {
+            (
+                h.token,
+                h.outcome.as_str(),
+                h.reason.as_deref(),
+                h.holder.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(lost, [(1, "Lost", Some("OfferMissing"), None)]);
     let all = ns
         .api::<TaskLease>()
         .list(&Default::default())
