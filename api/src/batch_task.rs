@@ -360,8 +360,12 @@ pub struct Failure {
     #[serde(default)]
     #[schemars(length(max = 4096))]
     pub message: String,
-    /// The attempt (fencing token) that failed.
-    pub attempt: i64,
+    /// The fencing token of the attempt that failed. Tokens are not
+    /// ordinals (a token whose lease went missing is skipped without
+    /// spending a retry), so this is no count: `status.attempts` is. Read
+    /// also from `attempt`, its name before 0.1.0.
+    #[serde(alias = "attempt")]
+    pub token: i64,
     /// When the operator recorded the failure.
     pub time: Time,
 }
@@ -444,5 +448,23 @@ impl BatchTaskSpec {
             redrive: 0,
             cancel: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_last_failure_written_before_the_rename_is_read_and_written_as_token() {
+        let old = serde_json::json!({
+            "reason": "HandlerFailed", "message": "boom", "attempt": 3,
+            "time": "2026-12-01T00:00:00Z"
+        });
+        let f: Failure = serde_json::from_value(old).unwrap();
+        assert_eq!(f.token, 3);
+        let back = serde_json::to_value(&f).unwrap();
+        assert_eq!(back["token"], 3);
+        assert!(back.get("attempt").is_none(), "{back}");
     }
 }

@@ -601,7 +601,7 @@ fn failures_retry_with_growing_backoff_then_dead_letter() {
             (
                 failure.reason.as_str(),
                 failure.message.as_str(),
-                failure.attempt
+                failure.token
             ),
             ("Boom", "it broke", attempts + 1)
         );

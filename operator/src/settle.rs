@@ -222,7 +222,7 @@ pub fn settle(
             status.last_failure = Some(Failure {
                 reason: reason.clone(),
                 message,
-                attempt: lease.spec.fencing_token,
+                token: lease.spec.fencing_token,
                 time: Time(wall),
             });
             let not_retried = !task.spec.retry_policy.retries(&reason);
