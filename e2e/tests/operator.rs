@@ -409,7 +409,7 @@ async fn failures_back_off_then_dead_letter_and_redrive_recovers() {
         .unwrap();
         let st = settled.status.unwrap();
         let failure = st.last_failure.clone().unwrap();
-        assert_eq!((failure.reason.as_str(), failure.attempt), ("Boom", token));
+        assert_eq!((failure.reason.as_str(), failure.token), ("Boom", token));
         if token < 4 {
             assert_eq!(st.phase, Some(TaskPhase::Pending));
             let after = st.next_attempt_after.unwrap().0;
