@@ -219,7 +219,8 @@ async fn main() -> anyhow::Result<()> {
             None
         }
     };
-    // Each attempt registers its token before the handler runs (design §4).
+    // Each attempt registers its token before the handler runs (docs/sdk.md,
+    // "Fenced PostgreSQL store").
     if let Some(store) = &store {
         builder = builder.registry(store.clone());
     }
