@@ -39,6 +39,24 @@ pub fn ok(args: &[&str]) -> anyhow::Result<String> {
     Ok(out.stdout)
 }
 
+/// What `helm template` is told of the cluster: the oldest Kubernetes the
+/// charts support (their `kubeVersion`; helm assumes 1.20 without a
+/// cluster, and refuses them) and the admission-policy API it serves.
+pub const CLUSTER: [&str; 4] = [
+    "--kube-version",
+    "1.32.0",
+    "--api-versions",
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+];
+
+/// `helm template ARGS…` as on a [`CLUSTER`]: the rendered YAML.
+pub fn template(args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["template"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&CLUSTER);
+    ok(&all)
+}
+
 /// The documents of `helm template` output of `kind`.
 pub fn rendered(yaml: &str, kind: &str) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut out = Vec::new();
@@ -65,17 +83,11 @@ pub fn rendered_operator(
     sets: &[&str],
     pod: &str,
 ) -> anyhow::Result<(Vec<String>, Env)> {
-    let mut args = vec![
-        "template",
-        release,
-        "charts/batchlease-operator",
-        "-n",
-        namespace,
-    ];
+    let mut args = vec![release, "charts/batchlease-operator", "-n", namespace];
     for s in sets {
         args.extend(["--set", s]);
     }
-    let yaml = ok(&args)?;
+    let yaml = template(&args)?;
     let deploy = rendered(&yaml, "Deployment")?
         .into_iter()
         .next()

@@ -56,6 +56,127 @@ fn app_version_follows_the_crate_version() {
 }
 
 #[test]
+fn the_chart_states_the_kubernetes_it_needs() {
+    let root = batchlease_e2e::repo_root();
+    let chart: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root.join("charts/batchlease-operator/Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    let range = ">=1.32.0-0";
+    assert_eq!(chart["kubeVersion"].as_str(), Some(range));
+    // Why 1.32: the CRDs use selectableFields (GA in 1.32; the policy
+    // API, GA in 1.30, is older).
+    for file in ["batchtasks", "taskleases"] {
+        let crd = std::fs::read_to_string(root.join(format!("crds/{file}.batchlease.dev.yaml")))
+            .unwrap();
+        assert!(crd.contains("selectableFields:"), "{file}");
+    }
+    let readme =
+        std::fs::read_to_string(root.join("charts/batchlease-operator/README.md")).unwrap();
+    assert!(readme.contains(range), "the chart README states {range}");
+    // Older clusters are refused, before anything is rendered.
+    let old = helm::run(&[
+        "template",
+        "r",
+        "charts/batchlease-operator",
+        "--kube-version",
+        "1.31.9",
+    ])
+    .unwrap();
+    assert!(!old.success, "{}", old.stdout);
+    assert!(
+        old.combined().contains(
+            "chart requires kubeVersion: >=1.32.0-0 which is incompatible with Kubernetes v1.31.9"
+        ),
+        "{}",
+        old.combined()
+    );
+    // Where the API server does not serve the admission-policy API, the
+    // policy is left out (instead of failing the install) …
+    let without = helm(&[
+        "template",
+        "r",
+        "charts/batchlease-operator",
+        "--kube-version",
+        "1.32.0",
+    ]);
+    for kind in [
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ] {
+        assert!(
+            helm::rendered(&without, kind).unwrap().is_empty(),
+            "{kind} rendered without the API"
+        );
+    }
+    assert_eq!(helm::rendered(&without, "Deployment").unwrap().len(), 1);
+    let with = helm::template(&["r", "charts/batchlease-operator"]).unwrap();
+    assert_eq!(
+        helm::rendered(&with, "ValidatingAdmissionPolicy")
+            .unwrap()
+            .len(),
+        1
+    );
+    // … and NOTES.txt says so. `helm install --dry-run=client` asks the
+    // cluster for its APIs (helm 3.22), and this one serves the policy:
+    // render NOTES.txt with `helm template` (no cluster) instead, as a
+    // ConfigMap in a copy of the chart.
+    let notes = |sets: &str| {
+        let dir = batchlease_e2e::secrets::PrivateDir::new("chart-copy").unwrap();
+        let copy = dir.path().join("batchlease-operator");
+        let cp = std::process::Command::new("cp")
+            .args(["-r", "charts/batchlease-operator"])
+            .arg(&copy)
+            .current_dir(&root)
+            .status()
+            .unwrap();
+        assert!(cp.success());
+        let text = std::fs::read_to_string(copy.join("templates/NOTES.txt")).unwrap();
+        std::fs::remove_file(copy.join("templates/NOTES.txt")).unwrap();
+        std::fs::write(
+            copy.join("templates/_notes.tpl"),
+            format!("{{{{- define \"notes\" -}}}}\n{text}{{{{- end -}}}}\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            copy.join("templates/notes.yaml"),
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n\
+             data: {notes: {{ include \"notes\" . | quote }}}\n",
+        )
+        .unwrap();
+        let yaml = helm(&[
+            "template",
+            "r",
+            copy.to_str().unwrap(),
+            "--kube-version",
+            "1.32.0",
+            "--set",
+            sets,
+        ]);
+        let cm = helm::rendered(&yaml, "ConfigMap").unwrap();
+        cm[0]["data"]["notes"].as_str().unwrap().to_owned()
+    };
+    let skipped = notes("admission.enabled=true");
+    for says in [
+        "WARNING: the holder-only admission policy was NOT installed",
+        "--api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+    ] {
+        assert!(
+            skipped.contains(says),
+            "NOTES should say {says:?}:\n{skipped}"
+        );
+    }
+    assert!(
+        !skipped.contains("Holder-only admission is on"),
+        "{skipped}"
+    );
+    // Switched off on purpose: no warning.
+    let off = notes("admission.enabled=false");
+    assert!(off.contains("kubectl get taskleases -A"), "{off}");
+    assert!(!off.contains("WARNING"), "{off}");
+}
+
+#[test]
 fn bad_values_are_refused_with_a_clear_message() {
     // (value, what the error must say, whether `helm lint` fails too: it
     // checks the schema, but reports a template's `fail` as [INFO] only)
@@ -113,7 +234,8 @@ fn bad_values_are_refused_with_a_clear_message() {
     ];
     for (value, says, lint_fails) in cases {
         let chart = "charts/batchlease-operator";
-        let template = ["template", "r", chart, "--set", value];
+        let mut template = vec!["template", "r", chart, "--set", value];
+        template.extend(helm::CLUSTER);
         let lint = ["lint", chart, "--set", value];
         for args in [template.as_slice(), lint.as_slice()]
             .into_iter()
@@ -130,8 +252,7 @@ fn bad_values_are_refused_with_a_clear_message() {
         }
     }
     // And good values render what they ask for.
-    let yaml = helm(&[
-        "template",
+    let yaml = helm::template(&[
         "r",
         "charts/batchlease-operator",
         "-n",
@@ -140,7 +261,8 @@ fn bad_values_are_refused_with_a_clear_message() {
         "podDisruptionBudget.enabled=true,metrics.serviceMonitor.enabled=true,replicaCount=1,leaderElection.enabled=false",
         "--set",
         "watchNamespaces={a,b}",
-    ]);
+    ])
+    .unwrap();
     let pdb = helm::rendered(&yaml, "PodDisruptionBudget").unwrap();
     assert_eq!(pdb.len(), 1, "{yaml}");
     assert_eq!(pdb[0]["spec"]["minAvailable"], 1);
@@ -167,21 +289,22 @@ fn bad_values_are_refused_with_a_clear_message() {
         "{args}"
     );
     // Off by default: no CRD of the Prometheus Operator needed, no PDB.
-    let plain = helm(&["template", "r", "charts/batchlease-operator"]);
+    let plain = helm::template(&["r", "charts/batchlease-operator"]).unwrap();
     assert!(helm::rendered(&plain, "ServiceMonitor").unwrap().is_empty());
     assert!(
         helm::rendered(&plain, "PodDisruptionBudget")
             .unwrap()
             .is_empty()
     );
-    // NOTES.txt tells how to look at tasks and leases.
+    // NOTES.txt tells how to look at tasks and leases (a server dry run:
+    // the real cluster's version and APIs; nothing is created).
     let notes = helm(&[
         "install",
         "r",
         "charts/batchlease-operator",
         "-n",
         "ops",
-        "--dry-run=client",
+        "--dry-run=server",
         "--set",
         "watchNamespaces={a,b}",
     ]);
@@ -194,6 +317,7 @@ fn bad_values_are_refused_with_a_clear_message() {
     ] {
         assert!(notes.contains(says), "NOTES should say {says:?}:\n{notes}");
     }
+    assert!(!notes.contains("WARNING"), "{notes}");
 }
 
 /// `kubectl auth can-i VERB RESOURCE` as `sa` in `ns`.
