@@ -67,8 +67,8 @@ fn the_chart_states_the_kubernetes_it_needs() {
     // Why 1.32: the CRDs use selectableFields (GA in 1.32; the policy
     // API, GA in 1.30, is older).
     for file in ["batchtasks", "taskleases"] {
-        let crd = std::fs::read_to_string(root.join(format!("crds/{file}.batchlease.dev.yaml")))
-            .unwrap();
+        let crd =
+            std::fs::read_to_string(root.join(format!("crds/{file}.batchlease.dev.yaml"))).unwrap();
         assert!(crd.contains("selectableFields:"), "{file}");
     }
     let readme =
