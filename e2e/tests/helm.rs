@@ -320,6 +320,143 @@ fn bad_values_are_refused_with_a_clear_message() {
     assert!(!notes.contains("WARNING"), "{notes}");
 }
 
+#[test]
+fn pod_settings_render_where_they_belong_and_bad_ones_are_refused() {
+    let chart = "charts/batchlease-operator";
+    // (flag, value, what the error says)
+    let bad = [
+        (
+            "--set",
+            "extraEnv[0].value=x",
+            "at '/extraEnv/0': missing property 'name'",
+        ),
+        (
+            "--set",
+            "extraArgs[0]=1",
+            "at '/extraArgs/0': got number, want string",
+        ),
+        (
+            "--set",
+            "nodeSelector.disk=1",
+            "at '/nodeSelector/disk': got number, want string",
+        ),
+        (
+            "--set",
+            "podLabels.team=1",
+            "at '/podLabels/team': got number, want string",
+        ),
+        (
+            "--set",
+            "tolerations.key=x",
+            "at '/tolerations': got object, want array",
+        ),
+        (
+            "--set-json",
+            r#"imagePullSecrets=[{"name":""}]"#,
+            "at '/imagePullSecrets/0/name': minLength: got 0, want 1",
+        ),
+        (
+            "--set-json",
+            r#"imagePullSecrets=["regcred"]"#,
+            "at '/imagePullSecrets/0': got string, want object",
+        ),
+    ];
+    for (flag, value, says) in bad {
+        let mut args = vec!["template", "r", chart, flag, value];
+        args.extend(helm::CLUSTER);
+        let out = helm::run(&args).unwrap();
+        assert!(!out.success, "{flag} {value} passed");
+        assert!(
+            out.combined().contains(says),
+            "{flag} {value} should say {says:?}:\n{}",
+            out.combined()
+        );
+    }
+    let yaml = helm::template(&[
+        "r",
+        chart,
+        "--set-json",
+        r#"imagePullSecrets=[{"name":"regcred"}]"#,
+        "--set-json",
+        r#"extraArgs=["--events=all"]"#,
+        "--set-json",
+        r#"extraEnv=[{"name":"KUBERNETES_SERVICE_HOST","value":"127.0.0.1"}]"#,
+        "--set",
+        "podAnnotations.a=b,podLabels.team=batch,nodeSelector.disk=ssd",
+        "--set-json",
+        r#"tolerations=[{"key":"dedicated","operator":"Exists"}]"#,
+        "--set-json",
+        r#"affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"zone","operator":"In","values":["a"]}]}]}}}"#,
+        "--set-json",
+        r#"topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname","whenUnsatisfiable":"ScheduleAnyway"}]"#,
+    ])
+    .unwrap();
+    let deploy = &helm::rendered(&yaml, "Deployment").unwrap()[0];
+    let pod = &deploy["spec"]["template"];
+    let spec = &pod["spec"];
+    let c = &spec["containers"][0];
+    assert_eq!(spec["imagePullSecrets"], json!([{"name": "regcred"}]));
+    let args = c["args"].as_array().unwrap();
+    assert_eq!(args.last().unwrap(), "--events=all", "appended: {args:?}");
+    let env = c["env"].as_array().unwrap();
+    assert_eq!(env[0]["name"], "POD_NAME", "the chart's own come first");
+    assert_eq!(
+        env.last().unwrap(),
+        &json!({"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"})
+    );
+    assert_eq!(pod["metadata"]["annotations"], json!({"a": "b"}));
+    assert_eq!(pod["metadata"]["labels"]["team"], "batch");
+    // Added labels stay out of the selector (it is immutable).
+    assert!(
+        deploy["spec"]["selector"]["matchLabels"]
+            .get("team")
+            .is_none()
+    );
+    assert_eq!(spec["nodeSelector"], json!({"disk": "ssd"}));
+    assert_eq!(spec["tolerations"][0]["key"], "dedicated");
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["key"],
+        "zone"
+    );
+    assert_eq!(spec["topologySpreadConstraints"][0]["maxSkew"], 1);
+    // None of it by default; memory sized for ~50,000 tasks (values.yaml
+    // and the README give the rule).
+    let plain = helm::template(&["r", chart]).unwrap();
+    let deploy = &helm::rendered(&plain, "Deployment").unwrap()[0];
+    let spec = &deploy["spec"]["template"]["spec"];
+    for key in [
+        "imagePullSecrets",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+    ] {
+        assert!(spec.get(key).is_none(), "{key}: {spec}");
+    }
+    assert!(
+        deploy["spec"]["template"]["metadata"]
+            .get("annotations")
+            .is_none()
+    );
+    let resources = &spec["containers"][0]["resources"];
+    assert_eq!(resources["limits"]["memory"], "384Mi", "{resources}");
+    assert_eq!(resources["requests"]["memory"], "64Mi", "{resources}");
+    for file in ["values.yaml", "README.md"] {
+        let text = std::fs::read_to_string(
+            batchlease_e2e::repo_root()
+                .join("charts/batchlease-operator")
+                .join(file),
+        )
+        .unwrap();
+        assert!(text.contains("6 KiB"), "{file} gives the memory rule");
+        assert!(
+            text.contains("batchlease_cache_objects"),
+            "{file} names the metric"
+        );
+    }
+}
+
 /// `kubectl auth can-i VERB RESOURCE` as `sa` in `ns`.
 fn can(ns: &str, sa: &str, verb: &str, resource: &str, in_ns: &str) -> bool {
     let who = format!("--as=system:serviceaccount:{ns}:{sa}");
