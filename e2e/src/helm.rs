@@ -39,6 +39,24 @@ pub fn ok(args: &[&str]) -> anyhow::Result<String> {
     Ok(out.stdout)
 }
 
+/// What `helm template` is told of the cluster: the oldest Kubernetes the
+/// charts support (their `kubeVersion`; helm assumes 1.20 without a
+/// cluster, and refuses them) and the admission-policy API it serves.
+pub const CLUSTER: [&str; 4] = [
+    "--kube-version",
+    "1.32.0",
+    "--api-versions",
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+];
+
+/// `helm template ARGS…` as on a [`CLUSTER`]: the rendered YAML.
+pub fn template(args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["template"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&CLUSTER);
+    ok(&all)
+}
+
 /// The documents of `helm template` output of `kind`.
 pub fn rendered(yaml: &str, kind: &str) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut out = Vec::new();
@@ -54,41 +72,24 @@ pub fn rendered(yaml: &str, kind: &str) -> anyhow::Result<Vec<serde_json::Value>
 /// Environment variables, in order.
 pub type Env = Vec<(String, String)>;
 
-/// The operator container of the chart's Deployment as `helm template`
-/// renders it for `release` in `namespace` with `sets` (`--set` values):
-/// its args, and its env with the downward-API fields resolved as the
-/// kubelet would for pod `pod`. Fails on an env source it does not know,
-/// so a chart change cannot slip past the tests that run it.
-pub fn rendered_operator(
-    release: &str,
+/// The first container of a rendered Deployment: its args (none when
+/// absent), and its env with the downward-API fields resolved as the
+/// kubelet would for pod `pod` in `namespace`. Fails on an env source it
+/// does not know, so a chart change cannot slip past the tests that run it.
+pub fn container_of(
+    deploy: &serde_json::Value,
     namespace: &str,
-    sets: &[&str],
     pod: &str,
 ) -> anyhow::Result<(Vec<String>, Env)> {
-    let mut args = vec![
-        "template",
-        release,
-        "charts/batchlease-operator",
-        "-n",
-        namespace,
-    ];
-    for s in sets {
-        args.extend(["--set", s]);
-    }
-    let yaml = ok(&args)?;
-    let deploy = rendered(&yaml, "Deployment")?
-        .into_iter()
-        .next()
-        .context("no Deployment rendered")?;
     let container = &deploy["spec"]["template"]["spec"]["containers"][0];
     anyhow::ensure!(
         container.get("command").is_none(),
         "the chart sets a command: the image's entrypoint would not run"
     );
-    let cargs = container["args"]
+    let args = container["args"]
         .as_array()
-        .context("no args")?
-        .iter()
+        .into_iter()
+        .flatten()
         .map(|a| {
             a.as_str()
                 .map(String::from)
@@ -109,5 +110,30 @@ pub fn rendered_operator(
         };
         env.push((name, value));
     }
-    Ok((cargs, env))
+    Ok((args, env))
+}
+
+/// The operator container of the chart's Deployment as `helm template`
+/// renders it for `release` in `namespace` with `sets` (`--set` values):
+/// its args, and its env with the downward-API fields resolved as the
+/// kubelet would for pod `pod`. Fails on an env source it does not know,
+/// so a chart change cannot slip past the tests that run it.
+pub fn rendered_operator(
+    release: &str,
+    namespace: &str,
+    sets: &[&str],
+    pod: &str,
+) -> anyhow::Result<(Vec<String>, Env)> {
+    let mut args = vec![release, "charts/batchlease-operator", "-n", namespace];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let yaml = template(&args)?;
+    let deploy = rendered(&yaml, "Deployment")?
+        .into_iter()
+        .next()
+        .context("no Deployment rendered")?;
+    let (args, env) = container_of(&deploy, namespace, pod)?;
+    anyhow::ensure!(!args.is_empty(), "the operator's Deployment has no args");
+    Ok((args, env))
 }

@@ -145,8 +145,7 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         }
     }
     // The rendered probes, asked of the leader on the rendered port.
-    let yaml = helm::ok(&[
-        "template",
+    let yaml = helm::template(&[
         &name,
         "charts/batchlease-operator",
         "-n",

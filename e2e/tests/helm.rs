@@ -56,6 +56,127 @@ fn app_version_follows_the_crate_version() {
 }
 
 #[test]
+fn the_chart_states_the_kubernetes_it_needs() {
+    let root = batchlease_e2e::repo_root();
+    let chart: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root.join("charts/batchlease-operator/Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    let range = ">=1.32.0-0";
+    assert_eq!(chart["kubeVersion"].as_str(), Some(range));
+    // Why 1.32: the CRDs use selectableFields (GA in 1.32; the policy
+    // API, GA in 1.30, is older).
+    for file in ["batchtasks", "taskleases"] {
+        let crd =
+            std::fs::read_to_string(root.join(format!("crds/{file}.batchlease.dev.yaml"))).unwrap();
+        assert!(crd.contains("selectableFields:"), "{file}");
+    }
+    let readme =
+        std::fs::read_to_string(root.join("charts/batchlease-operator/README.md")).unwrap();
+    assert!(readme.contains(range), "the chart README states {range}");
+    // Older clusters are refused, before anything is rendered.
+    let old = helm::run(&[
+        "template",
+        "r",
+        "charts/batchlease-operator",
+        "--kube-version",
+        "1.31.9",
+    ])
+    .unwrap();
+    assert!(!old.success, "{}", old.stdout);
+    assert!(
+        old.combined().contains(
+            "chart requires kubeVersion: >=1.32.0-0 which is incompatible with Kubernetes v1.31.9"
+        ),
+        "{}",
+        old.combined()
+    );
+    // Where the API server does not serve the admission-policy API, the
+    // policy is left out (instead of failing the install) …
+    let without = helm(&[
+        "template",
+        "r",
+        "charts/batchlease-operator",
+        "--kube-version",
+        "1.32.0",
+    ]);
+    for kind in [
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ] {
+        assert!(
+            helm::rendered(&without, kind).unwrap().is_empty(),
+            "{kind} rendered without the API"
+        );
+    }
+    assert_eq!(helm::rendered(&without, "Deployment").unwrap().len(), 1);
+    let with = helm::template(&["r", "charts/batchlease-operator"]).unwrap();
+    assert_eq!(
+        helm::rendered(&with, "ValidatingAdmissionPolicy")
+            .unwrap()
+            .len(),
+        1
+    );
+    // … and NOTES.txt says so. `helm install --dry-run=client` asks the
+    // cluster for its APIs (helm 3.22), and this one serves the policy:
+    // render NOTES.txt with `helm template` (no cluster) instead, as a
+    // ConfigMap in a copy of the chart.
+    let notes = |sets: &str| {
+        let dir = batchlease_e2e::secrets::PrivateDir::new("chart-copy").unwrap();
+        let copy = dir.path().join("batchlease-operator");
+        let cp = std::process::Command::new("cp")
+            .args(["-r", "charts/batchlease-operator"])
+            .arg(&copy)
+            .current_dir(&root)
+            .status()
+            .unwrap();
+        assert!(cp.success());
+        let text = std::fs::read_to_string(copy.join("templates/NOTES.txt")).unwrap();
+        std::fs::remove_file(copy.join("templates/NOTES.txt")).unwrap();
+        std::fs::write(
+            copy.join("templates/_notes.tpl"),
+            format!("{{{{- define \"notes\" -}}}}\n{text}{{{{- end -}}}}\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            copy.join("templates/notes.yaml"),
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n\
+             data: {notes: {{ include \"notes\" . | quote }}}\n",
+        )
+        .unwrap();
+        let yaml = helm(&[
+            "template",
+            "r",
+            copy.to_str().unwrap(),
+            "--kube-version",
+            "1.32.0",
+            "--set",
+            sets,
+        ]);
+        let cm = helm::rendered(&yaml, "ConfigMap").unwrap();
+        cm[0]["data"]["notes"].as_str().unwrap().to_owned()
+    };
+    let skipped = notes("admission.enabled=true");
+    for says in [
+        "WARNING: the holder-only admission policy was NOT installed",
+        "--api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+    ] {
+        assert!(
+            skipped.contains(says),
+            "NOTES should say {says:?}:\n{skipped}"
+        );
+    }
+    assert!(
+        !skipped.contains("Holder-only admission is on"),
+        "{skipped}"
+    );
+    // Switched off on purpose: no warning.
+    let off = notes("admission.enabled=false");
+    assert!(off.contains("kubectl get taskleases -A"), "{off}");
+    assert!(!off.contains("WARNING"), "{off}");
+}
+
+#[test]
 fn bad_values_are_refused_with_a_clear_message() {
     // (value, what the error must say, whether `helm lint` fails too: it
     // checks the schema, but reports a template's `fail` as [INFO] only)
@@ -113,7 +234,8 @@ fn bad_values_are_refused_with_a_clear_message() {
     ];
     for (value, says, lint_fails) in cases {
         let chart = "charts/batchlease-operator";
-        let template = ["template", "r", chart, "--set", value];
+        let mut template = vec!["template", "r", chart, "--set", value];
+        template.extend(helm::CLUSTER);
         let lint = ["lint", chart, "--set", value];
         for args in [template.as_slice(), lint.as_slice()]
             .into_iter()
@@ -130,8 +252,7 @@ fn bad_values_are_refused_with_a_clear_message() {
         }
     }
     // And good values render what they ask for.
-    let yaml = helm(&[
-        "template",
+    let yaml = helm::template(&[
         "r",
         "charts/batchlease-operator",
         "-n",
@@ -140,7 +261,8 @@ fn bad_values_are_refused_with_a_clear_message() {
         "podDisruptionBudget.enabled=true,metrics.serviceMonitor.enabled=true,replicaCount=1,leaderElection.enabled=false",
         "--set",
         "watchNamespaces={a,b}",
-    ]);
+    ])
+    .unwrap();
     let pdb = helm::rendered(&yaml, "PodDisruptionBudget").unwrap();
     assert_eq!(pdb.len(), 1, "{yaml}");
     assert_eq!(pdb[0]["spec"]["minAvailable"], 1);
@@ -167,21 +289,22 @@ fn bad_values_are_refused_with_a_clear_message() {
         "{args}"
     );
     // Off by default: no CRD of the Prometheus Operator needed, no PDB.
-    let plain = helm(&["template", "r", "charts/batchlease-operator"]);
+    let plain = helm::template(&["r", "charts/batchlease-operator"]).unwrap();
     assert!(helm::rendered(&plain, "ServiceMonitor").unwrap().is_empty());
     assert!(
         helm::rendered(&plain, "PodDisruptionBudget")
             .unwrap()
             .is_empty()
     );
-    // NOTES.txt tells how to look at tasks and leases.
+    // NOTES.txt tells how to look at tasks and leases (a server dry run:
+    // the real cluster's version and APIs; nothing is created).
     let notes = helm(&[
         "install",
         "r",
         "charts/batchlease-operator",
         "-n",
         "ops",
-        "--dry-run=client",
+        "--dry-run=server",
         "--set",
         "watchNamespaces={a,b}",
     ]);
@@ -193,6 +316,144 @@ fn bad_values_are_refused_with_a_clear_message() {
         "Holder-only admission is on",
     ] {
         assert!(notes.contains(says), "NOTES should say {says:?}:\n{notes}");
+    }
+    assert!(!notes.contains("WARNING"), "{notes}");
+}
+
+#[test]
+fn pod_settings_render_where_they_belong_and_bad_ones_are_refused() {
+    let chart = "charts/batchlease-operator";
+    // (flag, value, what the error says)
+    let bad = [
+        (
+            "--set",
+            "extraEnv[0].value=x",
+            "at '/extraEnv/0': missing property 'name'",
+        ),
+        (
+            "--set",
+            "extraArgs[0]=1",
+            "at '/extraArgs/0': got number, want string",
+        ),
+        (
+            "--set",
+            "nodeSelector.disk=1",
+            "at '/nodeSelector/disk': got number, want string",
+        ),
+        (
+            "--set",
+            "podLabels.team=1",
+            "at '/podLabels/team': got number, want string",
+        ),
+        (
+            "--set",
+            "tolerations.key=x",
+            "at '/tolerations': got object, want array",
+        ),
+        (
+            "--set-json",
+            r#"imagePullSecrets=[{"name":""}]"#,
+            "at '/imagePullSecrets/0/name': minLength: got 0, want 1",
+        ),
+        (
+            "--set-json",
+            r#"imagePullSecrets=["regcred"]"#,
+            "at '/imagePullSecrets/0': got string, want object",
+        ),
+    ];
+    for (flag, value, says) in bad {
+        let mut args = vec!["template", "r", chart, flag, value];
+        args.extend(helm::CLUSTER);
+        let out = helm::run(&args).unwrap();
+        assert!(!out.success, "{flag} {value} passed");
+        assert!(
+            out.combined().contains(says),
+            "{flag} {value} should say {says:?}:\n{}",
+            out.combined()
+        );
+    }
+    let yaml = helm::template(&[
+        "r",
+        chart,
+        "--set-json",
+        r#"imagePullSecrets=[{"name":"regcred"}]"#,
+        "--set-json",
+        r#"extraArgs=["--events=all"]"#,
+        "--set-json",
+        r#"extraEnv=[{"name":"KUBERNETES_SERVICE_HOST","value":"127.0.0.1"}]"#,
+        "--set",
+        "podAnnotations.a=b,podLabels.team=batch,nodeSelector.disk=ssd",
+        "--set-json",
+        r#"tolerations=[{"key":"dedicated","operator":"Exists"}]"#,
+        "--set-json",
+        r#"affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"zone","operator":"In","values":["a"]}]}]}}}"#,
+        "--set-json",
+        r#"topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname","whenUnsatisfiable":"ScheduleAnyway"}]"#,
+    ])
+    .unwrap();
+    let deploy = &helm::rendered(&yaml, "Deployment").unwrap()[0];
+    let pod = &deploy["spec"]["template"];
+    let spec = &pod["spec"];
+    let c = &spec["containers"][0];
+    assert_eq!(spec["imagePullSecrets"], json!([{"name": "regcred"}]));
+    let args = c["args"].as_array().unwrap();
+    assert_eq!(args.last().unwrap(), "--events=all", "appended: {args:?}");
+    let env = c["env"].as_array().unwrap();
+    assert_eq!(env[0]["name"], "POD_NAME", "the chart's own come first");
+    assert_eq!(
+        env.last().unwrap(),
+        &json!({"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"})
+    );
+    assert_eq!(pod["metadata"]["annotations"], json!({"a": "b"}));
+    assert_eq!(pod["metadata"]["labels"]["team"], "batch");
+    // Added labels stay out of the selector (it is immutable).
+    assert!(
+        deploy["spec"]["selector"]["matchLabels"]
+            .get("team")
+            .is_none()
+    );
+    assert_eq!(spec["nodeSelector"], json!({"disk": "ssd"}));
+    assert_eq!(spec["tolerations"][0]["key"], "dedicated");
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["key"],
+        "zone"
+    );
+    assert_eq!(spec["topologySpreadConstraints"][0]["maxSkew"], 1);
+    // None of it by default; memory sized for ~50,000 tasks (values.yaml
+    // and the README give the rule).
+    let plain = helm::template(&["r", chart]).unwrap();
+    let deploy = &helm::rendered(&plain, "Deployment").unwrap()[0];
+    let spec = &deploy["spec"]["template"]["spec"];
+    for key in [
+        "imagePullSecrets",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+    ] {
+        assert!(spec.get(key).is_none(), "{key}: {spec}");
+    }
+    assert!(
+        deploy["spec"]["template"]["metadata"]
+            .get("annotations")
+            .is_none()
+    );
+    let resources = &spec["containers"][0]["resources"];
+    assert_eq!(resources["limits"]["memory"], "384Mi", "{resources}");
+    assert_eq!(resources["requests"]["memory"], "64Mi", "{resources}");
+    for file in ["values.yaml", "README.md"] {
+        let text = std::fs::read_to_string(
+            batchlease_e2e::repo_root()
+                .join("charts/batchlease-operator")
+                .join(file),
+        )
+        .unwrap();
+        assert!(text.contains("6 KiB"), "{file} gives the memory rule");
+        assert!(
+            text.contains("batchlease_cache_objects"),
+            "{file} names the metric"
+        );
     }
 }
 

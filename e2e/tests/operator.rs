@@ -108,7 +108,7 @@ async fn happy_path_one_lease_token_one() {
     assert_eq!(code, 200);
     assert!(
         body.contains(&format!(
-            "batchlease_tasks{{namespace=\"{}\",queue=\"q\",phase=\"Succeeded\"}} 1",
+            "\nbatchlease_tasks{{namespace=\"{}\",queue=\"q\",phase=\"Succeeded\"}} 1",
             ns.name
         )),
         "{body}"

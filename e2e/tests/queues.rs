@@ -127,14 +127,14 @@ async fn pause_withdraws_offers_lets_held_leases_finish_and_resume_runs_the_rest
     let (_, body) = op.get("/metrics").await.unwrap();
     assert!(
         body.contains(&format!(
-            "batchlease_queue_leases_held{{namespace=\"{}\",queue=\"demo\"}}",
+            "\nbatchlease_queue_leases_held{{namespace=\"{}\",queue=\"demo\"}}",
             ns.name
         )),
         "{body}"
     );
     assert!(
         body.contains(&format!(
-            "batchlease_queue_oldest_ready_seconds{{namespace=\"{}\",queue=\"demo\"}}",
+            "\nbatchlease_queue_oldest_ready_seconds{{namespace=\"{}\",queue=\"demo\"}}",
             ns.name
         )),
         "{body}"

@@ -68,6 +68,7 @@ fn jitter() -> f64 {
 pub struct Running {
     pub tasks: Store<BatchTask>,
     pub leases: Store<TaskLease>,
+    pub queues: Store<TaskQueue>,
     pub done: tokio::task::JoinHandle<()>,
 }
 
@@ -232,7 +233,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     });
     let status_sources = crate::queue_status::Sources {
         client: shared.client.clone(),
-        queues: queue_store,
+        queues: queue_store.clone(),
         tasks: task_store.clone(),
         leases: ctx.leases.clone(),
         book: queues.clone(),
@@ -315,6 +316,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     Running {
         tasks,
         leases: lease_store,
+        queues: queue_store,
         done,
     }
 }

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, TaskQueue};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
@@ -220,6 +220,8 @@ impl Metrics {
             "Tasks a TaskQueue held back from being issued, by reason (paused, max_concurrent, rate); counted once per wait",
             m.queue_issues_throttled.clone(),
         );
+        // Its descriptors are named without the prefix, which the
+        // sub-registry adds (they once had it too: `batchlease_batchlease_tasks`).
         r.register_collector(Box::new(m.tasks.clone()));
         Arc::new(m)
     }
@@ -291,17 +293,20 @@ impl Metrics {
     }
 
     /// Lets `batchlease_tasks{namespace,queue,phase}` count the tasks in
-    /// these caches (the current term's; a standby counts none), and
+    /// these caches (the current term's; a standby counts none),
+    /// `batchlease_cache_objects{kind}` their sizes, and
     /// [`Metrics::forget_gone_queues`] tell which queues exist once
     /// `synced` says every cache listed.
     pub fn watch_tasks(
         &self,
         stores: Vec<Store<BatchTask>>,
         leases: Vec<Store<TaskLease>>,
+        queues: Vec<Store<TaskQueue>>,
         synced: Option<Arc<SyncCounter>>,
     ) {
         *self.tasks.stores.lock().unwrap_or_else(|e| e.into_inner()) = stores;
         *self.tasks.leases.lock().unwrap_or_else(|e| e.into_inner()) = leases;
+        *self.tasks.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues;
         *self.tasks.synced.lock().unwrap_or_else(|e| e.into_inner()) = synced;
     }
 
@@ -409,13 +414,46 @@ pub async fn forget_gone_queues(metrics: Arc<Metrics>, stop: tokio_util::sync::C
 struct TaskPhases {
     stores: Arc<Mutex<Vec<Store<BatchTask>>>>,
     leases: Arc<Mutex<Vec<Store<TaskLease>>>>,
+    queues: Arc<Mutex<Vec<Store<TaskQueue>>>>,
     synced: Arc<Mutex<Option<Arc<SyncCounter>>>>,
 }
 
 type Key = (String, String);
 
+/// Objects in the caches of `stores`.
+fn cached<K>(stores: &Mutex<Vec<Store<K>>>) -> i64
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    let n: usize = stores
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(Store::len)
+        .sum();
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 impl prometheus_client::collector::Collector for TaskPhases {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        // What the operator's memory grows with (about 6 KiB per task with
+        // its lease, see the chart's `resources`): every kind, 0 on a
+        // standby, so a ratio or an alert never meets a missing series.
+        let objects = ConstGauge::new(0i64);
+        let mut family = encoder.encode_descriptor(
+            "cache_objects",
+            "Objects in the operator's watch caches, by kind (its memory grows with them)",
+            None,
+            objects.metric_type(),
+        )?;
+        for (kind, n) in [
+            ("BatchTask", cached(&self.stores)),
+            ("TaskLease", cached(&self.leases)),
+            ("TaskQueue", cached(&self.queues)),
+        ] {
+            ConstGauge::new(n).encode(family.encode_family(&[("kind", kind)])?)?;
+        }
         let mut counts: BTreeMap<(Key, String), i64> = BTreeMap::new();
         let mut oldest: BTreeMap<Key, Timestamp> = BTreeMap::new();
         for store in self.stores.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -443,7 +481,7 @@ impl prometheus_client::collector::Collector for TaskPhases {
         }
         let gauge = ConstGauge::new(0i64);
         let mut family = encoder.encode_descriptor(
-            "batchlease_tasks",
+            "tasks",
             "BatchTasks by namespace, queue and phase",
             None,
             gauge.metric_type(),
@@ -463,7 +501,7 @@ impl prometheus_client::collector::Collector for TaskPhases {
             }
         }
         let mut family = encoder.encode_descriptor(
-            "batchlease_queue_leases_held",
+            "queue_leases_held",
             "TaskLeases Held, by namespace and queue",
             None,
             gauge.metric_type(),
@@ -475,7 +513,7 @@ impl prometheus_client::collector::Collector for TaskPhases {
         let now = Timestamp::now();
         let age = ConstGauge::new(0f64);
         let mut family = encoder.encode_descriptor(
-            "batchlease_queue_oldest_ready_seconds",
+            "queue_oldest_ready_seconds",
             "Age of the longest-waiting Ready task's offer, by namespace and queue",
             None,
             age.metric_type(),
@@ -581,6 +619,82 @@ mod tests {
         // Without synced caches nothing is forgotten.
         assert_eq!(m.forget_gone_queues(), 0);
         assert!(text(&r).contains("namespace=\"a\""));
+    }
+
+    /// A cache holding `objects` (as a watch's initial list fills it).
+    fn cache<K>(objects: Vec<serde_json::Value>) -> Store<K>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + 'static,
+        K::DynamicType: std::hash::Hash + Eq + Clone + Default,
+    {
+        let (store, mut writer) = kube::runtime::reflector::store::<K>();
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::Init);
+        for o in objects {
+            let o: K = serde_json::from_value(o).unwrap();
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::InitApply(o));
+        }
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
+        store
+    }
+
+    fn object(kind: &str, ns: &str, name: &str) -> serde_json::Value {
+        let spec = match kind {
+            "BatchTask" => serde_json::json!({"queue": "demo"}),
+            "TaskLease" => serde_json::json!({
+                "taskName": name, "taskUID": "u", "queue": "demo",
+                "fencingToken": 1, "leaseDurationSeconds": 30
+            }),
+            _ => serde_json::json!({}),
+        };
+        serde_json::json!({
+            "apiVersion": "batchlease.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": name, "namespace": ns}, "spec": spec
+        })
+    }
+
+    #[test]
+    fn cache_sizes_are_exported_by_kind() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        // A standby caches nothing, and says so for every kind.
+        for kind in ["BatchTask", "TaskLease", "TaskQueue"] {
+            let line = format!("\nbatchlease_cache_objects{{kind=\"{kind}\"}} 0\n");
+            assert!(text(&r).contains(&line), "{line} in\n{}", text(&r));
+        }
+        // A leader watching two namespaces: the caches of both summed.
+        let tasks = vec![
+            cache::<BatchTask>(vec![
+                object("BatchTask", "a", "t1"),
+                object("BatchTask", "a", "t2"),
+            ]),
+            cache::<BatchTask>(vec![object("BatchTask", "b", "t1")]),
+        ];
+        let leases = vec![
+            cache::<TaskLease>(vec![object("TaskLease", "a", "t1-1")]),
+            cache::<TaskLease>(vec![object("TaskLease", "b", "t1-1")]),
+        ];
+        let queues = vec![
+            cache::<TaskQueue>(vec![object("TaskQueue", "a", "demo")]),
+            cache::<TaskQueue>(Vec::new()),
+        ];
+        m.watch_tasks(tasks, leases, queues, None);
+        let t = text(&r);
+        for line in [
+            "\n# TYPE batchlease_cache_objects gauge\n",
+            "\nbatchlease_cache_objects{kind=\"BatchTask\"} 3\n",
+            "\nbatchlease_cache_objects{kind=\"TaskLease\"} 2\n",
+            "\nbatchlease_cache_objects{kind=\"TaskQueue\"} 1\n",
+            // The other cache gauges, under their documented names.
+            "\nbatchlease_tasks{namespace=\"a\",queue=\"demo\",phase=\"New\"} 2\n",
+            "\n# TYPE batchlease_queue_leases_held gauge\n",
+            "\n# TYPE batchlease_queue_oldest_ready_seconds gauge\n",
+        ] {
+            assert!(t.contains(line), "{line} in\n{t}");
+        }
+        assert!(!t.contains("batchlease_batchlease"), "{t}");
+        // The term ends: its caches are dropped.
+        m.watch_tasks(Vec::new(), Vec::new(), Vec::new(), None);
+        assert!(text(&r).contains("\nbatchlease_cache_objects{kind=\"BatchTask\"} 0\n"));
     }
 
     #[test]

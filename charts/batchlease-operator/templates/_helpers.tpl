@@ -22,3 +22,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "batchlease.serviceAccountName" -}}
 {{- default (include "batchlease.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* "true" when the holder-only policy is rendered: admission.enabled and
+  the API server serves admissionregistration.k8s.io/v1
+  ValidatingAdmissionPolicy (GA in Kubernetes 1.30; it can be switched off
+  with --runtime-config). Empty otherwise. */}}
+{{- define "batchlease.admissionPolicy" -}}
+{{- if and .Values.admission.enabled (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") -}}
+true
+{{- end -}}
+{{- end -}}

@@ -41,7 +41,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use batchlease_worker_sdk::postgres::{FencedPool, migrate, migrate_serialized};
-use batchlease_worker_sdk::{JsonObject, Output, TaskContext, TaskError, WorkerBuilder};
+use batchlease_worker_sdk::{
+    DEFAULT_DRAIN_GRACE, JsonObject, Output, TaskContext, TaskError, WorkerBuilder,
+};
 use clap::Parser;
 use rand::Rng;
 use serde::Deserialize;
@@ -77,8 +79,15 @@ struct Args {
     /// user of the host.
     #[arg(long, env = "BATCHLEASE_PG_URL_FILE")]
     pg_url_file: Option<std::path::PathBuf>,
-    /// Seconds running handlers may finish after SIGTERM.
-    #[arg(long, env = "BATCHLEASE_DRAIN_GRACE_SECONDS", default_value_t = 10)]
+    /// Seconds running handlers may finish after SIGTERM (default: the
+    /// SDK's `DEFAULT_DRAIN_GRACE`). Keep the pod's
+    /// terminationGracePeriodSeconds at least 5 s above it: the rest of the
+    /// leases are given back after it (the worker chart checks this).
+    #[arg(
+        long,
+        env = "BATCHLEASE_DRAIN_GRACE_SECONDS",
+        default_value_t = DEFAULT_DRAIN_GRACE.as_secs()
+    )]
     drain_grace_seconds: u64,
     /// Serve the SDK's metrics on this address (`/metrics`), e.g. 0.0.0.0:9090.
     #[arg(long, env = "BATCHLEASE_METRICS_ADDR")]
@@ -219,7 +228,8 @@ async fn main() -> anyhow::Result<()> {
             None
         }
     };
-    // Each attempt registers its token before the handler runs (design §4).
+    // Each attempt registers its token before the handler runs (docs/sdk.md,
+    // "Fenced PostgreSQL store").
     if let Some(store) = &store {
         builder = builder.registry(store.clone());
     }

@@ -1,4 +1,4 @@
-//! The speculative example (design §6): move `amount` from one account to
+//! The speculative example (docs/speculative.md): move `amount` from one account to
 //! another with `ctx.speculate`, no locks, commit with compare-and-swap.
 //!
 //! Payload: `{"transfer": {"from": "acct-1", "to": "acct-3", "amount": 7,
