@@ -50,6 +50,7 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   local_env_down "$run_dir"
+  [ -d "$run_dir/cp-oldest" ] && e2e/controlplane/down.sh "$run_dir/cp-oldest" >/dev/null 2>&1
   [ "$rc" = 0 ] && rm -rf "$run_dir" || log "logs kept in $run_dir"
   summary # the last line: "N passed, N failed"
   rm -f "$results"
@@ -72,6 +73,20 @@ hack/image.sh --profile debug --out "$run_dir/images" >/dev/null
 export BATCHLEASE_IMAGE_DIR=$run_dir/images
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
+
+# The oldest Kubernetes minor supported (e2e/controlplane/versions.env):
+# a control plane of its own, where the CRDs install, their schema and CEL
+# rules refuse what they must, the admission policy holds, and a task runs
+# end to end with the operator and a worker.
+oldest=$(BATCHLEASE_KUBE=oldest bash -c '. e2e/controlplane/versions.env; echo $KUBE_VERSION')
+step "oldest supported Kubernetes ($oldest)"
+BATCHLEASE_KUBE=oldest e2e/controlplane/up.sh "$run_dir/cp-oldest" >/dev/null
+(
+  . "$run_dir/cp-oldest/env"
+  export BATCHLEASE_EXPECT_KUBE=$oldest
+  cargo_test --locked --no-fail-fast -p batchlease-e2e --test crds --test validation --test admission --test oldest -- --test-threads=2
+)
+e2e/controlplane/down.sh "$run_dir/cp-oldest" >/dev/null
 
 # Every benchmark phase at smoke size on the same control plane (what
 # `hack/bench.sh --quick` runs on a fresh one): the phases keep working, and

@@ -35,6 +35,9 @@ if need kube-apiserver kube-controller-manager kubectl; then
       printf 'package main\n' > doc.go
     )
   fi
+  # Staging modules the proxy does not serve at KUBE_STAGING_VERSION, taken
+  # at a neighbouring patch release (versions.env says which and why).
+  for r in ${KUBE_EXTRA_REPLACES:-}; do ( cd "$work" && go mod edit -replace="$r" ); done
   minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
   ld="-s -w"
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
