@@ -44,6 +44,15 @@ node_ip=$(hostname -I 2>/dev/null | awk '{print $1}')
 [ -n "$node_ip" ] || die "this host has no non-loopback IPv4 address for the node"
 node_name=${BATCHLEASE_NODE_NAME:-e2e-node}
 kubectl() { KUBECONFIG="$cp_dir/kubeconfig" "$cp_bin/kubectl" "$@"; }
+# A kubelet is machine-wide in one respect: its device-plugin socket is
+# always /var/lib/kubelet/device-plugins/kubelet.sock. Refuse to start a
+# second one (found by its command line; nothing is stopped).
+for p in /proc/[0-9]*; do
+  cmd=$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null) || continue
+  case $cmd in
+    */kubelet\ *--root-dir=*) die "a kubelet already runs on this machine (pid ${p#/proc/}: $cmd); stop its node first" ;;
+  esac
+done
 if kubectl get node "$node_name" >/dev/null 2>&1; then
   die "node $node_name is already registered with this control plane (another node up.sh?)"
 fi
@@ -140,6 +149,7 @@ disabled_plugins = [
         runtime_type = "io.containerd.runc.v2"
         [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
           BinaryName = "$oci_bin/runc"
+          Root = "$state/containerd/runc"
           SystemdCgroup = false
     [plugins.'io.containerd.cri.v1.runtime'.cni]
       bin_dirs = ["$state/cni/bin"]
