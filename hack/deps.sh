@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks for the tests: Debian packages
-# (PostgreSQL server, openssl, curl, gcc), the Rust components (rustfmt,
-# clippy), and builds the control plane binaries and the OCI tools (runc,
-# crane) into the cache (a no-op when cached).
+# (PostgreSQL server, openssl, curl, gcc, libseccomp-dev), the Rust
+# components (rustfmt, clippy), and builds the control plane binaries, the
+# OCI tools (runc, crane) and the node's (containerd, the pause image) into
+# the cache (a no-op when cached).
 # Needs root (or sudo) only when a Debian package is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,6 +19,10 @@ command -v runuser >/dev/null || missing+=(util-linux)
 # runc is built with cgo (e2e/oci/build.sh); hack/image.sh unpacks Debian
 # packages with dpkg-deb.
 command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+# runc is built with seccomp (the node's pods ask for a profile), and the
+# node's pause image is a static C binary (e2e/node/build.sh).
+[ -f /usr/include/seccomp.h ] || missing+=(libseccomp-dev)
+ls /usr/lib/*/libc.a >/dev/null 2>&1 || missing+=(libc6-dev)
 command -v dpkg-deb >/dev/null || missing+=(dpkg)
 # The e2e harness signals workers (STOP/CONT/TERM) with the kill binary.
 [ -x /bin/kill ] || [ -x /usr/bin/kill ] || missing+=(procps)
@@ -44,3 +49,4 @@ fi
 
 "$root/e2e/controlplane/build.sh" >/dev/null
 "$root/e2e/oci/build.sh" >/dev/null
+"$root/e2e/node/build.sh" >/dev/null

@@ -1,8 +1,11 @@
 # Sourced by hack/test.sh, demo.sh and bench.sh: a local control plane and a
-# throwaway PostgreSQL under one run directory.
+# throwaway PostgreSQL under one run directory, and with `node` a node too.
 
-# local_env_up DIR: starts both under DIR and exports their environment
-# (KUBECONFIG, BATCHLEASE_KUBECTL, BATCHLEASE_HELM, BATCHLEASE_PG_URL, …).
+# local_env_up DIR [node]: starts them under DIR and exports their
+# environment (KUBECONFIG, BATCHLEASE_KUBECTL, BATCHLEASE_HELM,
+# BATCHLEASE_PG_URL, …; with `node`, BATCHLEASE_NODE and the rest of
+# e2e/node/up.sh's env: a kubelet and containerd that run hostNetwork pods,
+# which hack/test.sh starts for e2e/tests/node.rs).
 local_env_up() {
   local dir=$1
   mkdir -p "$dir"
@@ -11,10 +14,15 @@ local_env_up() {
   e2e/postgres/up.sh "$dir/pg" >/dev/null
   . "$dir/cp/env"
   . "$dir/pg/env"
+  if [ "${2:-}" = node ]; then
+    e2e/node/up.sh "$dir/node" "$dir/cp" >/dev/null
+    . "$dir/node/env"
+  fi
 }
 
-# local_env_down DIR: stops both; safe to call twice or after a failed start.
+# local_env_down DIR: stops them; safe to call twice or after a failed start.
 local_env_down() {
+  e2e/node/down.sh "$1/node" || true
   e2e/controlplane/down.sh "$1/cp" || true
   e2e/postgres/down.sh "$1/pg" || true
 }

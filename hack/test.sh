@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every check and test of batchlease. This is the README's test command
 # and what CI (.ci/run) calls:
-#   deps → fmt → clippy → unit tests → CRD drift → control plane + PostgreSQL
-#   → e2e tests → benchmark smoke run → stop everything (always, via trap).
+#   deps → fmt → clippy → unit tests → CRD drift → control plane, PostgreSQL
+#   and a node (kubelet, containerd) → e2e tests → benchmark smoke run → stop
+#   everything (always, via trap).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -44,7 +45,7 @@ cargo_test --locked --release -p batchlease-model -- --nocapture
 step "CRD drift check"
 cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
 
-step "start control plane and PostgreSQL"
+step "start control plane, PostgreSQL and a node"
 run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)
 cleanup() {
   local rc=$?
@@ -57,7 +58,7 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT INT TERM
-local_env_up "$run_dir"
+local_env_up "$run_dir" node
 
 step "e2e tests"
 cargo build --locked -p batchlease-operator -p batchlease-demo-worker -p kubectl-batchlease
@@ -71,6 +72,8 @@ oci_bin=$(e2e/oci/build.sh)
 export BATCHLEASE_RUNC=$oci_bin/runc BATCHLEASE_CRANE=$oci_bin/crane
 hack/image.sh --profile debug --out "$run_dir/images" >/dev/null
 export BATCHLEASE_IMAGE_DIR=$run_dir/images
+# …and on the node, where e2e/tests/node.rs runs them as pods.
+e2e/node/import.sh "$run_dir/node" "$run_dir"/images/*.oci.tar
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
 

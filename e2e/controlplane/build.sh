@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-controller-manager, kubectl, etcd and helm from Go
-# modules into a cache outside the repository, keyed by version, and prints the
-# bin directory. Skips the build when the binaries are already there, so warm
+# Builds kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, the
+# kubelet (e2e/node/ runs it), etcd and helm from Go modules into a cache
+# outside the repository, keyed by version, and prints the bin directory.
+# Each missing binary is built on its own, so adding one to a cached
+# directory builds just that one. Skips the build when the binaries are already there, so warm
 # runs cost nothing. See e2e/README.md for measured times.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +17,8 @@ log() { echo "[controlplane/build] $*" >&2; }
 
 need() { for b in "$@"; do [ -x "$bin/$b" ] || return 0; done; return 1; }
 
-if need kube-apiserver kube-controller-manager kubectl; then
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+if need "${k8s_cmds[@]}"; then
   # k8s.io/kubernetes cannot be built with `go install`: its go.mod replaces
   # the staging modules with local paths. A small module of our own requires
   # it and replaces every staging module with its published twin.
@@ -43,7 +46,7 @@ if need kube-apiserver kube-controller-manager kubectl; then
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld="$ld -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
   done
-  for c in kube-apiserver kube-controller-manager kubectl; do
+  for c in "${k8s_cmds[@]}"; do
     [ -x "$bin/$c" ] && continue
     log "building $c $KUBE_VERSION (cold: tens of minutes on 2 cores)"
     ( cd "$work" && go build -trimpath -ldflags "$ld" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c" && mv "$bin/$c.tmp" "$bin/$c" )

@@ -5,7 +5,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 LOG_TAG=controlplane
 . "$here/../lib/common.sh"
 state=${1:?usage: down.sh STATE_DIR}
-for c in kube-controller-manager kube-apiserver etcd; do
+for c in kube-scheduler kube-controller-manager kube-apiserver etcd; do
   stop_pidfile "$state/run/$c.pid"
 done
 rm -rf "$state/etcd"

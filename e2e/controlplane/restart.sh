@@ -2,7 +2,7 @@
 # Restarts one component of the control plane under STATE_DIR with the
 # same command line (ports, certificates, data): the fault a test injects
 # to see its clients ride over an API server or etcd restart.
-#   restart.sh STATE_DIR etcd|kube-apiserver|kube-controller-manager [DOWN_SECONDS]
+#   restart.sh STATE_DIR etcd|kube-apiserver|kube-controller-manager|kube-scheduler [DOWN_SECONDS]
 # DOWN_SECONDS (default 0) keeps the component stopped that long first.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts etcd, kube-apiserver and kube-controller-manager on free loopback
+# Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler on free loopback
 # ports with fresh certificates, under STATE_DIR (default: a new temp dir).
 # Writes STATE_DIR/env (KUBECONFIG, BATCHLEASE_CP_DIR, PATH with kubectl and
 # helm first) for callers to source. Stop with down.sh STATE_DIR.
@@ -61,6 +61,11 @@ etcd_ready() { curl -sf "http://127.0.0.1:$etcd_port/health"; }
 wait_until etcd 60 "$state/logs/etcd.log" etcd_ready
 
 # --- kube-apiserver ---
+# Ready for a node (e2e/node/up.sh): the Node authorizer and NodeRestriction
+# for the kubelet's identity (system:node:<name>), the ServiceAccount
+# admission plugin (on by default) so pods get their token volume, and the
+# kubelet's serving certificate checked against the CA (node/up.sh signs
+# it) when the server fetches logs; it authenticates to the kubelet as admin.
 # The audit log is the ground truth of who wrote what: every write to
 # batchlease objects, Leases and Events, by user, with the time it was
 # applied. The history checker reads it (BATCHLEASE_AUDIT_LOG).
@@ -83,11 +88,13 @@ launch kube-apiserver "$bin/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address=127.0.0.1 \
   --advertise-address=127.0.0.1 --secure-port="$api_port" --cert-dir="$pki" \
   --tls-cert-file="$pki/serving.crt" --tls-private-key-file="$pki/serving.key" \
-  --client-ca-file="$pki/ca.crt" --authorization-mode=RBAC \
+  --client-ca-file="$pki/ca.crt" --authorization-mode=Node,RBAC \
   --service-account-issuer="https://127.0.0.1:$api_port/" \
   --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
   --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
-  --disable-admission-plugins=ServiceAccount --endpoint-reconciler-type=none
+  --enable-admission-plugins=NodeRestriction --endpoint-reconciler-type=none \
+  --kubelet-certificate-authority="$pki/ca.crt" --kubelet-preferred-address-types=InternalIP \
+  --kubelet-client-certificate="$pki/admin.crt" --kubelet-client-key="$pki/admin.key"
 readyz() {
   curl -sf --cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key" \
     "https://127.0.0.1:$api_port/readyz"
@@ -123,13 +130,16 @@ current-context: e2e
 KC
 
 # --- kube-controller-manager: garbage collection, namespace deletion,
-# ServiceAccounts, and the type-checking of ValidatingAdmissionPolicies (the
-# chart's holder-only policy reports its CEL warnings in its status) ---
+# ServiceAccounts, the type-checking of ValidatingAdmissionPolicies (the
+# chart's holder-only policy reports its CEL warnings in its status), and
+# for pods on the node (e2e/node/): Deployments and ReplicaSets, the
+# kube-root-ca.crt ConfigMap a pod's service-account volume projects, and
+# node lifecycle (it lifts the not-ready taint a kubelet registers with) ---
 kcm_port=$(free_port)
 launch kube-controller-manager "$bin/kube-controller-manager" --kubeconfig="$state/kubeconfig" \
   --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1 --secure-port="$kcm_port" --cert-dir="$state/kcm-certs" \
-  --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,validatingadmissionpolicy-status-controller \
+  --controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,validatingadmissionpolicy-status-controller,deployment-controller,replicaset-controller,root-ca-certificate-publisher-controller,node-lifecycle-controller \
   --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt"
 # Healthy, and its controllers act: the serviceaccount controller has
 # created the `default` ServiceAccount of the `default` namespace.
@@ -140,6 +150,17 @@ kcm_ready() {
 wait_until kube-controller-manager 120 "$state/logs/kube-controller-manager.log" kcm_ready
 cat >> "$state/run/ready.sh" <<READY
 kube-controller-manager_ready() { curl -sfk "https://127.0.0.1:$kcm_port/healthz"; }
+READY
+
+# --- kube-scheduler: binds pods to the node (e2e/node/) ---
+sched_port=$(free_port)
+launch kube-scheduler "$bin/kube-scheduler" --kubeconfig="$state/kubeconfig" \
+  --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
+  --leader-elect=false --bind-address=127.0.0.1 --secure-port="$sched_port"
+kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
+wait_until kube-scheduler 60 "$state/logs/kube-scheduler.log" kube-scheduler_ready
+cat >> "$state/run/ready.sh" <<READY
+kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
 READY
 
 cat > "$state/env" <<ENV

@@ -21,6 +21,10 @@ pub struct Write {
     /// replaced. At Metadata level the log does not record the version a
     /// write produced.
     pub resource_version: Option<String>,
+    /// The pod a service-account token was bound to (the user's
+    /// `authentication.kubernetes.io/pod-name`): a pod's own, mounted by
+    /// the kubelet, or `kubectl create token --bound-object-kind=Pod`.
+    pub pod: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -38,6 +42,8 @@ struct Event {
 #[derive(Deserialize)]
 struct User {
     username: String,
+    #[serde(default)]
+    extra: std::collections::HashMap<String, Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -89,7 +95,13 @@ fn parse(line: &str, namespace: &str) -> anyhow::Result<Option<Write>> {
         Some(sub) => format!("{}/{sub}", obj.resource.unwrap_or_default()),
         None => obj.resource.unwrap_or_default(),
     };
+    let pod = e
+        .user
+        .extra
+        .get("authentication.kubernetes.io/pod-name")
+        .and_then(|v| v.first().cloned());
     Ok(Some(Write {
+        pod,
         user: e.user.username,
         verb: e.verb,
         resource,
@@ -134,5 +146,14 @@ mod tests {
         assert!(parse(line, "other").unwrap().is_none());
         let refused = line.replace(r#""code":200"#, r#""code":409"#);
         assert!(parse(&refused, "ns").unwrap().is_none());
+        assert_eq!(w.pod, None);
+    }
+
+    #[test]
+    fn a_pod_bound_token_names_its_pod() {
+        let line = r#"{"kind":"Event","apiVersion":"audit.k8s.io/v1","level":"Metadata","auditID":"x","stage":"ResponseComplete","verb":"update","user":{"username":"system:serviceaccount:ns:op","groups":["system:serviceaccounts"],"extra":{"authentication.kubernetes.io/credential-id":["JTI=1"],"authentication.kubernetes.io/node-name":["e2e-node"],"authentication.kubernetes.io/pod-name":["op-7d9c-abcde"],"authentication.kubernetes.io/pod-uid":["u"]}},"objectRef":{"resource":"leases","namespace":"ns","name":"batchlease-operator","apiGroup":"coordination.k8s.io","apiVersion":"v1"},"responseStatus":{"metadata":{},"code":200},"requestReceivedTimestamp":"2026-12-01T22:31:24.806744Z","stageTimestamp":"2026-12-01T22:31:24.843302Z"}"#;
+        let w = parse(line, "ns").unwrap().unwrap();
+        assert_eq!(w.pod.as_deref(), Some("op-7d9c-abcde"));
+        assert_eq!(w.user, "system:serviceaccount:ns:op");
     }
 }

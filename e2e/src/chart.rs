@@ -19,16 +19,30 @@ pub struct Release {
     pub namespace: String,
     /// The `--set` values it was installed or last upgraded with.
     pub sets: Vec<String>,
+    /// `--set-string` values (kept as strings: an env value that looks
+    /// like a number).
+    pub set_strings: Vec<String>,
     uninstalled: bool,
 }
 
 impl Release {
     /// `helm install NAME charts/batchlease-operator -n NAMESPACE --set …`.
     pub fn install(name: &str, namespace: &str, sets: &[String]) -> anyhow::Result<Self> {
+        Self::install_with(name, namespace, sets, &[])
+    }
+
+    /// Like [`Release::install`], with `--set-string` values too.
+    pub fn install_with(
+        name: &str,
+        namespace: &str,
+        sets: &[String],
+        set_strings: &[String],
+    ) -> anyhow::Result<Self> {
         let r = Self {
             name: name.into(),
             namespace: namespace.into(),
             sets: sets.to_vec(),
+            set_strings: set_strings.to_vec(),
             uninstalled: false,
         };
         r.helm("install")?;
@@ -52,6 +66,9 @@ impl Release {
         ];
         for s in &self.sets {
             args.extend(["--set", s]);
+        }
+        for s in &self.set_strings {
+            args.extend(["--set-string", s]);
         }
         helm::ok(&args)
     }

@@ -340,6 +340,7 @@ mod tests {
             at: received + 0.004,
             received,
             resource_version: Some(replaced.to_string()),
+            pod: None,
         }
     }
 

@@ -21,6 +21,7 @@ pub mod history_graph;
 pub mod history_speculative;
 pub mod identity;
 pub mod kubectl;
+pub mod node;
 pub mod oci;
 pub mod operator;
 pub mod pg;
