@@ -3,6 +3,10 @@
 
 # local_env_up DIR: starts both under DIR and exports their environment
 # (KUBECONFIG, BATCHLEASE_KUBECTL, BATCHLEASE_HELM, BATCHLEASE_PG_URL, …).
+# With BATCHLEASE_PG_TLS=1 the PostgreSQL accepts TLS only and
+# BATCHLEASE_PG_URL carries sslmode=verify-full and its CA (meant for
+# hack/demo.sh; the e2e suite reads its database without TLS, and
+# e2e/tests/postgres_tls.rs starts a TLS one of its own).
 local_env_up() {
   local dir=$1
   mkdir -p "$dir"
