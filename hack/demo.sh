@@ -53,6 +53,19 @@ kubectl get leases -n demo -l batchlease.dev/lock-namespace=demo   # resource lo
 echo
 psql "$BATCHLEASE_PG_URL" -c 'SELECT task_id, last_fencing_token AS token, payload->>'"'"'worker'"'"' AS worker FROM task_state ORDER BY task_id'
 psql "$BATCHLEASE_PG_URL" -c 'SELECT key AS account, version, state FROM versioned_state ORDER BY key'   # examples/speculative.yaml
+# Both workers took part: each one's commits, and whether it is still running
+# (they started together on an empty database; a migration race used to make
+# one of them exit at once).
+psql "$BATCHLEASE_PG_URL" -c "SELECT coalesce(payload->>'worker', '(unnamed)') AS worker, count(*) AS committed
+  FROM task_state WHERE committed_token IS NOT NULL GROUP BY 1 ORDER BY 1"
+for w in 1 2; do
+  if kill -0 "${pids[$w]}" 2>/dev/null; then
+    log "demo-worker-$w: running"
+  else
+    log "demo-worker-$w: EXITED — last lines of its log:"
+    tail -n 5 "$run_dir/worker-$w.log" >&2
+  fi
+done
 log "In another shell:"
 log "  export KUBECONFIG=$KUBECONFIG PATH=$(dirname "$BATCHLEASE_KUBECTL"):\$PATH"
 log "  kubectl get bt,tl -n demo      (logs: $run_dir/*.log)"

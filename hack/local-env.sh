@@ -6,6 +6,10 @@
 # BATCHLEASE_PG_URL, …; with `node`, BATCHLEASE_NODE and the rest of
 # e2e/node/up.sh's env: a kubelet and containerd that run hostNetwork pods,
 # which hack/test.sh starts for e2e/tests/node.rs).
+# With BATCHLEASE_PG_TLS=1 the PostgreSQL accepts TLS only and
+# BATCHLEASE_PG_URL carries sslmode=verify-full and its CA (meant for
+# hack/demo.sh; the e2e suite reads its database without TLS, and
+# e2e/tests/postgres_tls.rs starts a TLS one of its own).
 local_env_up() {
   local dir=$1
   mkdir -p "$dir"

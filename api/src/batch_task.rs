@@ -24,7 +24,15 @@ use serde::{Deserialize, Serialize};
     printcolumn(name = "Queue", type_ = "string", json_path = ".spec.queue"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Token", type_ = "integer", json_path = ".status.fencingToken"),
-    printcolumn(name = "Attempts", type_ = "integer", json_path = ".status.attempts"),
+    // Retries spent (failed or expired attempts), not attempts run: a task
+    // that succeeded at its first try shows 0. Named "Attempts" it read as
+    // the number of runs.
+    printcolumn(
+        name = "Retries",
+        type_ = "integer",
+        json_path = ".status.attempts",
+        description = "Retries spent: attempts that failed or expired (0 for a task that succeeded at its first try)"
+    ),
     printcolumn(name = "Holder", type_ = "string", json_path = ".status.holder"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     selectable = ".spec.queue",

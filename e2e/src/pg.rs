@@ -154,3 +154,84 @@ pub async fn audit_all(
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect())
 }
+
+/// A PostgreSQL of the test's own that accepts TLS connections only
+/// (`e2e/postgres/up.sh --tls`: ssl=on, a server certificate for
+/// 127.0.0.1 signed by a test CA, `hostnossl … reject`), as managed
+/// PostgreSQL services are. Stopped and deleted when dropped.
+#[derive(Debug)]
+pub struct TlsPostgres {
+    dir: std::path::PathBuf,
+    /// `postgres://batchlease@127.0.0.1:<port>/batchlease`, no TLS parameters.
+    pub plain_url: String,
+    /// The test CA's certificate (PEM), which signed the server's.
+    pub ca: std::path::PathBuf,
+}
+
+impl TlsPostgres {
+    /// Starts one (about 3 s: initdb, certificates, start).
+    pub fn start() -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let dir = std::env::temp_dir().join(format!(
+            "batchlease-pg-tls-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        // PostgreSQL runs as an unprivileged user and must reach it.
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        let script = crate::crate_dir().join("postgres/up.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .arg("--tls")
+            .arg(dir.join("pg"))
+            .output()
+            .with_context(|| format!("running {}", script.display()))?;
+        // From here on, Drop stops whatever was started.
+        let mut pg = Self {
+            dir,
+            plain_url: String::new(),
+            ca: Default::default(),
+        };
+        anyhow::ensure!(
+            out.status.success(),
+            "{} --tls failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env = std::fs::read_to_string(pg.dir.join("pg/env"))?;
+        let var = |name: &str| {
+            env.lines()
+                .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+                .map(|v| v.trim_matches('\'').to_owned())
+                .with_context(|| format!("{name} missing from up.sh's env file:\n{env}"))
+        };
+        pg.plain_url = var("BATCHLEASE_PG_PLAIN_URL")?;
+        pg.ca = var("BATCHLEASE_PG_CA")?.into();
+        Ok(pg)
+    }
+
+    /// The URL with `sslmode=verify-full&sslrootcert=<ca>`.
+    pub fn verify_full_url(&self, ca: &std::path::Path) -> String {
+        format!(
+            "{}?sslmode=verify-full&sslrootcert={}",
+            self.plain_url,
+            ca.display()
+        )
+    }
+
+    /// The server's log, for diagnostics.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("pg/postgres.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for TlsPostgres {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("bash")
+            .arg(crate::crate_dir().join("postgres/down.sh"))
+            .arg(self.dir.join("pg"))
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -54,11 +54,11 @@ async fn apply_examples_and_get_printer_columns() {
         assert_eq!(
             header(&out),
             [
-                "NAME", "QUEUE", "PHASE", "TOKEN", "ATTEMPTS", "HOLDER", "AGE"
+                "NAME", "QUEUE", "PHASE", "TOKEN", "RETRIES", "HOLDER", "AGE"
             ],
             "{kind}:\n{out}"
         );
-        // No operator yet: no status, so Phase/Token/Attempts/Holder are empty.
+        // No operator yet: no status, so Phase/Token/Retries/Holder are empty.
         assert_eq!(row(&out, "load")[1], "demo", "{out}");
         assert_eq!(out.lines().count(), 8, "{kind}:\n{out}");
     }

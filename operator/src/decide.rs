@@ -549,7 +549,7 @@ fn pending(input: &Input<'_>, current: &BatchTaskStatus) -> Decision {
             if let Some(d) = give_back_locks(input) {
                 return d;
             }
-            let failed = matches!(not_ready, Readiness::Failed(_));
+            let failed = matches!(not_ready, Readiness::Failed { .. });
             let msg = not_ready.message();
             set_condition(
                 &mut status,

@@ -60,7 +60,10 @@ fn waiting_for_dependencies_is_a_condition_written_once() {
 #[test]
 fn a_failed_dependency_is_reported_and_cleared_when_it_is_redriven() {
     let t = task().phase(TaskPhase::Pending, 0);
-    let failed = Readiness::Failed(strings(&["extract"]));
+    let failed = Readiness::Failed {
+        failed: strings(&["extract"]),
+        cancelled: vec![],
+    };
     let (st, tr) = into_status(Case::new(t.clone()).deps(failed).run());
     assert_eq!(tr, Transition::DependencyFailed);
     assert_eq!(

@@ -26,9 +26,14 @@ pub enum Readiness {
         missing: Vec<String>,
         unfinished: Vec<String>,
     },
-    /// Some dependencies are dead-lettered or rejected: the task cannot run
-    /// unless they are redriven and succeed.
-    Failed(Vec<String>),
+    /// Some dependencies ended without succeeding: `failed` are
+    /// dead-lettered or rejected (the task cannot run unless they are
+    /// redriven and succeed), `cancelled` were cancelled (final: they never
+    /// will).
+    Failed {
+        failed: Vec<String>,
+        cancelled: Vec<String>,
+    },
     /// The task is on a dependency cycle: it can never run.
     Cycle(Cycle),
 }
@@ -51,10 +56,22 @@ impl Readiness {
                 }
                 parts.join("; ")
             }
-            Self::Failed(names) => format!(
-                "{} cannot succeed (dead-lettered or rejected); redrive it to run this task",
-                list(names)
-            ),
+            Self::Failed { failed, cancelled } => {
+                let mut parts = Vec::new();
+                if !failed.is_empty() {
+                    parts.push(format!(
+                        "{} cannot succeed (dead-lettered or rejected); redrive it to run this task",
+                        list(failed)
+                    ));
+                }
+                if !cancelled.is_empty() {
+                    parts.push(format!(
+                        "{} was cancelled (final): cancel or delete this task",
+                        list(cancelled)
+                    ));
+                }
+                parts.join("; ")
+            }
             Self::Cycle(c) => format!("dependency cycle: {}", describe(c, None)),
         }
     }
@@ -119,24 +136,24 @@ pub fn assess(
     let mut missing = Vec::new();
     let mut unfinished = Vec::new();
     let mut failed = Vec::new();
+    let mut cancelled = Vec::new();
     for name in &task.spec.depends_on {
         match lookup(name).as_deref().map(phase_of) {
             None => missing.push(name.clone()),
             Some(Some(TaskPhase::Succeeded)) => {}
-            Some(Some(TaskPhase::DeadLettered | TaskPhase::Rejected | TaskPhase::Cancelled)) => {
-                failed.push(name.clone())
-            }
+            Some(Some(TaskPhase::DeadLettered | TaskPhase::Rejected)) => failed.push(name.clone()),
+            Some(Some(TaskPhase::Cancelled)) => cancelled.push(name.clone()),
             Some(_) => unfinished.push(name.clone()),
         }
     }
-    if missing.is_empty() && unfinished.is_empty() && failed.is_empty() {
+    if missing.is_empty() && unfinished.is_empty() && failed.is_empty() && cancelled.is_empty() {
         return Readiness::Ready;
     }
     if check_cycles && let Some(cycle) = find_cycle(task, lookup) {
         return Readiness::Cycle(cycle);
     }
-    if !failed.is_empty() {
-        return Readiness::Failed(failed);
+    if !failed.is_empty() || !cancelled.is_empty() {
+        return Readiness::Failed { failed, cancelled };
     }
     Readiness::Waiting {
         missing,
@@ -259,7 +276,10 @@ mod tests {
                     t("x", &["a", "b"], Some(Pending)),
                 ],
                 "x",
-                Readiness::Failed(strings(&["a"])),
+                Readiness::Failed {
+                    failed: strings(&["a"]),
+                    cancelled: vec![],
+                },
             ),
             (
                 "a 3-cycle",
@@ -288,7 +308,10 @@ mod tests {
                     t("x", &["a"], Some(Pending)),
                 ],
                 "x",
-                Readiness::Failed(strings(&["a"])),
+                Readiness::Failed {
+                    failed: strings(&["a"]),
+                    cancelled: vec![],
+                },
             ),
             (
                 "depending on a cycle still being detected: waits",
@@ -353,6 +376,41 @@ mod tests {
             path: strings(&["a", "b", "c"]),
         });
         assert_eq!(c.message(), "dependency cycle: a → b → c → a");
+    }
+
+    /// A cancelled dependency is named as cancelled, not as failed: it
+    /// used to read "cannot succeed (dead-lettered or rejected); redrive
+    /// it", and a redrive of a cancelled task is ignored.
+    #[test]
+    fn a_cancelled_dependency_is_said_to_be_cancelled() {
+        use TaskPhase::*;
+        let tasks = vec![
+            t("gone", &[], Some(Cancelled)),
+            t("bad", &[], Some(DeadLettered)),
+            t("x", &["gone"], Some(Pending)),
+            t("y", &["gone", "bad"], Some(Pending)),
+        ];
+        let w = world(&tasks);
+        let lookup = |n: &str| w.get(n).cloned();
+        let x = assess(&w["x"], &lookup, true);
+        assert_eq!(
+            x,
+            Readiness::Failed {
+                failed: vec![],
+                cancelled: strings(&["gone"]),
+            }
+        );
+        assert_eq!(
+            x.message(),
+            "gone was cancelled (final): cancel or delete this task"
+        );
+        assert!(!x.message().contains("redrive"), "{}", x.message());
+        let y = assess(&w["y"], &lookup, true).message();
+        assert_eq!(
+            y,
+            "bad cannot succeed (dead-lettered or rejected); redrive it to run this task; \
+             gone was cancelled (final): cancel or delete this task"
+        );
     }
 
     #[test]

@@ -93,8 +93,11 @@ use crate::error::Error;
 use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
 
+mod connect;
 mod resource_fence;
 mod versioned;
+
+pub use connect::{ConnectError, ConnectOptions, SslMode};
 
 use resource_fence::Step;
 

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_worker_sdk::postgres::{FencedPool, migrate, migrate_serialized};
+use batchlease_worker_sdk::postgres::{ConnectOptions, FencedPool, migrate, migrate_serialized};
 use batchlease_worker_sdk::{
     DEFAULT_DRAIN_GRACE, JsonObject, Output, TaskContext, TaskError, WorkerBuilder,
 };
@@ -76,7 +76,8 @@ struct Args {
     /// File with the PostgreSQL connection string for the fenced store
     /// (e.g. a mounted Secret); without it, the environment variable
     /// BATCHLEASE_PG_URL. Never a flag: a command line is visible to every
-    /// user of the host.
+    /// user of the host. TLS: `sslmode=verify-full&sslrootcert=/path/ca.crt`
+    /// in the URL (libpq's meaning; also PGSSLMODE / PGSSLROOTCERT).
     #[arg(long, env = "BATCHLEASE_PG_URL_FILE")]
     pg_url_file: Option<std::path::PathBuf>,
     /// Seconds running handlers may finish after SIGTERM (default: the
@@ -249,37 +250,41 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// The fenced store on `pg`: a connection per slot (slots commit
-/// concurrently), its tables migrated.
+/// concurrently), its tables migrated. TLS as the connection string's
+/// `sslmode` says (the SDK's `ConnectOptions`).
 async fn fenced_store(
-    pg: tokio_postgres::Config,
+    pg: ConnectOptions,
     slots: usize,
     margin: Duration,
     builder: &WorkerBuilder,
 ) -> anyhow::Result<Arc<FencedPool>> {
-    let database = pg_url::describe(&pg);
+    let database = pg.describe();
     let store = Arc::new(
-        FencedPool::new(slots, builder.metrics().clone(), move || {
-            let pg = pg.clone();
-            async move {
-                let (client, conn) = pg.connect(tokio_postgres::NoTls).await?;
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::warn!(error = %e, "PostgreSQL connection ended");
-                    }
-                });
-                Ok(client)
-            }
-        })
-        .with_clock_skew(margin),
+        FencedPool::new(slots, builder.metrics().clone(), move || pg.connect())
+            .with_clock_skew(margin),
     );
-    migrate(
-        store
-            .get()
-            .await
-            .with_context(|| format!("connecting to PostgreSQL ({database})"))?
-            .client(),
-    )
-    .await?;
+    let first = match store.get().await {
+        Ok(db) => db,
+        Err(e) => {
+            // The server's pg_hba.conf refused a connection without TLS
+            // (`hostnossl … reject`, what managed PostgreSQL does): say
+            // what to change, not only what the server said.
+            let hint = match &e {
+                batchlease_worker_sdk::Error::Postgres { source, .. }
+                    if source
+                        .as_db_error()
+                        .is_some_and(|d| d.message().contains("no encryption")) =>
+                {
+                    " — the server accepts TLS connections only: add sslmode=verify-full and \
+                     sslrootcert=<its CA file> (or sslmode=require, unverified) to the connection string"
+                }
+                _ => "",
+            };
+            return Err(e).with_context(|| format!("connecting to PostgreSQL ({database}){hint}"));
+        }
+    };
+    migrate(first.client()).await?;
+    drop(first);
     // Under the same lock as the SDK's migration: replicas started at once
     // on an empty database must not race to create it.
     migrate_serialized(store.get().await?.client(), transfer::OUTBOX)

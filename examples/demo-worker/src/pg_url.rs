@@ -1,18 +1,19 @@
-//! Where the demo worker gets its PostgreSQL connection string, and how it
-//! names the database in logs.
+//! Where the demo worker gets its PostgreSQL connection string.
 //!
 //! The string usually carries a password, so it is never a flag: a command
 //! line is readable by every user of the host (`ps`, `/proc/*/cmdline`), and
 //! clap prints a flag's environment value in `--help`. It comes from a file
 //! (`--pg-url-file`, e.g. a mounted Secret) or from the environment
-//! ([`ENV`]), and is kept only as a parsed [`tokio_postgres::Config`], whose
-//! `Debug` hides the password; logs use [`describe`].
+//! ([`ENV`]), and is kept only as the SDK's parsed
+//! [`ConnectOptions`], whose `Debug` and `describe()` hide the password.
+//! TLS is the SDK's: `sslmode` (`disable` … `verify-full`) and
+//! `sslrootcert` (a CA file, or `system`) in the string, else
+//! `PGSSLMODE` / `PGSSLROOTCERT`.
 
 use std::path::Path;
 
-use anyhow::{Context, anyhow};
-use tokio_postgres::Config;
-use tokio_postgres::config::Host;
+use anyhow::Context;
+use batchlease_worker_sdk::postgres::ConnectOptions;
 
 /// The environment variable with the connection string when no file is given.
 pub const ENV: &str = "BATCHLEASE_PG_URL";
@@ -20,7 +21,7 @@ pub const ENV: &str = "BATCHLEASE_PG_URL";
 /// The connection string from `file` (surrounding whitespace trimmed: a
 /// Secret's file may end with a newline), or else from [`ENV`]; `None`
 /// when neither is given (the demo then runs without the fenced store).
-pub fn load(file: Option<&Path>) -> anyhow::Result<Option<Config>> {
+pub fn load(file: Option<&Path>) -> anyhow::Result<Option<ConnectOptions>> {
     let raw = match file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading --pg-url-file {}", path.display()))?,
@@ -30,48 +31,8 @@ pub fn load(file: Option<&Path>) -> anyhow::Result<Option<Config>> {
             Err(e) => return Err(e).with_context(|| format!("reading {ENV}")),
         },
     };
-    parse(raw.trim()).map(Some)
-}
-
-/// Parses a `postgres://` URL or libpq `key=value` pairs. The parser's own
-/// message is not passed on: it may quote part of the string.
-fn parse(s: &str) -> anyhow::Result<Config> {
-    s.parse().map_err(|_| {
-        anyhow!(
-            "the PostgreSQL connection string is not valid (expected a postgres:// URL or \
-             libpq key=value pairs)"
-        )
-    })
-}
-
-/// `user@host:port/dbname` of `config`, for logs and errors: everything
-/// needed to tell which database is meant, never the password.
-pub fn describe(config: &Config) -> String {
-    let user = config.get_user().unwrap_or("(default user)");
-    let ports = config.get_ports();
-    let hosts: Vec<String> = config
-        .get_hosts()
-        .iter()
-        .enumerate()
-        .map(|(i, host)| {
-            let host = match host {
-                Host::Tcp(name) => name.clone(),
-                Host::Unix(path) => path.display().to_string(),
-            };
-            // One port for all hosts, or one per host.
-            match ports.get(i).or_else(|| ports.first()) {
-                Some(port) => format!("{host}:{port}"),
-                None => host,
-            }
-        })
-        .collect();
-    let hosts = if hosts.is_empty() {
-        "(default host)".to_owned()
-    } else {
-        hosts.join(",")
-    };
-    let db = config.get_dbname().unwrap_or("(default database)");
-    format!("{user}@{hosts}/{db}")
+    // The SDK's errors never quote the string.
+    Ok(Some(ConnectOptions::parse(raw.trim())?))
 }
 
 #[cfg(test)]
@@ -87,15 +48,19 @@ mod tests {
             "host=db.example port=5433 user=app password=s3cret-pw dbname=tasks",
             "postgres://app@db.example:5433/tasks?password=s3cret-pw",
         ] {
-            let config = parse(s).unwrap();
-            assert_eq!(describe(&config), "app@db.example:5433/tasks", "{s}");
-            assert!(!format!("{config:?}").contains("s3cret"), "{s}");
+            let pg = ConnectOptions::parse(s).unwrap();
+            assert!(
+                pg.describe()
+                    .starts_with("app@db.example:5433/tasks (sslmode="),
+                "{s}"
+            );
+            assert!(!format!("{pg:?}").contains("s3cret"), "{s}");
         }
     }
 
     #[test]
     fn an_invalid_string_is_not_quoted_in_the_error() {
-        let err = parse("host='db password=s3cret-pw").unwrap_err();
+        let err = ConnectOptions::parse("host='db password=s3cret-pw").unwrap_err();
         assert!(!format!("{err:#}").contains("s3cret"), "{err:#}");
     }
 
@@ -105,9 +70,9 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("url");
         std::fs::write(&file, "postgres://app:pw@h/db\n").unwrap();
-        let config = load(Some(&file)).unwrap().unwrap();
-        assert_eq!(config.get_password(), Some(&b"pw"[..]));
-        assert_eq!(describe(&config), "app@h:5432/db");
+        let pg = load(Some(&file)).unwrap().unwrap();
+        assert_eq!(pg.config().get_password(), Some(&b"pw"[..]));
+        assert!(pg.describe().starts_with("app@h:5432/db (sslmode="));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
