@@ -7,7 +7,10 @@
 //! (`Interrupted`, no retry spent, none expired); a pod deleted with
 //! `--grace-period=0 --force` and a worker process SIGKILLed under the
 //! kubelet (which restarts it) leave their leases to expire, and the tasks
-//! get their next lease within TTL + 1 s.
+//! get their next lease within TTL + 1 s of the old leases' last renewal —
+//! of the kill itself for the SIGKILL; the force-deleted pod's worker
+//! still renews during the kubelet's minimum grace (2 s), so from its
+//! delete, TTL + 3 s.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

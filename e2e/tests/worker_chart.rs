@@ -4,8 +4,9 @@
 //! installed on the real control plane its ServiceAccount has exactly the
 //! worker role's permissions — enough for the demo worker, started with
 //! the rendered Deployment's environment on a token bound to a Pod of that
-//! ServiceAccount, to run a task under the holder-only policy. (Pods on a
-//! node — rollouts, force-deleted pods — are tested where a node runs.)
+//! ServiceAccount, to run a task under the holder-only policy. (Its pods
+//! on a node — rollouts, force-deleted pods, killed containers — are
+//! `node_workers.rs`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
