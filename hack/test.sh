@@ -72,7 +72,7 @@ oci_bin=$(e2e/oci/build.sh)
 export BATCHLEASE_RUNC=$oci_bin/runc BATCHLEASE_CRANE=$oci_bin/crane
 hack/image.sh --profile debug --out "$run_dir/images" >/dev/null
 export BATCHLEASE_IMAGE_DIR=$run_dir/images
-# …and on the node, where e2e/tests/node.rs runs them as pods.
+# …and on the node, where e2e/tests/node.rs and node_workers.rs run them as pods.
 e2e/node/import.sh "$run_dir/node" "$run_dir"/images/*.oci.tar
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4

@@ -4,8 +4,9 @@
 //! installed on the real control plane its ServiceAccount has exactly the
 //! worker role's permissions — enough for the demo worker, started with
 //! the rendered Deployment's environment on a token bound to a Pod of that
-//! ServiceAccount, to run a task under the holder-only policy. (Pods on a
-//! node — rollouts, force-deleted pods — are tested where a node runs.)
+//! ServiceAccount, to run a task under the holder-only policy. (Its pods
+//! on a node — rollouts, force-deleted pods, killed containers — are
+//! `node_workers.rs`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -145,6 +146,11 @@ fn worker_chart_refuses_bad_values_with_a_clear_message() {
         ),
         ("metrics.port=0", "at '/metrics/port': minimum", true),
         (
+            "hostNetwork=yes",
+            "at '/hostNetwork': got string, want boolean",
+            true,
+        ),
+        (
             "extraEnv[0].value=x",
             "at '/extraEnv/0': missing property 'name'",
             true,
@@ -245,6 +251,11 @@ fn worker_chart_renders_what_a_worker_needs() {
     assert!(c.get("args").is_none(), "no flags by default: {c}");
     assert_eq!(spec["serviceAccountName"], "w-batchlease-worker");
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert!(spec.get("hostNetwork").is_none() && spec.get("dnsPolicy").is_none());
+    assert_eq!(
+        c["ports"],
+        json!([{"name": "metrics", "containerPort": 9090}])
+    );
     let sa = helm::rendered(&yaml, "ServiceAccount").unwrap();
     assert_eq!(sa[0]["metadata"]["name"], "w-batchlease-worker");
     let rb = &helm::rendered(&yaml, "RoleBinding").unwrap()[0];
@@ -326,6 +337,7 @@ fn worker_chart_renders_what_a_worker_needs() {
     assert_eq!(spec["nodeSelector"], json!({"pool": "batch"}));
     assert_eq!(spec["tolerations"][0]["key"], "batch");
     assert_eq!(spec["topologySpreadConstraints"][0]["maxSkew"], 1);
+    assert!(spec.get("hostNetwork").is_none());
     assert!(spec["affinity"]["podAntiAffinity"].is_object());
     let rb = &helm::rendered(&yaml, "RoleBinding").unwrap()[0];
     assert_eq!(rb["metadata"]["namespace"], "etl", "where the tasks are");
@@ -344,6 +356,15 @@ fn worker_chart_renders_what_a_worker_needs() {
         let rb = &helm::rendered(&yaml, "RoleBinding").unwrap()[0];
         assert_eq!(rb["roleRef"]["name"], role, "{set}");
     }
+    // In the node's network: several replicas per node once metrics are
+    // off — no port declared (the scheduler would keep a second replica
+    // Pending on "free ports") and none bound.
+    let (deploy, _) = render("etl", &["hostNetwork=true", "metrics.enabled=false"]);
+    let spec = &deploy["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"], true);
+    assert_eq!(spec["dnsPolicy"], "ClusterFirstWithHostNet");
+    assert!(spec["containers"][0].get("ports").is_none());
+    assert_eq!(get(&env_of(&deploy), "BATCHLEASE_METRICS_ADDR"), None);
     // The operator chart's own name for that role, for the same release.
     let op = helm::template(&["ops", "charts/batchlease-operator"]).unwrap();
     assert!(
