@@ -14,20 +14,61 @@ static SCHEMA: OnceCell<()> = OnceCell::const_new();
 pub async fn connect() -> anyhow::Result<Client> {
     let (client, conn) = tokio_postgres::connect(&pg_url()?, NoTls).await?;
     tokio::spawn(conn);
-    SCHEMA
-        .get_or_try_init(|| async {
-            // One session-level lock: test binaries run one after another,
-            // but be safe if two ever overlap.
-            client
-                .batch_execute("SELECT pg_advisory_lock(4242)")
-                .await?;
-            client
-                .batch_execute(batchlease_worker_sdk::postgres::MIGRATION)
-                .await?;
-            client.batch_execute(RESOURCE_AUDIT).await?;
-            client
-                .batch_execute(
-                    "CREATE TABLE IF NOT EXISTS task_state_audit (
+    SCHEMA.get_or_try_init(|| ensure_schema(&client)).await?;
+    Ok(client)
+}
+
+/// Creates the schema and the audit triggers once per test run. A test
+/// binary after the first finds them there and takes no lock: its DDL
+/// (`ALTER TABLE`, `CREATE TRIGGER`) would queue for exclusive locks behind
+/// the registrations of workers still running, and deadlock with them (seen
+/// once: "deadlock detected" on `task_state`). The first one retries a
+/// deadlock, which PostgreSQL resolves by failing one side.
+async fn ensure_schema(client: &Client) -> anyhow::Result<()> {
+    let done = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger
+              WHERE tgname IN ('task_state_audit_tr', 'resource_fence_audit_tr')",
+            &[],
+        )
+        .await?
+        .get::<_, i64>(0)
+        == 2;
+    if done {
+        return Ok(());
+    }
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match create_schema(client).await {
+            Ok(()) => return Ok(()),
+            Err(e)
+                if attempt < 5
+                    && e.code()
+                        == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED) =>
+            {
+                client.batch_execute("ROLLBACK").await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The SDK's migration, the audit tables and their triggers, in one
+/// transaction under the SDK's migration lock (serialized with the
+/// migrations of workers starting at the same time).
+async fn create_schema(client: &Client) -> Result<(), tokio_postgres::Error> {
+    let lock = batchlease_worker_sdk::postgres::MIGRATION_LOCK;
+    client
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({lock}); {}; {RESOURCE_AUDIT}; {TASK_STATE_AUDIT}; COMMIT",
+            batchlease_worker_sdk::postgres::MIGRATION
+        ))
+        .await
+}
+
+/// Every registration and commit of `task_state`, as it happened.
+const TASK_STATE_AUDIT: &str = "CREATE TABLE IF NOT EXISTS task_state_audit (
                          task_id text NOT NULL, token bigint NOT NULL, status text, worker text,
                          at timestamptz NOT NULL DEFAULT clock_timestamp());
                      ALTER TABLE task_state_audit ADD COLUMN IF NOT EXISTS status text;
@@ -47,15 +88,7 @@ pub async fn connect() -> anyhow::Result<Client> {
                      END $$ LANGUAGE plpgsql;
                      DROP TRIGGER IF EXISTS task_state_audit_tr ON task_state;
                      CREATE TRIGGER task_state_audit_tr AFTER INSERT OR UPDATE ON task_state
-                       FOR EACH ROW EXECUTE FUNCTION task_state_audit_fn();
-                     SELECT pg_advisory_unlock(4242);",
-                )
-                .await?;
-            Ok::<_, anyhow::Error>(())
-        })
-        .await?;
-    Ok(client)
-}
+                       FOR EACH ROW EXECUTE FUNCTION task_state_audit_fn();";
 
 /// Every insert or update of `resource_fence`, as it happened: the
 /// registration (`REGISTERED`) and the commit stamp (`COMMITTED`) of each
