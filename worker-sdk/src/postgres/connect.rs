@@ -216,6 +216,15 @@ impl ConnectOptions {
                     .find_map(|p| msg.find(p).map(|i| msg[i..].to_owned()));
                 ConnectError::Invalid(named.unwrap_or_else(|| "cannot parse it".into()))
             })?;
+        // Every sslmode of the string was taken out above; one that
+        // tokio-postgres still found sits where it was not looked for, and
+        // would be overwritten below: refuse rather than guess.
+        if config.get_ssl_mode() != tokio_postgres::Config::new().get_ssl_mode() {
+            return Err(ConnectError::Invalid(
+                "sslmode appears where it is not read (percent-encode `?` and `@` in the password)"
+                    .into(),
+            ));
+        }
         let mode = split.sslmode.or_else(|| env("PGSSLMODE"));
         let root = split.sslrootcert.or_else(|| env("PGSSLROOTCERT"));
         let home_root = env("HOME").map(|h| Path::new(&h).join(".postgresql/root.crt"));
@@ -533,8 +542,17 @@ fn decode(s: &str) -> Result<String, ConnectError> {
 }
 
 fn split_url(s: &str) -> Result<Split, ConnectError> {
-    let (base, query) = match s.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
+    // The query starts at the first `?` after the credentials: tokio-postgres
+    // reads `user:password` up to the first `@`, and a password may hold a
+    // literal `?` (`postgres://u:pa?ss@db/x?sslmode=require`). Cut at that
+    // `?`, and `sslmode=require` would stay in the string unseen, then be
+    // overwritten by the default — TLS silently optional.
+    let scheme_end = s.find("://").map_or(0, |i| i + 3);
+    let authority_from = s[scheme_end..]
+        .find('@')
+        .map_or(scheme_end, |i| scheme_end + i + 1);
+    let (base, query) = match s[authority_from..].find('?') {
+        Some(i) => (&s[..authority_from + i], Some(&s[authority_from + i + 1..])),
         None => (s, None),
     };
     let mut out = Split {
@@ -639,6 +657,36 @@ mod tests {
         let plain = split_tls_params("postgresql://db/x").unwrap();
         assert_eq!(plain.rest, "postgresql://db/x");
         assert_eq!(plain.sslmode, None);
+    }
+
+    #[test]
+    fn a_question_mark_in_the_password_does_not_hide_sslmode() {
+        // tokio-postgres reads the credentials up to the first `@`: the
+        // query is what follows the first `?` after it.
+        let s = "postgres://u:pa?ss@db/x?sslmode=require";
+        let split = split_tls_params(s).unwrap();
+        assert_eq!(split.sslmode.as_deref(), Some("require"));
+        assert_eq!(split.rest, "postgres://u:pa?ss@db/x");
+        let pg = ConnectOptions::parse_with_env(s, no_env).unwrap();
+        assert_eq!(pg.config().get_password(), Some(&b"pa?ss"[..]));
+        assert!(
+            pg.describe().ends_with("(sslmode=require)"),
+            "{}",
+            pg.describe()
+        );
+        // An sslmode the split cannot see (an unencoded `@` in the password
+        // moves the credentials' end) is refused, never overwritten.
+        let hidden = "postgres://u:p@ss@db/x?sslmode=require";
+        if let Ok(split) = split_tls_params(hidden) {
+            if split.sslmode.is_none() {
+                assert_eq!(
+                    ConnectOptions::parse_with_env(hidden, no_env)
+                        .unwrap_err()
+                        .kind(),
+                    "invalid"
+                );
+            }
+        }
     }
 
     #[test]
