@@ -13,6 +13,9 @@ state=$(cd "$state" && pwd)
 sock=$state/run/containerd.sock
 stop_pidfile "$state/run/kubelet.pid"
 ctr_bin=$(sed -n 's/^export BATCHLEASE_CTR=//p' "$state/env" 2>/dev/null)
+# No env file: up.sh failed before writing it; its ctr is in the cache.
+[ -n "$ctr_bin" ] || ctr_bin=$("$here/build.sh" 2>/dev/null)/ctr
+[ -x "$ctr_bin" ] || ctr_bin=""
 if [ -n "$ctr_bin" ] && [ -S "$sock" ]; then
   ctr() { timeout 20 "$ctr_bin" --address "$sock" -n k8s.io "$@"; }
   for t in $(ctr tasks ls -q 2>/dev/null); do

@@ -56,6 +56,9 @@ done
 if kubectl get node "$node_name" >/dev/null 2>&1; then
   die "node $node_name is already registered with this control plane (another node up.sh?)"
 fi
+# A start that fails midway stops what it started (a kubelet left running
+# would refuse every later start on this machine).
+trap 'rc=$?; [ "$rc" = 0 ] || "$here/down.sh" "$state" >&2 || true' EXIT
 
 # --- certificates from the control plane's CA: the kubelet's client
 # identity (the Node authorizer's system:node:<name>) and its serving
