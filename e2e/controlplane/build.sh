@@ -18,6 +18,8 @@ log() { echo "[controlplane/build] $*" >&2; }
 need() { for b in "$@"; do [ -x "$bin/$b" ] || return 0; done; return 1; }
 
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+# The oldest supported version runs no node: no kubelet to build.
+[ "${BATCHLEASE_KUBE:-}" = oldest ] && k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 if need "${k8s_cmds[@]}"; then
   # k8s.io/kubernetes cannot be built with `go install`: its go.mod replaces
   # the staging modules with local paths. A small module of our own requires
@@ -52,6 +54,15 @@ if need "${k8s_cmds[@]}"; then
     ( cd "$work" && go build -trimpath -ldflags "$ld" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c" && mv "$bin/$c.tmp" "$bin/$c" )
   done
 fi
+
+# etcd and helm of the same versions may be cached beside another
+# Kubernetes version's binaries (BATCHLEASE_KUBE=oldest): copied, not rebuilt.
+for b in etcd helm; do
+  [ -x "$bin/$b" ] && continue
+  for other in "$cache_root"/controlplane/k8s-*-etcd-"$ETCD_VERSION"-helm-"$HELM_VERSION"/bin/"$b"; do
+    [ -x "$other" ] && cp "$other" "$bin/$b.tmp" && mv "$bin/$b.tmp" "$bin/$b" && break
+  done
+done
 
 if need etcd; then
   work="$cache_root/controlplane/src/etcd-$ETCD_VERSION"
