@@ -220,7 +220,11 @@ registerWithTaints:
 # The images are imported, never pulled: keep them.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+# A test node evicts nothing until the disk is really full: 1% of a large
+# disk is gigabytes, and a nearly full build machine (cargo targets) put the
+# node under DiskPressure — tainted, every test pod unschedulable.
+evictionHard: {memory.available: 100Mi, nodefs.available: 256Mi, imagefs.available: 256Mi, nodefs.inodesFree: 1%}
+evictionPressureTransitionPeriod: 10s
 serializeImagePulls: false
 resolvConf: /etc/resolv.conf
 YAML
