@@ -249,6 +249,46 @@ async fn the_readme_install_and_run_block_runs_as_written() {
     let dir = batchlease_e2e::secrets::PrivateDir::new("readme").unwrap();
     let path = dir.write("node-network.yaml", &policy).unwrap();
     kubectl::ok(&["apply", "-f", &path.to_string_lossy()]).unwrap();
+    // In force once a pod created in both namespaces (server-side dry run:
+    // admission runs, nothing is stored) comes back mutated: the API server
+    // loads policies asynchronously.
+    let probe = dir
+        .write(
+            "probe.yaml",
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: readme-probe}\n\
+             spec: {containers: [{name: c, image: none, ports: [{containerPort: 1}]}]}\n",
+        )
+        .unwrap();
+    batchlease_e2e::wait_for(
+        "the node-network policy to be in force",
+        std::time::Duration::from_secs(60),
+        diagnostics,
+        || {
+            let probe = probe.clone();
+            async move {
+                let mut all = true;
+                for ns in ["batchlease", "default"] {
+                    let out = kubectl::run(&[
+                        "create",
+                        "--dry-run=server",
+                        "-o",
+                        "jsonpath={.spec.hostNetwork}",
+                        "-n",
+                        ns,
+                        "-f",
+                        &probe.to_string_lossy(),
+                    ])?;
+                    // `batchlease` does not exist yet: the policy is
+                    // checked in `default` only until it does.
+                    all &= out.stdout.trim() == "true"
+                        || (ns == "batchlease" && out.stderr.contains("NotFound"));
+                }
+                Ok(all.then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
 
     // As a user runs it: bash, from the repository root, kubectl and helm
     // first on PATH (the control plane's env puts them there), PG_URL set.
