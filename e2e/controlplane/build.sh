@@ -18,8 +18,8 @@ log() { echo "[controlplane/build] $*" >&2; }
 need() { for b in "$@"; do [ -x "$bin/$b" ] || return 0; done; return 1; }
 
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
-# The oldest supported version runs no node: no kubelet to build.
-[ "${BATCHLEASE_KUBE:-}" = oldest ] && k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# The oldest supported version runs no node: no kubelet or scheduler.
+[ "${BATCHLEASE_KUBE:-}" = oldest ] && k8s_cmds=(kube-apiserver kube-controller-manager kubectl)
 if need "${k8s_cmds[@]}"; then
   # k8s.io/kubernetes cannot be built with `go install`: its go.mod replaces
   # the staging modules with local paths. A small module of our own requires

@@ -152,16 +152,19 @@ cat >> "$state/run/ready.sh" <<READY
 kube-controller-manager_ready() { curl -sfk "https://127.0.0.1:$kcm_port/healthz"; }
 READY
 
-# --- kube-scheduler: binds pods to the node (e2e/node/) ---
-sched_port=$(free_port)
-launch kube-scheduler "$bin/kube-scheduler" --kubeconfig="$state/kubeconfig" \
-  --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
-  --leader-elect=false --bind-address=127.0.0.1 --secure-port="$sched_port"
-kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
-wait_until kube-scheduler 60 "$state/logs/kube-scheduler.log" kube-scheduler_ready
-cat >> "$state/run/ready.sh" <<READY
-kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
+# --- kube-scheduler: binds pods to the node (e2e/node/); the oldest
+# supported version runs no node, so no scheduler (nor is one built) ---
+if [ "${BATCHLEASE_KUBE:-}" != oldest ]; then
+  sched_port=$(free_port)
+  launch kube-scheduler "$bin/kube-scheduler" --kubeconfig="$state/kubeconfig" \
+    --authentication-kubeconfig="$state/kubeconfig" --authorization-kubeconfig="$state/kubeconfig" \
+    --leader-elect=false --bind-address=127.0.0.1 --secure-port="$sched_port"
+  kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
+  wait_until kube-scheduler 60 "$state/logs/kube-scheduler.log" kube-scheduler_ready
+  cat >> "$state/run/ready.sh" <<READY
+  kube-scheduler_ready() { curl -sfk "https://127.0.0.1:$sched_port/readyz"; }
 READY
+fi
 
 cat > "$state/env" <<ENV
 export KUBECONFIG=$state/kubeconfig
