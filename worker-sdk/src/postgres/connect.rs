@@ -677,15 +677,15 @@ mod tests {
         // An sslmode the split cannot see (an unencoded `@` in the password
         // moves the credentials' end) is refused, never overwritten.
         let hidden = "postgres://u:p@ss@db/x?sslmode=require";
-        if let Ok(split) = split_tls_params(hidden) {
-            if split.sslmode.is_none() {
-                assert_eq!(
-                    ConnectOptions::parse_with_env(hidden, no_env)
-                        .unwrap_err()
-                        .kind(),
-                    "invalid"
-                );
-            }
+        if let Ok(split) = split_tls_params(hidden)
+            && split.sslmode.is_none()
+        {
+            assert_eq!(
+                ConnectOptions::parse_with_env(hidden, no_env)
+                    .unwrap_err()
+                    .kind(),
+                "invalid"
+            );
         }
     }
 
