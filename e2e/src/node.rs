@@ -22,6 +22,19 @@ pub fn name() -> Option<String> {
         .filter(|n| !n.is_empty())
 }
 
+/// The node's name, or `None` after saying why `test` does nothing: no
+/// node was started.
+pub fn or_skip(test: &str) -> Option<String> {
+    let node = name();
+    if node.is_none() {
+        eprintln!(
+            "SKIPPED {test}: BATCHLEASE_NODE is unset — no node was started \
+             (hack/test.sh starts one; by hand: `local_env_up DIR node` from hack/local-env.sh)"
+        );
+    }
+    node
+}
+
 /// The node's address (the host's own: hostNetwork pods have it).
 pub fn ip() -> anyhow::Result<String> {
     std::env::var("BATCHLEASE_NODE_IP").context("BATCHLEASE_NODE_IP unset (e2e/node/up.sh's env)")

@@ -23,18 +23,6 @@ use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
-/// The node's name, or `None` after saying why the test does nothing.
-fn node_or_skip(test: &str) -> Option<String> {
-    let node = node::name();
-    if node.is_none() {
-        eprintln!(
-            "SKIPPED {test}: BATCHLEASE_NODE is unset — no node was started \
-             (hack/test.sh starts one; by hand: `local_env_up DIR node` from hack/local-env.sh)"
-        );
-    }
-    node
-}
-
 fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -109,7 +97,7 @@ fn name(p: &Pod) -> String {
 
 #[tokio::test]
 async fn a_pod_runs_on_the_node_logs_and_is_deleted_through_the_kubelet() {
-    let Some(node_name) = node_or_skip("a_pod_runs_on_the_node") else {
+    let Some(node_name) = node::or_skip("a_pod_runs_on_the_node") else {
         return;
     };
     let cluster = Cluster::with_crds().await.unwrap();
@@ -282,7 +270,7 @@ async fn leader_pod(ns: &TestNamespace) -> anyhow::Result<Option<String>> {
 
 #[tokio::test]
 async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over() {
-    let Some(node_name) = node_or_skip("the_chart_runs_the_operator_on_the_node") else {
+    let Some(node_name) = node::or_skip("the_chart_runs_the_operator_on_the_node") else {
         return;
     };
     let cluster = Cluster::with_crds().await.unwrap();

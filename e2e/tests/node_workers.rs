@@ -33,17 +33,6 @@ const CHART: &str = "charts/batchlease-worker";
 /// tasks on a 2-core machine, and measures how quickly leases move.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn node_or_skip(test: &str) -> Option<String> {
-    let node = node::name();
-    if node.is_none() {
-        eprintln!(
-            "SKIPPED {test}: BATCHLEASE_NODE is unset — no node was started \
-             (hack/test.sh starts one; by hand: `local_env_up DIR node` from hack/local-env.sh)"
-        );
-    }
-    node
-}
-
 fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -454,7 +443,7 @@ fn outcomes(t: &BatchTask) -> Vec<(String, String)> {
 
 #[tokio::test]
 async fn a_rollout_restart_gives_every_running_attempt_back_and_spends_no_retry() {
-    if node_or_skip("a_rollout_restart_gives_every_running_attempt_back").is_none() {
+    if node::or_skip("a_rollout_restart_gives_every_running_attempt_back").is_none() {
         return;
     }
     let _serial = SERIAL.lock().await;
@@ -574,7 +563,7 @@ async fn a_rollout_restart_gives_every_running_attempt_back_and_spends_no_retry(
 
 #[tokio::test]
 async fn a_force_deleted_pod_and_a_killed_container_lose_their_leases_within_the_ttl() {
-    if node_or_skip("a_force_deleted_pod_and_a_killed_container").is_none() {
+    if node::or_skip("a_force_deleted_pod_and_a_killed_container").is_none() {
         return;
     }
     let _serial = SERIAL.lock().await;

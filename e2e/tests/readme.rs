@@ -225,10 +225,7 @@ fn diagnostics() -> String {
 
 #[tokio::test]
 async fn the_readme_install_and_run_block_runs_as_written() {
-    if node::name().is_none() {
-        eprintln!(
-            "SKIPPED: BATCHLEASE_NODE is unset — no node was started (hack/test.sh starts one)"
-        );
+    if node::or_skip("the_readme_install_and_run_block_runs_as_written").is_none() {
         return;
     }
     let block = install_and_run_block();
