@@ -4,8 +4,10 @@
 # local_env_up DIR [node]: starts them under DIR and exports their
 # environment (KUBECONFIG, BATCHLEASE_KUBECTL, BATCHLEASE_HELM,
 # BATCHLEASE_PG_URL, …; with `node`, BATCHLEASE_NODE and the rest of
-# e2e/node/up.sh's env: a kubelet and containerd that run hostNetwork pods,
-# which hack/test.sh starts for e2e/tests/node.rs).
+# e2e/node/up.sh's env: a kubelet and containerd that run pods, which
+# hack/test.sh starts for e2e/tests/node.rs; the API server then also
+# listens on this host's address, where pods on the node's pod network
+# reach it).
 # With BATCHLEASE_PG_TLS=1 the PostgreSQL accepts TLS only and
 # BATCHLEASE_PG_URL carries sslmode=verify-full and its CA (meant for
 # hack/demo.sh; the e2e suite reads its database without TLS, and
@@ -14,7 +16,11 @@ local_env_up() {
   local dir=$1
   mkdir -p "$dir"
   chmod 755 "$dir" # PostgreSQL runs as an unprivileged user and must reach it
-  e2e/controlplane/up.sh "$dir/cp" >/dev/null
+  if [ "${2:-}" = node ]; then
+    BATCHLEASE_CP_BIND=host e2e/controlplane/up.sh "$dir/cp" >/dev/null
+  else
+    e2e/controlplane/up.sh "$dir/cp" >/dev/null
+  fi
   e2e/postgres/up.sh "$dir/pg" >/dev/null
   . "$dir/cp/env"
   . "$dir/pg/env"

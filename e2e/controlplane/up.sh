@@ -3,6 +3,12 @@
 # ports with fresh certificates, under STATE_DIR (default: a new temp dir).
 # Writes STATE_DIR/env (KUBECONFIG, BATCHLEASE_CP_DIR, PATH with kubectl and
 # helm first) for callers to source. Stop with down.sh STATE_DIR.
+#
+# BATCHLEASE_CP_BIND=host: the API server also listens on this host's
+# address (all interfaces) and its certificate names that address, so pods
+# on a node's pod network (e2e/node/up.sh) reach it; the default is
+# loopback only. Either way it authenticates every request (client
+# certificates and service-account tokens).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 LOG_TAG=controlplane
@@ -35,7 +41,16 @@ leaf() { # name subject extensions...
   gen x509 -req -in "$pki/$name.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
     -days 3 -extfile "$pki/$name.ext" -out "$pki/$name.crt"
 }
-leaf serving "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,DNS:localhost" \
+api_bind=127.0.0.1 api_sans=IP:127.0.0.1,DNS:localhost
+case ${BATCHLEASE_CP_BIND:-loopback} in
+  loopback) ;;
+  host)
+    host_ip=$(hostname -I 2>/dev/null | awk '{print $1}')
+    [ -n "$host_ip" ] || die "BATCHLEASE_CP_BIND=host: this host has no non-loopback IPv4 address"
+    api_bind=0.0.0.0 api_sans="$api_sans,IP:$host_ip" ;;
+  *) die "BATCHLEASE_CP_BIND must be loopback or host, not '$BATCHLEASE_CP_BIND'" ;;
+esac
+leaf serving "/CN=kube-apiserver" "subjectAltName=$api_sans" \
   "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=serverAuth"
 leaf admin "/O=system:masters/CN=admin" \
   "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=clientAuth"
@@ -85,7 +100,7 @@ POLICY
 launch kube-apiserver "$bin/kube-apiserver" \
   --audit-policy-file="$state/audit/policy.yaml" --audit-log-path="$state/audit/audit.log" \
   --audit-log-format=json --audit-log-mode=blocking --audit-log-maxsize=0 \
-  --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address=127.0.0.1 \
+  --etcd-servers="http://127.0.0.1:$etcd_port" --bind-address="$api_bind" \
   --advertise-address=127.0.0.1 --secure-port="$api_port" --cert-dir="$pki" \
   --tls-cert-file="$pki/serving.crt" --tls-private-key-file="$pki/serving.key" \
   --client-ca-file="$pki/ca.crt" --authorization-mode=Node,RBAC \

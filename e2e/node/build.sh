@@ -7,6 +7,8 @@
 #                   kubernetes's own build/pause/linux/pause.c compiled
 #                   statically and packed by hack/oci-archive.py, so no
 #                   sandbox image is ever pulled (the name resolves nowhere)
+#   cni/bridge, cni/host-local, cni/loopback
+#                   the pod network's CNI plugins, from their Go module
 # runc comes from e2e/oci/build.sh.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,8 +17,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=../controlplane/versions.env
 . "$here/../controlplane/versions.env"
 cache_root=${BATCHLEASE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/batchlease}
-bin="$cache_root/node/containerd-$CONTAINERD_VERSION-pause-$PAUSE_TAG-k8s-$KUBE_VERSION/bin"
-mkdir -p "$bin"
+bin="$cache_root/node/containerd-$CONTAINERD_VERSION-pause-$PAUSE_TAG-k8s-$KUBE_VERSION-cni-$CNI_PLUGINS_VERSION/bin"
+mkdir -p "$bin/cni"
 export GOTOOLCHAIN=local
 log() { echo "[node/build] $*" >&2; }
 
@@ -28,6 +30,13 @@ for c in containerd containerd-shim-runc-v2 ctr; do
   GOBIN="$bin" CGO_ENABLED=0 GOFLAGS= go install -trimpath \
     -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION" \
     "github.com/containerd/containerd/v2/cmd/$c@$CONTAINERD_VERSION"
+done
+
+for p in main/bridge ipam/host-local main/loopback; do
+  [ -x "$bin/cni/${p#*/}" ] && continue
+  log "building the CNI plugin ${p#*/} $CNI_PLUGINS_VERSION"
+  GOBIN="$bin/cni" CGO_ENABLED=0 GOFLAGS= go install -trimpath -ldflags "-s -w" \
+    "github.com/containernetworking/plugins/plugins/$p@$CNI_PLUGINS_VERSION"
 done
 
 if [ ! -f "$bin/pause.oci.tar" ]; then

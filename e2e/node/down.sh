@@ -41,5 +41,11 @@ done
 # deepest first.
 awk -v d="$state/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r |
   while read -r m; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
-rm -rf "$state/containerd/root" "$state/containerd/state" "$state/kubelet" 2>/dev/null
+# The pod network's bridge (the pods' veths went with their namespaces)
+# and its address leases.
+if [ -f "$state/run/pod-bridge" ]; then
+  ip link del "$(cat "$state/run/pod-bridge")" 2>/dev/null
+  rm -f "$state/run/pod-bridge"
+fi
+rm -rf "$state/containerd/root" "$state/containerd/state" "$state/kubelet" "$state/cni/ipam" 2>/dev/null
 log "down: $state"

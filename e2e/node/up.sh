@@ -9,10 +9,15 @@
 #
 #   up.sh STATE_DIR [CP_DIR]
 #
-# What runs on it: hostNetwork pods only. The CNI config is there for the
-# node's Ready condition (containerd reports the network ready once a config
-# is loaded) and names no plugin that is installed: a pod that wants its own
-# network namespace fails at sandbox creation. Nothing is ever pulled:
+# The pod network: CNI's bridge plugin on a bridge of this host
+# (BATCHLEASE_POD_BRIDGE, default blcni0) with host-local addresses from
+# BATCHLEASE_POD_CIDR (default 10.244.0.0/24); the host is the gateway,
+# nothing is masqueraded or routed beyond this host, and there is no
+# kube-proxy (Service IPs lead nowhere). A pod reaches the API server at
+# this host's address when the control plane listens there
+# (BATCHLEASE_CP_BIND=host): BATCHLEASE_API_FROM_PODS in the env then
+# names it (host:port, for KUBERNETES_SERVICE_HOST/PORT). hostNetwork pods
+# run as well. Nothing is ever pulled:
 # images come from archives (import.sh), the sandbox image is built here
 # (build.sh) and pinned, and every registry is mapped to 127.0.0.1:1.
 # The node is tainted batchlease.dev/e2e-node:NoSchedule: only pods that
@@ -29,7 +34,7 @@ cp_dir=${2:-${BATCHLEASE_CP_DIR:-}}
 cp_dir=$(cd "$cp_dir" && pwd)
 [ "$(id -u)" = 0 ] || die "a node needs root (it mounts, and creates namespaces and cgroups)"
 [ -d /sys/fs/cgroup ] || die "no /sys/fs/cgroup: containers cannot be placed in cgroups"
-mkdir -p "$state"/{pki,logs,run,kubelet,pod-logs,cni/net.d,cni/bin,containerd/certs.d/_default}
+mkdir -p "$state"/{pki,logs,run,kubelet,pod-logs,cni/net.d,cni/ipam,containerd/certs.d/_default}
 state=$(cd "$state" && pwd)
 started=$SECONDS
 
@@ -155,7 +160,7 @@ disabled_plugins = [
           Root = "$state/containerd/runc"
           SystemdCgroup = false
     [plugins.'io.containerd.cri.v1.runtime'.cni]
-      bin_dirs = ["$state/cni/bin"]
+      bin_dirs = ["$node_bin/cni"]
       conf_dir = "$state/cni/net.d"
   [plugins.'io.containerd.grpc.v1.cri']
     disable_tcp_service = true
@@ -169,15 +174,33 @@ server = "https://127.0.0.1:1"
 [host."https://127.0.0.1:1"]
   capabilities = ["pull", "resolve"]
 HOSTS
-# Read for the Ready condition only (CNI < 1.1.0 has no STATUS call, so the
-# plugin binary is never looked for until a pod wants a network namespace).
-cat > "$state/cni/net.d/10-hostnetwork-only.conflist" <<'CNI'
+pod_cidr=${BATCHLEASE_POD_CIDR:-10.244.0.0/24}
+pod_bridge=${BATCHLEASE_POD_BRIDGE:-blcni0}
+# The pod network must not shadow a route this host already has.
+if ip -4 route show | awk '{print $1}' | grep -qxF "$pod_cidr" &&
+  ! ip link show "$pod_bridge" >/dev/null 2>&1; then
+  die "this host already routes $pod_cidr; pick another BATCHLEASE_POD_CIDR"
+fi
+cat > "$state/cni/net.d/10-batchlease-e2e.conflist" <<CNI
 {
   "cniVersion": "1.0.0",
-  "name": "hostnetwork-only",
-  "plugins": [{"type": "no-pod-networking-use-hostNetwork"}]
+  "name": "batchlease-e2e",
+  "plugins": [{
+    "type": "bridge",
+    "bridge": "$pod_bridge",
+    "isGateway": true,
+    "ipMasq": false,
+    "hairpinMode": true,
+    "ipam": {
+      "type": "host-local",
+      "ranges": [[{"subnet": "$pod_cidr"}]],
+      "routes": [{"dst": "0.0.0.0/0"}],
+      "dataDir": "$state/cni/ipam"
+    }
+  }]
 }
 CNI
+echo "$pod_bridge" > "$state/run/pod-bridge"
 PATH="$node_bin:$PATH" launch containerd "$node_bin/containerd" --config "$state/containerd/config.toml"
 ctr() { "$node_bin/ctr" --address "$sock" "$@"; }
 containerd_ready() { ctr version; }
@@ -242,6 +265,15 @@ node_ready() {
 wait_until "node $node_name Ready and schedulable" 120 "$state/logs/kubelet.log" node_ready ||
   { kubectl describe node "$node_name" >&2 || true; tail -n 20 "$state/logs/containerd.log" >&2; exit 1; }
 
+# Can a pod reach the API server? Only if it listens on this host's
+# address (a pod's packets arrive from the bridge, not on loopback).
+api_port=${server##*:}
+api_from_pods=""
+if curl -s -o /dev/null --max-time 5 --cacert "$ca" "https://$node_ip:$api_port/version"; then
+  api_from_pods=$node_ip:$api_port
+else
+  log "the API server does not answer at $node_ip:$api_port (BATCHLEASE_CP_BIND=host not set?): pods on the pod network cannot reach it"
+fi
 cat > "$state/env" <<ENV
 export BATCHLEASE_NODE=$node_name
 export BATCHLEASE_NODE_DIR=$state
@@ -249,6 +281,8 @@ export BATCHLEASE_NODE_IP=$node_ip
 export BATCHLEASE_NODE_TAINT=batchlease.dev/e2e-node
 export BATCHLEASE_CTR=$node_bin/ctr
 export BATCHLEASE_CONTAINERD_ADDRESS=$sock
+export BATCHLEASE_POD_CIDR=$pod_cidr
+export BATCHLEASE_API_FROM_PODS=$api_from_pods
 ENV
 log "up in $((SECONDS - started))s: node $node_name ($node_ip, kubelet :$kubelet_port), containerd $sock (logs in $state/logs)"
 echo "$state"

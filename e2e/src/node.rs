@@ -99,6 +99,21 @@ pub fn api_server() -> anyhow::Result<(String, String)> {
     Ok((host.to_owned(), port.to_owned()))
 }
 
+/// Where a pod on the node's pod network reaches the API server (host,
+/// port): this host's address, where the control plane listens when
+/// started with `BATCHLEASE_CP_BIND=host` (hack/local-env.sh does with a
+/// node). Not the `kubernetes` Service IP: there is no kube-proxy.
+pub fn api_from_pods() -> anyhow::Result<(String, String)> {
+    let v = std::env::var("BATCHLEASE_API_FROM_PODS").unwrap_or_default();
+    let (host, port) = v.rsplit_once(':').with_context(|| {
+        format!(
+            "BATCHLEASE_API_FROM_PODS={v:?}: the API server does not listen where pods reach it \
+             (start the control plane with BATCHLEASE_CP_BIND=host)"
+        )
+    })?;
+    Ok((host.to_owned(), port.to_owned()))
+}
+
 /// The last `n` lines of the node's component logs (kubelet, containerd).
 pub fn component_logs(n: usize) -> String {
     let Ok(dir) = std::env::var("BATCHLEASE_NODE_DIR") else {

@@ -98,8 +98,19 @@ pub fn start(namespace: &str, identity: &str, opts: &WorkerOpts) -> anyhow::Resu
 
 /// The value of a sample line of a demo worker's `/metrics`.
 pub async fn metric(port: u16, sample: &str) -> anyhow::Result<Option<f64>> {
+    metric_at("127.0.0.1", port, sample).await
+}
+
+/// [`metric`] of a server at `host` (e.g. a pod's IP).
+pub async fn metric_at(host: &str, port: u16, sample: &str) -> anyhow::Result<Option<f64>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    // Bounded: a pod's address that leads nowhere would hold a wait's
+    // check for minutes of SYN retries.
+    let mut s = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        tokio::net::TcpStream::connect((host, port)),
+    )
+    .await??;
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
         .await?;
     let mut body = String::new();

@@ -4,8 +4,9 @@
 //! deletion goes through the kubelet; and the operator as the chart
 //! deploys it — Deployment, ReplicaSet, scheduler, the kubelet starting
 //! the image with the service-account token it mounts, the kubelet's
-//! probes — leads, and after `kubectl delete pod` of the leader the next
-//! replica leads while a worker's running task keeps its lease.
+//! probes — runs as two replicas on the node's pod network: one leads,
+//! the other stands by warm, and after `kubectl delete pod` of the leader
+//! the standby leads while a worker's running task keeps its lease.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,7 +14,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batchlease_api::{TaskLease, TaskPhase};
 use batchlease_e2e::chart::Release;
-use batchlease_e2e::ports::free_port;
 use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_phase, wait_task};
 use batchlease_e2e::workers::{self, WorkerOpts};
@@ -89,6 +89,10 @@ fn condition(p: &Pod, kind: &str) -> Option<(String, String)> {
 fn ready(p: &Pod) -> bool {
     p.metadata.deletion_timestamp.is_none()
         && condition(p, "Ready").is_some_and(|(s, _)| s == "True")
+}
+
+fn pod_ip(p: &Pod) -> Option<String> {
+    p.status.as_ref()?.pod_ip.clone()
 }
 
 fn name(p: &Pod) -> String {
@@ -269,7 +273,7 @@ async fn leader_pod(ns: &TestNamespace) -> anyhow::Result<Option<String>> {
 }
 
 #[tokio::test]
-async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over() {
+async fn the_chart_runs_the_operator_on_the_node_and_the_standby_takes_over() {
     let Some(node_name) = node::or_skip("the_chart_runs_the_operator_on_the_node") else {
         return;
     };
@@ -280,16 +284,13 @@ async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over
     let release_name = format!("n{}", &n[n.len() - 6..]);
     let sa = format!("{release_name}-batchlease-operator");
     let user = format!("system:serviceaccount:{n}:{sa}");
-    // hostNetwork: the node has no pod network. So the metrics port is a
-    // port of this host (a free one), and the API server is reached at
-    // the address the kubeconfig names, not the Service IP.
-    let port = free_port().unwrap();
-    let (api_host, api_port) = node::api_server().unwrap();
+    // On the node's pod network: each replica has its own address, so
+    // both run — one leads, the other is a warm standby. No kube-proxy:
+    // the API server is reached at this host's address, not the Service IP.
+    let (api_host, api_port) = node::api_from_pods().unwrap();
     let sets = [
         format!("watchNamespaces={{{n}}}"),
         "image.pullPolicy=Never".into(),
-        "hostNetwork=true".into(),
-        format!("metrics.port={port}"),
         "logFormat=text".into(),
         format!("tolerations[0].key={}", node::TAINT),
         "tolerations[0].operator=Exists".into(),
@@ -304,54 +305,86 @@ async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over
     let mut release = Release::install_with(&release_name, &n, &sets, &strings).unwrap();
     let diag = || node::diagnostics(&n);
 
-    // The Deployment's two replicas: one runs (the kubelet's readiness
-    // probe passed), the other waits for the node's port.
-    let (first, pending) = wait_pod(
+    // The Deployment's two replicas, both started by the kubelet on the
+    // pod network; the kubelet's probes reach each at its own address.
+    let pods_now = || async { ns.api::<Pod>().list(&ListParams::default()).await };
+    wait_pod(
         &ns,
-        "one operator pod Ready, the other Pending for the node's port",
+        "both operator pods Running, each with its pod-network address",
         Duration::from_secs(120),
         String::new,
         |ps| {
-            let ready: Vec<_> = ps.iter().filter(|p| ready(p)).collect();
-            let pending: Vec<_> = ps
+            let running = ps
                 .iter()
-                .filter(|p| {
-                    phase(p) == "Pending"
-                        && condition(p, "PodScheduled")
-                            .is_some_and(|(s, m)| s == "False" && m.contains("free ports"))
-                })
-                .collect();
-            (ready.len() == 1 && pending.len() == 1).then(|| (name(ready[0]), name(pending[0])))
+                .filter(|p| phase(p) == "Running" && pod_ip(p).is_some())
+                .count();
+            (running == 2).then_some(())
         },
     )
     .await;
+    let metrics_port = pods_now().await.unwrap().items[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .ports
+        .as_ref()
+        .and_then(|ps| ps.iter().find(|p| p.name.as_deref() == Some("metrics")))
+        .map(|p| u16::try_from(p.container_port).unwrap())
+        .expect("the chart names its metrics port");
+    // One leads: the election Lease names it and its /metrics says so;
+    // the other says it does not lead and is Ready too — a warm standby,
+    // its caches synced, that takes over without a pod start.
+    let (first, standby) = wait_for(
+        "one replica to lead and the other to stand by, both Ready",
+        Duration::from_secs(60),
+        diag,
+        || async {
+            let Some(leader) = leader_pod(&ns).await? else {
+                return Ok(None);
+            };
+            let mut roles = Vec::new();
+            for p in pods_now().await?.items.iter().filter(|p| ready(p)) {
+                let ip = pod_ip(p).unwrap_or_default();
+                let leads = workers::metric_at(&ip, metrics_port, "batchlease_is_leader")
+                    .await
+                    .ok()
+                    .flatten();
+                roles.push((name(p), leads));
+            }
+            let leading = roles.iter().find(|(p, l)| *p == leader && *l == Some(1.0));
+            let standing = roles.iter().find(|(p, l)| *p != leader && *l == Some(0.0));
+            Ok(leading
+                .zip(standing)
+                .map(|(l, s)| (l.0.clone(), s.0.clone())))
+        },
+    )
+    .await
+    .unwrap();
     let pod = ns.api::<Pod>().get(&first).await.unwrap();
     let spec = pod.spec.as_ref().unwrap();
     assert_eq!(spec.node_name.as_deref(), Some(node_name.as_str()));
-    assert_eq!(spec.host_network, Some(true));
+    assert_ne!(spec.host_network, Some(true));
     assert_eq!(spec.service_account_name.as_deref(), Some(sa.as_str()));
     let container = &spec.containers[0];
     assert!(
         container.readiness_probe.is_some() && container.liveness_probe.is_some(),
         "the chart's probes: {container:?}"
     );
-    // It leads: the election Lease names it, its /metrics says so.
-    wait_for(
-        "the running replica to lead",
-        Duration::from_secs(60),
-        diag,
-        || async {
-            let leads = leader_pod(&ns).await?.as_deref() == Some(first.as_str());
-            let metric = batchlease_e2e::workers::metric(port, "batchlease_is_leader")
-                .await
-                .ok()
-                .flatten();
-            Ok((leads && metric == Some(1.0)).then_some(()))
-        },
-    )
-    .await
-    .unwrap();
-    eprintln!("{first} leads; {pending} is Pending (the node's port {port} is taken)");
+    let ips: Vec<_> = pods_now()
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(pod_ip)
+        .collect();
+    let cidr = std::env::var("BATCHLEASE_POD_CIDR").unwrap();
+    let prefix = cidr.rsplit_once('.').unwrap().0;
+    assert!(
+        ips.len() == 2 && ips[0] != ips[1] && ips.iter().all(|ip| ip.starts_with(prefix)),
+        "two addresses of the pod network {cidr}: {ips:?}"
+    );
+    eprintln!("{first} leads; {standby} stands by (pod addresses {ips:?})");
 
     // A task held by a worker the harness runs (its token bound to a Pod
     // object, as the chart's holder-only policy wants).
@@ -405,12 +438,12 @@ async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over
         "no write by {user} from pod {first}: {writes:?}"
     );
 
-    // Delete the leader's pod: the kubelet stops it, the scheduler places
-    // the waiting replica, the kubelet starts it, and it takes over.
+    // Delete the leader's pod: it gives up its term as the kubelet stops
+    // it, and the standby — already running, caches synced — takes over.
     let deleted = now();
     kubectl::ok(&["delete", "pod", &first, "-n", &n, "--wait=false"]).unwrap();
     let next = wait_for(
-        "another replica to lead",
+        "the standby to lead",
         Duration::from_secs(120),
         || format!("{}{}", diag(), worker.logs()),
         || async {
@@ -420,21 +453,31 @@ async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over
             if leader == first {
                 return Ok(None);
             }
-            let pod = ns.api::<Pod>().get_opt(&leader).await?;
-            let leads = batchlease_e2e::workers::metric(port, "batchlease_is_leader")
+            let Some(pod) = ns.api::<Pod>().get_opt(&leader).await? else {
+                return Ok(None);
+            };
+            let ip = pod_ip(&pod).unwrap_or_default();
+            let leads = workers::metric_at(&ip, metrics_port, "batchlease_is_leader")
                 .await
                 .ok()
-                .flatten()
-                == Some(1.0);
-            Ok((pod.is_some_and(|p| ready(&p)) && leads).then_some(leader))
+                .flatten();
+            Ok((ready(&pod) && leads == Some(1.0)).then_some(leader))
         },
     )
     .await
     .unwrap();
-    assert!(
-        ns.api::<Pod>().get_opt(&first).await.unwrap().is_none(),
-        "the deleted pod is gone"
-    );
+    assert_eq!(next, standby, "the warm standby took over, not a new pod");
+    wait_for(
+        "the deleted pod gone",
+        Duration::from_secs(60),
+        diag,
+        || async {
+            let gone = ns.api::<Pod>().get_opt(&first).await?.is_none();
+            Ok(gone.then_some(()))
+        },
+    )
+    .await
+    .unwrap();
     let writes = audit::writes_in(&n).unwrap();
     let by = |pod: &str| {
         writes
@@ -444,33 +487,57 @@ async fn the_chart_runs_the_operator_on_the_node_and_the_next_replica_takes_over
             .collect::<Vec<_>>()
     };
     let new_writes = by(&next);
-    let first_write = new_writes.first().expect("the new leader wrote");
+    // Its first write after the delete (before it, it may have created
+    // the election Lease, vacated, when the namespace had none).
+    let first_write = new_writes
+        .iter()
+        .find(|w| w.received >= deleted)
+        .expect("the new leader wrote");
     let old_last = by(&first).last().map(|w| w.at).unwrap_or(deleted);
     assert!(
         first_write.received >= old_last,
         "the new leader wrote before the old one's last write ({first_write:?})"
     );
-    // When the kubelet started the new leader's container (a second's
-    // resolution): the rest is the election's wait.
-    let started = ns
-        .api::<Pod>()
-        .get(&next)
-        .await
-        .unwrap()
-        .status
-        .and_then(|s| {
-            let cs = s.container_statuses?.into_iter().next()?;
-            Some(cs.state?.running?.started_at?.0.as_second() as f64)
-        });
+    // The standby wrote no task or lease of ours while it stood by (the
+    // election Lease aside).
+    assert!(
+        new_writes
+            .iter()
+            .all(|w| w.received >= deleted || w.resource == "leases"),
+        "the standby wrote before the leader's pod was deleted: {new_writes:?}"
+    );
     eprintln!(
-        "failover: kubectl delete pod {first} → {next}'s first write ({} {}) {:.1} s \
-         (its container started after ≈ {:.0} s; the old leader's last write {:.1} s after the delete)",
+        "failover: kubectl delete pod {first} → the standby {next}'s first write ({} {}) {:.1} s \
+         (the old leader's last write {:.1} s after the delete)",
         first_write.verb,
         first_write.resource,
         first_write.received - deleted,
-        started.map_or(f64::NAN, |s| s - deleted),
         old_last - deleted,
     );
+    // The ReplicaSet's replacement is the new standby.
+    wait_for(
+        "a new standby (the ReplicaSet's replacement, Ready, not leading)",
+        Duration::from_secs(120),
+        diag,
+        || async {
+            for p in pods_now().await?.items.iter().filter(|p| ready(p)) {
+                let (pod, ip) = (name(p), pod_ip(p).unwrap_or_default());
+                if pod == first || pod == next {
+                    continue;
+                }
+                let leads = workers::metric_at(&ip, metrics_port, "batchlease_is_leader")
+                    .await
+                    .ok()
+                    .flatten();
+                if leads == Some(0.0) {
+                    return Ok(Some(()));
+                }
+            }
+            Ok(None)
+        },
+    )
+    .await
+    .unwrap();
 
     // The task was not disturbed: the same lease, one attempt, and the
     // worker's commit under its token.

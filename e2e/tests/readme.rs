@@ -5,11 +5,13 @@
 //! `hello` Succeeded and `kubectl get taskleases` naming the worker pod
 //! that ran it.
 //!
-//! The node has no pod network (no CNI plugins, no kube-proxy): its pods
-//! must share the host's network and reach the API server on loopback,
-//! which the charts' `hostNetwork` and `extraEnv` do on such a cluster. So
-//! that the block runs as written, for the namespaces it uses only, a
-//! MutatingAdmissionPolicy stands in for that network: it gives their pods
+//! The node's pod network has no kube-proxy (the `kubernetes` Service IP
+//! leads nowhere) and the harness PostgreSQL listens on loopback only, so
+//! the worker must share the host's network, and every pod must be told
+//! where the API server is — what the charts' `hostNetwork` and `extraEnv`
+//! do on such a cluster. So that the block runs as written, for the
+//! namespaces it uses only, a MutatingAdmissionPolicy sets that: it gives
+//! their pods
 //! `hostNetwork` (with each container port as a host port, as the API
 //! server's defaulting would), the API server's loopback address as
 //! `KUBERNETES_SERVICE_HOST`/`_PORT`, and the node's taint toleration.
