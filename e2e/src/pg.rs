@@ -28,12 +28,13 @@ async fn ensure_schema(client: &Client) -> anyhow::Result<()> {
     let done = client
         .query_one(
             "SELECT count(*) FROM pg_trigger
-              WHERE tgname IN ('task_state_audit_tr', 'resource_fence_audit_tr')",
+              WHERE tgname IN ('task_state_audit_tr', 'resource_fence_audit_tr',
+                               'batchlease_deadline')",
             &[],
         )
         .await?
         .get::<_, i64>(0)
-        == 2;
+        == 3;
     if done {
         return Ok(());
     }

@@ -103,8 +103,13 @@ use resource_fence::Step;
 
 /// The tables the store writes (`task_state`, `resource_fence` for
 /// resource tokens, and for speculative execution `versioned_state` and
-/// `compensation_log`); create (or upgrade) them with [`migrate`].
-pub const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS task_state (
+/// `compensation_log`) and the SQL functions of the fence
+/// (`postgres/fence.sql`: `batchlease_register`, `batchlease_fence`,
+/// `batchlease_extend`, `batchlease_commit`), which this store calls and
+/// any other client can call in its own transactions; create (or upgrade)
+/// them with [`migrate`].
+pub const MIGRATION: &str = concat!(
+    "CREATE TABLE IF NOT EXISTS task_state (
     task_id            text PRIMARY KEY,
     status             text NOT NULL,
     payload            jsonb,
@@ -143,27 +148,23 @@ CREATE TABLE IF NOT EXISTS compensation_log (
     registered_at timestamptz NOT NULL DEFAULT now(),
     finished_at   timestamptz,
     PRIMARY KEY (task_id, token, round, seq)
-)";
+);
+",
+    include_str!("postgres/fence.sql")
+);
 
-// Both statements also refuse to run past the attempt's deadline ($4, the
-// fence's kill time as wall-clock time): a write whose packets sat in the
-// network until after the lease could have expired is refused by the
-// server's clock, not only by the worker's.
-const REGISTER: &str = "INSERT INTO task_state (task_id, status, last_fencing_token, updated_at)
-     SELECT $1, 'RUNNING', $2, now() WHERE clock_timestamp() < $3
-     ON CONFLICT (task_id) DO UPDATE SET last_fencing_token = EXCLUDED.last_fencing_token,
-            status = CASE WHEN task_state.committed_token IS NULL THEN 'RUNNING' ELSE task_state.status END,
-            updated_at = now()
-      WHERE task_state.last_fencing_token < EXCLUDED.last_fencing_token
-     RETURNING committed_token, payload";
+// The fence's rules live in the SQL functions of `postgres/fence.sql`
+// (one implementation for this store and for any client's own
+// transactions). Both writes carry the attempt's deadline ($3/$4, on the
+// server's clock) and its TTL in milliseconds: a write whose packets sat
+// in the network until after the lease could have expired is refused by
+// the server's clock, not only by the worker's — at the statement, and
+// at COMMIT (the functions arm a deferred check).
+const REGISTER: &str = "SELECT committed_token, payload FROM batchlease_register($1, $2, $3, $4)";
 
-const COMMIT: &str = "INSERT INTO task_state (task_id, status, payload, last_fencing_token, committed_token, updated_at)
-     SELECT $1, 'COMPLETED', $3, $2, $2, now() WHERE clock_timestamp() < $4
-     ON CONFLICT (task_id) DO UPDATE SET status = 'COMPLETED', payload = EXCLUDED.payload,
-            last_fencing_token = EXCLUDED.last_fencing_token,
-            committed_token = EXCLUDED.committed_token, updated_at = now()
-      WHERE task_state.last_fencing_token <= EXCLUDED.last_fencing_token
-        AND task_state.committed_token IS NULL";
+const COMMIT: &str = "SELECT batchlease_commit($1, $2, $3, $4, $5)";
+
+const EXTEND: &str = "SELECT batchlease_extend($1, $2, $3)";
 
 const READ: &str =
     "SELECT last_fencing_token, committed_token, payload FROM task_state WHERE task_id = $1";
@@ -325,6 +326,49 @@ fn late(token: i64) -> Error {
     }
 }
 
+/// A refusal the fence's SQL functions raised (their SQLSTATEs, class
+/// `BL`: see `postgres/fence.sql`), as the store's typed error; `None` for
+/// any other database error.
+fn fence_refusal(e: &tokio_postgres::Error, token: i64) -> Option<Error> {
+    let db = e.as_db_error()?;
+    let current = || db.detail().and_then(|d| d.parse::<i64>().ok());
+    match db.code().code() {
+        "BLF01" => Some(Error::Fenced {
+            token,
+            // A newer token raised it: at least one more than ours.
+            current: current().unwrap_or(token + 1),
+        }),
+        "BLF02" => Some(Error::CommittedEarlier {
+            token,
+            earlier: current().unwrap_or_default(),
+        }),
+        "BLF03" => Some(late(token)),
+        "BLF04" => Some(Error::Revoked {
+            token,
+            reason: "not_registered_at_storage",
+        }),
+        _ => None,
+    }
+}
+
+/// A failed statement of a fenced write: the fence's refusal, typed and
+/// counted, or [`Error::Postgres`] naming the step.
+fn failed<'m>(
+    metrics: &'m WorkerMetrics,
+    token: i64,
+    what: &'static str,
+) -> impl FnOnce(tokio_postgres::Error) -> Error + 'm {
+    move |source| match fence_refusal(&source, token) {
+        Some(e) => refused(metrics, e),
+        None => Error::Postgres { what, source },
+    }
+}
+
+/// The attempt's TTL in milliseconds, as the fence's SQL functions take it.
+fn ttl_ms(fence: &Fence) -> i64 {
+    i64::try_from(fence.ttl().as_millis()).unwrap_or(i64::MAX)
+}
+
 impl FencedStore {
     /// Wraps a connected client. `metrics` counts rejected commits.
     pub fn new(client: Client, metrics: WorkerMetrics) -> Self {
@@ -367,47 +411,18 @@ impl FencedStore {
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
         let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
+        // Raises (typed by `failed`) if a newer attempt registered or the
+        // deadline passed; returns the commit that stuck, if any.
         let row = tx
-            .query_opt(REGISTER, &[&task_uid, &token, &until])
+            .query_one(REGISTER, &[&task_uid, &token, &until, &ttl_ms(fence)])
             .await
-            .map_err(pg("register"))?;
-        let earlier = match row {
-            Some(r) => {
-                let committed: Option<i64> = r.get(0);
-                let payload: Option<Json<Value>> = r.get(1);
-                committed.map(|token| EarlierCommit {
-                    token,
-                    payload: payload.map(|p| p.0),
-                })
-            }
-            None => {
-                let Some(r) = tx
-                    .query_opt(READ, &[&task_uid])
-                    .await
-                    .map_err(pg("fence read"))?
-                else {
-                    // No row, and the insert did not run: too late.
-                    let _ = tx.rollback().await;
-                    return Err(refused(&self.metrics, late(token)));
-                };
-                let current: i64 = r.get(0);
-                if current < token {
-                    let _ = tx.rollback().await;
-                    return Err(refused(&self.metrics, late(token)));
-                }
-                if current != token {
-                    let _ = tx.rollback().await;
-                    return Err(refused(&self.metrics, Error::Fenced { token, current }));
-                }
-                // Already registered by us (an acknowledgement was lost).
-                let committed: Option<i64> = r.get(1);
-                let payload: Option<Json<Value>> = r.get(2);
-                committed.map(|token| EarlierCommit {
-                    token,
-                    payload: payload.map(|p| p.0),
-                })
-            }
-        };
+            .map_err(failed(&self.metrics, token, "register"))?;
+        let committed: Option<i64> = row.get(0);
+        let payload: Option<Json<Value>> = row.get(1);
+        let earlier = committed.map(|token| EarlierCommit {
+            token,
+            payload: payload.map(|p| p.0),
+        });
         let resources = resource_fence::write(&tx, Step::Register, fence, task_uid, until)
             .await
             .map_err(pg("resource register"))?;
@@ -418,6 +433,25 @@ impl FencedStore {
         }
         tx.commit().await.map_err(pg("commit"))?;
         Ok(earlier)
+    }
+
+    /// Moves the attempt's deadline recorded in the task's row forward to
+    /// `fence`'s kill instant (on the server's clock, as every write
+    /// puts it): call it after each renewal while a client of its own —
+    /// a shell command's `psql`, a Python handler — fences its writes with
+    /// `batchlease_fence(task_uid, token)`, which checks that recorded
+    /// deadline. [`Error::Fenced`] if a newer attempt registered,
+    /// [`Error::Revoked`] if this one never did or its deadline passed.
+    pub async fn extend(&mut self, fence: &Fence, task_uid: &str) -> Result<(), Error> {
+        let token = fence.token();
+        let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
+        tx.execute(EXTEND, &[&task_uid, &token, &until])
+            .await
+            .map_err(failed(&self.metrics, token, "extend"))?;
+        tx.commit()
+            .await
+            .map_err(failed(&self.metrics, token, "commit"))?;
+        Ok(())
     }
 
     /// Commits `payload` for task `task_uid` under `fence`.
@@ -492,11 +526,15 @@ impl FencedStore {
         let token = fence.token();
         let pg = |what| move |source| Error::Postgres { what, source };
         let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
-        let rows = tx
-            .execute(COMMIT, &[&task_uid, &token, &Json(payload), &until])
+        let written: bool = tx
+            .query_one(
+                COMMIT,
+                &[&task_uid, &token, &Json(payload), &until, &ttl_ms(fence)],
+            )
             .await
-            .map_err(pg("fenced upsert"))?;
-        if rows == 0 {
+            .map_err(failed(&self.metrics, token, "fenced upsert"))?
+            .get(0);
+        if !written {
             let r = tx
                 .query_opt(READ, &[&task_uid])
                 .await
@@ -557,12 +595,15 @@ impl FencedStore {
             let e = resource_fence::error_of(refusal, late(token));
             return Err(refused(&self.metrics, e));
         }
-        // The last word before COMMIT.
+        // The last word before COMMIT; the server checks the deadline once
+        // more at COMMIT (BLF03: the transaction rolled back).
         if let Err(e) = fence.check() {
             let _ = tx.rollback().await;
             return Err(refused(&self.metrics, e));
         }
-        tx.commit().await.map_err(pg("commit"))?;
+        tx.commit()
+            .await
+            .map_err(failed(&self.metrics, token, "commit"))?;
         Ok(Ok(Committed::Written))
     }
 }
