@@ -101,9 +101,10 @@ impl Attempt {
         let _stop_heartbeat = done.clone().drop_guard();
         let (finish, finished) = oneshot::channel();
         // The heartbeat is the lease's only writer from here on: it renews
-        // until the completion is acknowledged, so a slow or retried
-        // completion never lets the lease lapse (and never conflicts with a
-        // renewal of our own).
+        // until the handler returns, then completes, retrying while the
+        // fence holds — so a completion never conflicts with a renewal of
+        // our own. (It does not renew meanwhile: a completion that cannot
+        // be written before the kill instant ends in the kill switch.)
         let (runtime, heartbeat_api) = match &self.heartbeat_on {
             Some((rt, api)) => (
                 rt.handle().unwrap_or_else(tokio::runtime::Handle::current),

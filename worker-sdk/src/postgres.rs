@@ -338,10 +338,6 @@ fn fence_refusal(e: &tokio_postgres::Error, token: i64) -> Option<Error> {
             // A newer token raised it: at least one more than ours.
             current: current().unwrap_or(token + 1),
         }),
-        "BLF02" => Some(Error::CommittedEarlier {
-            token,
-            earlier: current().unwrap_or_default(),
-        }),
         "BLF03" => Some(late(token)),
         "BLF04" => Some(Error::Revoked {
             token,

@@ -23,7 +23,6 @@
 --
 -- Refusals raise these SQLSTATEs (class BL, "batchlease"):
 --   BLF01  fenced: a newer attempt registered (DETAIL: its token)
---   BLF02  committed: an attempt's commit already stuck (DETAIL: its token)
 --   BLF03  deadline: the attempt's deadline passed on the server's clock
 --   BLF04  not registered: no attempt with this token registered the task
 ALTER TABLE task_state ADD COLUMN IF NOT EXISTS deadline timestamptz;
