@@ -61,10 +61,11 @@ trap cleanup EXIT INT TERM
 local_env_up "$run_dir" node
 
 step "e2e tests"
-cargo build --locked -p batchlease-operator -p batchlease-demo-worker -p kubectl-batchlease
+cargo build --locked -p batchlease-operator -p batchlease-demo-worker -p kubectl-batchlease -p batchlease-run
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/debug/batchlease-demo-worker
 export BATCHLEASE_PLUGIN_BIN=$CARGO_TARGET_DIR/debug/kubectl-batchlease
+export BATCHLEASE_RUN_BIN=$CARGO_TARGET_DIR/debug/batchlease-run
 # The images, as hack/image.sh builds them (debug binaries: CI spares a
 # release build; the release images differ only in the binary), and the
 # OCI tools that check and run them (e2e/tests/image.rs).

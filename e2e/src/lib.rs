@@ -28,6 +28,7 @@ pub mod pg;
 pub mod ports;
 pub mod process;
 pub mod proxy;
+pub mod runner;
 pub mod secrets;
 pub mod soak;
 pub mod tasks;
