@@ -384,3 +384,85 @@ async fn a_grace_longer_than_any_lease_allows_is_refused_at_start() {
     assert!(!status.success());
     assert!(p.log_text().contains("2/3 of the TTL"), "{}", p.logs());
 }
+
+/// A shell task fences its own `psql` write with `batchlease_fence`: the
+/// live attempt's writes stick — the second one after the deadline
+/// recorded at registration, so only the runner's `extend` after the
+/// renewals keeps it open — and a write carrying the earlier attempt's
+/// token is refused.
+#[tokio::test]
+async fn a_shell_task_fences_its_own_psql_write() {
+    let (ns, op) = Operator::in_new_namespace("run-psql", "op", WAIT)
+        .await
+        .unwrap();
+    let db = batchlease_e2e::pg::connect().await.unwrap();
+    db.batch_execute(
+        "CREATE TABLE IF NOT EXISTS run_effects (task_uid text NOT NULL, written_token bigint NOT NULL, by_token bigint NOT NULL)",
+    )
+    .await
+    .unwrap();
+    let marks = mark_dir(&ns.name);
+    let script = r#"set -u
+m="$MARK_DIR/$BATCHLEASE_TASK_NAME"
+write() {
+  psql "$APP_DB_URL" -X -q -v ON_ERROR_STOP=1 -c "BEGIN; SELECT batchlease_fence('$BATCHLEASE_TASK_UID', $1); INSERT INTO run_effects VALUES ('$BATCHLEASE_TASK_UID', $1, $BATCHLEASE_FENCING_TOKEN); COMMIT;" >/dev/null
+}
+if [ "$BATCHLEASE_ATTEMPT" = 1 ]; then
+  write "$BATCHLEASE_FENCING_TOKEN" || exit 1
+  echo "$BATCHLEASE_FENCING_TOKEN" > "$m.token1"
+  exit 75
+fi
+# Past the deadline the registration recorded (2/3 of the 6 s TTL).
+sleep 5
+write "$BATCHLEASE_FENCING_TOKEN" || exit 1
+write "$(cat "$m.token1")" 2> "$m.stale.err"
+echo "{\"staleExit\": $?}" > "$BATCHLEASE_RESULT_FILE""#;
+    let mut opts = with_marks(&marks);
+    opts.env.push((
+        "APP_DB_URL".into(),
+        batchlease_e2e::workers::pg_url().unwrap(),
+    ));
+    let r = runner::start(&ns.name, "r1", &opts, script).unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "sh", "leaseDurationSeconds": 6, "maxRetries": 1,
+               "backoff": {"initialSeconds": 1, "maxSeconds": 1}}),
+    )
+    .await
+    .unwrap();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, WAIT, || {
+        op.logs_with(&[&r])
+    })
+    .await
+    .unwrap();
+    let st = done.status.clone().unwrap();
+    let (t1, t2) = (st.history[0].token, st.history[1].token);
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    let stale_err = std::fs::read_to_string(marks.join("job.stale.err")).unwrap_or_default();
+    assert_ne!(
+        result_of(&done)["staleExit"],
+        json!(0),
+        "{stale_err}\n{}",
+        r.logs()
+    );
+    assert!(stale_err.contains("is fenced"), "{stale_err}");
+    let rows: Vec<(i64, i64)> = db
+        .query(
+            "SELECT written_token, by_token FROM run_effects WHERE task_uid = $1 ORDER BY by_token",
+            &[&uid],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![(t1, t1), (t2, t2)], "{}", r.logs());
+    assert!(
+        r.log_text().contains("storage deadline extended"),
+        "{}",
+        r.logs()
+    );
+    drop(r);
+    ns.finish().await.unwrap();
+}

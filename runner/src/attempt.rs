@@ -32,6 +32,9 @@ pub struct Config {
     pub work_root: PathBuf,
     /// Fired when the runner drains.
     pub drain: CancellationToken,
+    /// The fenced store, when the runner has one: the attempt's storage
+    /// deadline is extended while the child runs (`extend`).
+    pub store: Option<Arc<batchlease_worker_sdk::postgres::FencedPool>>,
 }
 
 /// How often the checkpoint file is looked at (a `stat`; read only when it
@@ -117,6 +120,15 @@ pub async fn run(ctx: TaskContext, cfg: Arc<Config>) -> Result<Output, TaskError
     // Fires when this future ends *or is dropped* (the SDK drops it at the
     // kill switch): the supervisor then stops the child.
     let _abandon_on_drop = abandoned.clone().drop_guard();
+    if let Some(store) = &cfg.store {
+        crate::extend::spawn(
+            store.clone(),
+            ctx.fence().clone(),
+            ctx.task_uid().to_owned(),
+            label.clone(),
+            abandoned.clone(),
+        );
+    }
     let mut ended = child::supervise(
         proc,
         Stops {

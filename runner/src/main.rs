@@ -13,6 +13,7 @@ mod checkpoint_file;
 mod child;
 mod child_env;
 mod exit;
+mod extend;
 mod grace;
 mod metrics;
 mod output;
@@ -180,6 +181,7 @@ async fn main() -> anyhow::Result<()> {
         log_format: args.log_format,
         work_root: args.work_dir.unwrap_or_else(std::env::temp_dir),
         drain: drain.clone(),
+        store,
     });
     let worker = builder.build()?;
     info!(identity = worker.identity(), command = ?cfg.command, ?grace, "batchlease-run starting");
