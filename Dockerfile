@@ -2,6 +2,7 @@
 # The batchlease images, for machines with a container engine:
 #   docker build --target operator -t ghcr.io/batchlease/batchlease-operator:0.1.0 .
 #   docker build --target demo-worker -t ghcr.io/batchlease/batchlease-demo-worker:0.1.0 .
+#   docker build --target run -t ghcr.io/batchlease/batchlease-run:0.1.0 .
 # hack/image.sh builds the same images (a Debian bookworm C runtime plus one
 # binary, user 65532) as OCI archives without a daemon; that is what the
 # tests run (e2e/tests/image.rs). Build args VERSION and REVISION fill the
@@ -14,9 +15,10 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p batchlease-operator -p batchlease-demo-worker \
+    cargo build --release --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-run \
  && install -D -m 0755 target/release/batchlease-operator /out/batchlease-operator \
- && install -D -m 0755 target/release/batchlease-demo-worker /out/batchlease-demo-worker
+ && install -D -m 0755 target/release/batchlease-demo-worker /out/batchlease-demo-worker \
+ && install -D -m 0755 target/release/batchlease-run /out/batchlease-run
 
 # distroless/cc: libc6, libgcc-s1, base-files, netbase, tzdata and CA
 # certificates from Debian bookworm; no shell; user nonroot = 65532.
@@ -37,6 +39,14 @@ LABEL org.opencontainers.image.title=batchlease-demo-worker \
       org.opencontainers.image.description="batchlease demo worker: runs the sample BatchTasks with fenced PostgreSQL commits"
 COPY --from=build /out/batchlease-demo-worker /usr/local/bin/batchlease-demo-worker
 ENTRYPOINT ["/usr/local/bin/batchlease-demo-worker"]
+
+# No shell: copy /usr/local/bin/batchlease-run into the image that has
+# your command (docs/batchlease-run.md).
+FROM runtime AS run
+LABEL org.opencontainers.image.title=batchlease-run \
+      org.opencontainers.image.description="batchlease-run: runs any command as a batchlease worker, one process group per attempt under the kill switch"
+COPY --from=build /out/batchlease-run /usr/local/bin/batchlease-run
+ENTRYPOINT ["/usr/local/bin/batchlease-run"]
 
 # Last, so a plain `docker build .` builds the operator.
 FROM runtime AS operator

@@ -9,6 +9,9 @@
 # Writes, and prints the paths of:
 #   DIR/batchlease-operator-<version>.oci.tar     PREFIX/batchlease-operator:<version>
 #   DIR/batchlease-demo-worker-<version>.oci.tar  PREFIX/batchlease-demo-worker:<version>
+#   DIR/batchlease-run-<version>.oci.tar          PREFIX/batchlease-run:<version>
+#     (no shell in it: copy its binary into an image that has your command,
+#     see docs/batchlease-run.md)
 # (DIR defaults to $CARGO_TARGET_DIR/images, outside the repository; PREFIX to
 # ghcr.io/batchlease, which with the crate version is what the chart deploys
 # by default). Each archive is an OCI image layout that also carries Docker's
@@ -35,7 +38,7 @@ while (($#)); do
     --out=*) out=${1#*=}; shift ;;
     --registry) registry=$2; shift 2 ;;
     --registry=*) registry=${1#*=}; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -50,7 +53,7 @@ created=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
 source_url=$(sed -n 's/^repository = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 log "building the $profile binaries"
-flags=(--locked -p batchlease-operator -p batchlease-demo-worker)
+flags=(--locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-run)
 [ "$profile" = release ] && flags+=(--release)
 cargo build -q "${flags[@]}"
 bindir="$CARGO_TARGET_DIR/$profile"
@@ -93,10 +96,11 @@ if [ ! -d "$base/rootfs" ]; then
 fi
 
 mkdir -p "$out"
-for bin in batchlease-operator batchlease-demo-worker; do
+for bin in batchlease-operator batchlease-demo-worker batchlease-run; do
   case $bin in
     batchlease-operator) desc="batchlease operator: runs BatchTasks with fenced, renewable TaskLeases" ;;
     batchlease-demo-worker) desc="batchlease demo worker: runs the sample BatchTasks with fenced PostgreSQL commits" ;;
+    batchlease-run) desc="batchlease-run: runs any command as a batchlease worker, one process group per attempt under the kill switch" ;;
   esac
   work=$(mktemp -d)
   mkdir -p "$work/app/usr/local/bin"

@@ -90,7 +90,11 @@ fn check_image(bin: &str, img: &Unpacked) {
 #[test]
 fn image_archives_are_valid_and_labelled() {
     let crane = oci::env("BATCHLEASE_CRANE").unwrap();
-    for bin in ["batchlease-operator", "batchlease-demo-worker"] {
+    for bin in [
+        "batchlease-operator",
+        "batchlease-demo-worker",
+        "batchlease-run",
+    ] {
         let archive = oci::archive(bin).unwrap();
         let out = std::process::Command::new(&crane)
             .args(["validate", "--tarball"])
