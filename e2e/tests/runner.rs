@@ -466,3 +466,46 @@ echo "{\"staleExit\": $?}" > "$BATCHLEASE_RESULT_FILE""#;
     drop(r);
     ns.finish().await.unwrap();
 }
+
+/// `spec.cancel` of a running task: the runner's next renewal finds it
+/// cancelled, and the command gets SIGTERM (then SIGKILL after the grace).
+#[tokio::test]
+async fn cancelling_a_running_task_stops_its_command() {
+    use kube::api::{Patch, PatchParams};
+    let (ns, op) = Operator::in_new_namespace("run-cancel", "op", WAIT)
+        .await
+        .unwrap();
+    let marks = mark_dir(&ns.name);
+    let script = r#"m="$MARK_DIR/$BATCHLEASE_TASK_NAME"
+trap 'echo "$BATCHLEASE_FENCING_TOKEN" > "$m.term"; exit 143' TERM
+touch "$m.started"
+while :; do sleep 0.1; done"#;
+    let r = runner::start(&ns.name, "r1", &with_marks(&marks), script).unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "sh", "leaseDurationSeconds": 6}),
+    )
+    .await
+    .unwrap();
+    wait_file(&marks.join("job.started"), || op.logs_with(&[&r])).await;
+    ns.api::<batchlease_api::BatchTask>()
+        .patch(
+            "job",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await
+        .unwrap();
+    wait_file(&marks.join("job.term"), || op.logs_with(&[&r])).await;
+    let t = wait_phase(&ns, "job", TaskPhase::Cancelled, WAIT, || {
+        op.logs_with(&[&r])
+    })
+    .await
+    .unwrap();
+    assert_eq!(t.status.unwrap().attempts, 0, "a cancel spends no retry");
+    let log = r.log_text();
+    assert!(log.contains("cause=\"revoked\""), "{log}");
+    drop(r);
+    ns.cleanup().await.unwrap();
+}
