@@ -32,6 +32,8 @@ pub struct Config {
     pub work_root: PathBuf,
     /// Fired when the runner drains.
     pub drain: CancellationToken,
+    /// The running children's process groups (killed if the runner exits).
+    pub live: child::LiveGroups,
     /// The fenced store, when the runner has one: the attempt's storage
     /// deadline is extended while the child runs (`extend`).
     pub store: Option<Arc<batchlease_worker_sdk::postgres::FencedPool>>,
@@ -41,6 +43,10 @@ pub struct Config {
 /// changed). Also bounded by TTL/6 so a change travels with the next
 /// renewal even on short leases.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
+
+/// The floor of both polls: a TTL under the CRD's minimum must not make
+/// them spin.
+pub const MIN_POLL: Duration = Duration::from_millis(50);
 
 /// How long the output of an exited child may still be drained (a
 /// grandchild holding the pipe is killed with the group, so this is short).
@@ -135,12 +141,14 @@ pub async fn run(ctx: TaskContext, cfg: Arc<Config>) -> Result<Output, TaskError
             revoked: ctx.cancellation(),
             abandoned,
             drain: cfg.drain.clone(),
+            live: cfg.live.clone(),
         },
         grace,
         label.clone(),
     );
     let mut watch = CheckpointWatch::new(dir.path().join(child_env::CHECKPOINT_FILE), previous);
-    let mut tick = tokio::time::interval(CHECKPOINT_POLL.min(ttl / 6));
+    // Never zero (tokio's interval panics on it), whatever the lease says.
+    let mut tick = tokio::time::interval(CHECKPOINT_POLL.min(ttl / 6).max(MIN_POLL));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let ended = loop {
         tokio::select! {

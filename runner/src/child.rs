@@ -11,7 +11,9 @@
 //! it left behind in its group is killed too: the task's processes end
 //! with the task.
 
+use std::collections::BTreeSet;
 use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
@@ -59,6 +61,40 @@ pub fn signal_group(pgid: Pid, sig: Signal) {
     }
 }
 
+/// The process groups of running children. Supervisors die with the
+/// runtime, so the runner's own end — an error out of `main`, a panic
+/// unwinding it — must take the children along itself ([`KillOnExit`]).
+#[derive(Debug, Default, Clone)]
+pub struct LiveGroups(Arc<Mutex<BTreeSet<i32>>>);
+
+impl LiveGroups {
+    fn set(&self) -> std::sync::MutexGuard<'_, BTreeSet<i32>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// SIGKILL to every group still running.
+    pub fn kill_all(&self) {
+        let groups: Vec<i32> = self.set().iter().copied().collect();
+        for g in groups {
+            warn!(
+                pgid = g,
+                "the runner is exiting: SIGKILL to a child's process group"
+            );
+            signal_group(Pid::from_raw(g), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Kills every live child's group when dropped (held by `main`).
+#[derive(Debug)]
+pub struct KillOnExit(pub LiveGroups);
+
+impl Drop for KillOnExit {
+    fn drop(&mut self) {
+        self.0.kill_all();
+    }
+}
+
 /// What stops a child.
 #[derive(Debug, Clone)]
 pub struct Stops {
@@ -68,6 +104,8 @@ pub struct Stops {
     pub abandoned: CancellationToken,
     /// Fired when the runner drains.
     pub drain: CancellationToken,
+    /// Where the child's group is listed while it runs.
+    pub live: LiveGroups,
 }
 
 /// Supervises `child` (started in its own process group) until it is gone;
@@ -97,6 +135,7 @@ async fn run(mut child: Child, stops: Stops, grace: Duration, label: &str) -> En
     };
     // process_group(0): the group's id is the child's pid.
     let pgid = Pid::from_raw(pid);
+    stops.live.set().insert(pid);
     let mut stopped: Option<StopCause> = None;
     let mut kill_at: Option<Instant> = None;
     let status = loop {
@@ -122,6 +161,7 @@ async fn run(mut child: Child, stops: Stops, grace: Duration, label: &str) -> En
     // if it was stopped by us and has used up its grace, else now anyway:
     // nothing of the task may outlive its attempt).
     signal_group(pgid, Signal::SIGKILL);
+    stops.live.set().remove(&pid);
     Ended { status, stopped }
 }
 
@@ -167,6 +207,7 @@ mod tests {
             revoked: CancellationToken::new(),
             abandoned: CancellationToken::new(),
             drain: CancellationToken::new(),
+            live: LiveGroups::default(),
         }
     }
 
@@ -237,6 +278,21 @@ mod tests {
         let e = rx.await.unwrap();
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(e.status.unwrap().signal(), Some(15));
+    }
+
+    #[tokio::test]
+    async fn the_runners_exit_kills_live_children() {
+        let s = stops();
+        let child = spawn("sleep 30 & sleep 30");
+        let pgid = child.id().unwrap() as i32;
+        let rx = supervise(child, s.clone(), Duration::from_secs(30), "t".into());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(s.live.set().iter().copied().collect::<Vec<_>>(), vec![pgid]);
+        drop(KillOnExit(s.live.clone()));
+        let e = rx.await.unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(e.status.unwrap().signal(), Some(9));
+        assert!(s.live.set().is_empty());
     }
 
     #[tokio::test]

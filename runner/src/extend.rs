@@ -30,7 +30,7 @@ pub fn spawn(
     done: CancellationToken,
 ) {
     tokio::spawn(async move {
-        let every = fence.ttl() / 6;
+        let every = (fence.ttl() / 6).max(crate::attempt::MIN_POLL);
         // Registration recorded the claim's kill instant.
         let mut extended_to = Instant::now() + fence.time_left();
         loop {

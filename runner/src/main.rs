@@ -174,6 +174,9 @@ async fn main() -> anyhow::Result<()> {
         builder = builder.registry(store.clone());
     }
     let drain = CancellationToken::new();
+    let live = child::LiveGroups::default();
+    // However main ends, no child outlives the runner.
+    let _kill_on_exit = child::KillOnExit(live.clone());
     let cfg = Arc::new(attempt::Config {
         command: args.command,
         policy,
@@ -181,6 +184,7 @@ async fn main() -> anyhow::Result<()> {
         log_format: args.log_format,
         work_root: args.work_dir.unwrap_or_else(std::env::temp_dir),
         drain: drain.clone(),
+        live,
         store,
     });
     let worker = builder.build()?;
