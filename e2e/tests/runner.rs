@@ -509,3 +509,59 @@ while :; do sleep 0.1; done"#;
     drop(r);
     ns.cleanup().await.unwrap();
 }
+
+/// `--log-format json`: the command's lines as JSON objects naming the
+/// task, token and stream; the SDK's metrics on `--metrics-addr`.
+#[tokio::test]
+async fn json_output_and_metrics() {
+    let (ns, op) = Operator::in_new_namespace("run-json", "op", WAIT)
+        .await
+        .unwrap();
+    let port = batchlease_e2e::ports::free_port().unwrap();
+    let opts = RunnerOpts {
+        extra: vec![
+            "--log-format=json".into(),
+            format!("--metrics-addr=127.0.0.1:{port}"),
+        ],
+        ..Default::default()
+    };
+    let r = runner::start(
+        &ns.name,
+        "r1",
+        &opts,
+        r#"echo "a \"quoted\" line"; echo oops >&2"#,
+    )
+    .unwrap();
+    tasks::create(&ns, "job", json!({"queue": "sh"}))
+        .await
+        .unwrap();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, WAIT, || {
+        op.logs_with(&[&r])
+    })
+    .await
+    .unwrap();
+    let token = done.status.unwrap().history.last().unwrap().token;
+    let lines: Vec<Value> = r
+        .log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    for (stream, line) in [("stdout", "a \"quoted\" line"), ("stderr", "oops")] {
+        let want = json!({"namespace": ns.name, "task": "job", "token": token, "stream": stream, "line": line});
+        assert!(lines.contains(&want), "{want} not in {}", r.logs());
+    }
+    // The runner's own log is JSON too.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["message"] == "command started"),
+        "{}",
+        r.logs()
+    );
+    let claims = batchlease_e2e::workers::metric(port, "batchlease_worker_claims_total ")
+        .await
+        .unwrap();
+    assert_eq!(claims, Some(1.0), "{}", r.logs());
+    drop(r);
+    ns.finish().await.unwrap();
+}
