@@ -227,3 +227,38 @@ async fn shutdown(drain: CancellationToken) {
     info!("SIGTERM: draining; SIGTERM forwarded to the running commands");
     drain.cancel();
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Args;
+
+    #[test]
+    fn the_cli_is_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn everything_after_the_double_dash_is_the_command() {
+        let a = Args::try_parse_from([
+            "batchlease-run",
+            "--queue=a,b",
+            "--kill-grace=2.5",
+            "--",
+            "./job.sh",
+            "--verbose",
+            "--queue=x",
+        ])
+        .unwrap();
+        assert_eq!(a.queues, ["a", "b"]);
+        assert_eq!(a.command, ["./job.sh", "--verbose", "--queue=x"]);
+        assert_eq!(a.slots, 1);
+        assert_eq!(a.retry_exit_codes, [75]);
+        assert_eq!(a.permanent_exit_codes, [65]);
+        assert!((a.kill_grace - 2.5).abs() < f64::EPSILON);
+        // A command is required.
+        assert!(Args::try_parse_from(["batchlease-run", "--queue=a"]).is_err());
+    }
+}
