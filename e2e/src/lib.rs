@@ -13,6 +13,7 @@ pub mod api_requests;
 pub mod audit;
 pub mod chart;
 pub mod cluster;
+pub mod conformance;
 pub mod controlplane;
 pub mod helm;
 pub mod history;

@@ -7,7 +7,10 @@
 //! `"spinMillis": n` first computes for n ms without awaiting (a CPU-bound
 //! handler), `"deepLevels": n` records a checkpoint and returns a result
 //! nested n objects deep, `"resultBytes": n` returns a result of n bytes,
-//! `"tag": s` adds `"tag": s` to every checkpoint and to the result.
+//! `"tag": s` adds `"tag": s` to every checkpoint and to the result,
+//! `"failAfterSteps": k` makes an attempt that started from no checkpoint
+//! fail (retryable, `FailAfterSteps`) right after its k-th checkpoint, so
+//! the next attempt resumes from it (the conformance suite's behaviour).
 //!
 //! For tests of task graphs:
 //! - `"spawn": {"children": n, "version": "v1", "stallAfter": k, "chain":
@@ -120,6 +123,9 @@ struct Payload {
     failure_rate: f64,
     #[serde(default)]
     permanent_failure: bool,
+    /// Fail after this many steps when starting from scratch (0: never).
+    #[serde(default)]
+    fail_after_steps: u64,
     #[serde(default)]
     spin_millis: u64,
     #[serde(default)]
@@ -364,6 +370,13 @@ async fn work(
             ctx.checkpoint(nested(p.deep_levels, step + 1)?)?;
         } else {
             ctx.checkpoint(tagged(json!({"step": step + 1}), &p.tag))?;
+        }
+        if from == 0 && p.fail_after_steps == step + 1 {
+            return Err(TaskError::retryable(format!(
+                "failing after {} steps, as the payload asks",
+                step + 1
+            ))
+            .with_reason("FailAfterSteps"));
         }
     }
     if p.permanent_failure {

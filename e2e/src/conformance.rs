@@ -1,0 +1,129 @@
+//! The worker conformance suite's adapters: every kind of worker runs the
+//! same scenarios (`e2e/tests/conformance.rs`) through one [`Kind`] each.
+//! Adding a kind means adding one adapter: how to start a worker of it,
+//! the queue it serves, where its fenced effects land, and what it logs
+//! when it stops an attempt's handler.
+//!
+//! Every kind implements the same behaviour, read from the task's payload:
+//! `{"steps": n, "stepMillis": ms, "failAfterSteps": k,
+//! "permanentFailure": b}` — n steps from the previous checkpoint's
+//! `{"step": i}`, a checkpoint after each; started from scratch with k > 0,
+//! a retryable failure after step k; with b, a permanent failure after the
+//! steps; else one effect written to PostgreSQL under the attempt's fence
+//! and a result carrying `"resumedFrom": i`. The Rust SDK's is the demo
+//! worker's handler; `batchlease-run`'s is `e2e/conformance/behaviour.sh`.
+
+use tokio_postgres::Client;
+
+use crate::process::Process;
+use crate::runner::{self, RunnerOpts};
+use crate::workers::{self, WorkerOpts};
+
+/// A kind of worker under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The Rust SDK: the demo worker (`examples/demo-worker`).
+    RustSdk,
+    /// `batchlease-run` running `e2e/conformance/behaviour.sh`.
+    Runner,
+}
+
+impl Kind {
+    /// The queue its workers serve.
+    pub fn queue(self) -> &'static str {
+        match self {
+            Kind::RustSdk => "demo",
+            Kind::Runner => "sh",
+        }
+    }
+
+    /// Starts worker `identity` for `namespace` (one slot; a drain that
+    /// gives attempts back within a few seconds).
+    pub fn start(self, namespace: &str, identity: &str) -> anyhow::Result<Process> {
+        match self {
+            Kind::RustSdk => workers::start(
+                namespace,
+                identity,
+                &WorkerOpts {
+                    slots: 1,
+                    drain_grace_seconds: 2,
+                    ..Default::default()
+                },
+            ),
+            Kind::Runner => {
+                let script = crate::crate_dir().join("conformance/behaviour.sh");
+                let opts = RunnerOpts {
+                    queue: self.queue().into(),
+                    kill_grace: 1.0,
+                    env: vec![("CONFORMANCE_DB".into(), workers::pg_url()?)],
+                    ..Default::default()
+                };
+                runner::start(
+                    namespace,
+                    identity,
+                    &opts,
+                    &format!("exec {}", script.display()),
+                )
+            }
+        }
+    }
+
+    /// The tokens whose effect stuck for task `uid`, in order: the Rust
+    /// SDK's commits (`task_state`'s audit), the runner's fenced rows.
+    pub async fn effects(self, db: &Client, uid: &str) -> anyhow::Result<Vec<i64>> {
+        let sql = match self {
+            Kind::RustSdk => {
+                "SELECT token FROM task_state_audit
+                  WHERE task_id = $1 AND status = 'COMPLETED' ORDER BY at"
+            }
+            Kind::Runner => {
+                "SELECT token FROM conformance_effects WHERE task_id = $1 ORDER BY token"
+            }
+        };
+        Ok(db
+            .query(sql, &[&uid])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect())
+    }
+
+    /// What its log says when a cancel stops a running handler.
+    pub fn cancelled_marker(self) -> &'static str {
+        match self {
+            Kind::RustSdk => "the task was cancelled: stopping the attempt",
+            Kind::Runner => "SIGTERM to the child's process group",
+        }
+    }
+
+    /// What its log says when its kill switch stops a running handler.
+    pub fn killed_marker(self) -> &'static str {
+        match self {
+            Kind::RustSdk => "kill switch fired",
+            Kind::Runner => "SIGTERM to the child's process group",
+        }
+    }
+
+    /// Whether it can expand a task into children (`ctx.spawn`).
+    pub fn spawns(self) -> bool {
+        matches!(self, Kind::RustSdk)
+    }
+}
+
+/// Creates the runner's effects table, once per test binary and under
+/// the SDK's migration lock (`CREATE TABLE IF NOT EXISTS` from concurrent
+/// tests races in the catalog).
+pub async fn prepare(db: &Client) -> anyhow::Result<()> {
+    static DONE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    DONE.get_or_try_init(|| async {
+        batchlease_worker_sdk::postgres::migrate_serialized(
+            db,
+            "CREATE TABLE IF NOT EXISTS conformance_effects (
+                 task_id text NOT NULL, token bigint NOT NULL,
+                 at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        )
+        .await
+    })
+    .await?;
+    Ok(())
+}
