@@ -13,6 +13,8 @@
 //! and a result carrying `"resumedFrom": i`. The Rust SDK's is the demo
 //! worker's handler; `batchlease-run`'s is `e2e/conformance/behaviour.sh`.
 
+use std::path::Path;
+
 use tokio_postgres::Client;
 
 use crate::process::Process;
@@ -40,6 +42,17 @@ impl Kind {
     /// Starts worker `identity` for `namespace` (one slot; a drain that
     /// gives attempts back within a few seconds).
     pub fn start(self, namespace: &str, identity: &str) -> anyhow::Result<Process> {
+        self.start_with(namespace, identity, None)
+    }
+
+    /// [`Kind::start`], reaching the API server through `kubeconfig`
+    /// (e.g. a test proxy's) instead of `KUBECONFIG`.
+    pub fn start_with(
+        self,
+        namespace: &str,
+        identity: &str,
+        kubeconfig: Option<&Path>,
+    ) -> anyhow::Result<Process> {
         match self {
             Kind::RustSdk => workers::start(
                 namespace,
@@ -47,6 +60,7 @@ impl Kind {
                 &WorkerOpts {
                     slots: 1,
                     drain_grace_seconds: 2,
+                    kubeconfig: kubeconfig.map(Path::to_path_buf),
                     ..Default::default()
                 },
             ),
@@ -56,6 +70,9 @@ impl Kind {
                     queue: self.queue().into(),
                     kill_grace: 1.0,
                     env: vec![("CONFORMANCE_DB".into(), workers::pg_url()?)],
+                    extra: kubeconfig
+                        .map(|k| vec![format!("--kubeconfig={}", k.display())])
+                        .unwrap_or_default(),
                     ..Default::default()
                 };
                 runner::start(
@@ -86,6 +103,14 @@ impl Kind {
             .iter()
             .map(|r| r.get(0))
             .collect())
+    }
+
+    /// What its log says once an attempt's handler has started.
+    pub fn started_marker(self) -> &'static str {
+        match self {
+            Kind::RustSdk => "working",
+            Kind::Runner => "command started",
+        }
     }
 
     /// What its log says when a cancel stops a running handler.

@@ -13,10 +13,12 @@
 
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, TaskPhase};
+use batchlease_api::{BatchTask, TaskLease, TaskPhase};
 use batchlease_e2e::conformance::{self, Kind};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
+use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
+use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_holder, wait_phase, wait_task};
 use batchlease_e2e::{pg, wait_for};
 use kube::ResourceExt;
@@ -330,6 +332,150 @@ pub async fn spawn_where_supported(kind: Kind) {
     ns.finish().await.unwrap();
 }
 
+/// The time of the first line of `log` containing `marker` (the tracing
+/// timestamp at its start), in seconds since the epoch.
+fn logged_at(log: &str, marker: &str) -> Option<f64> {
+    let line = log.lines().find(|l| l.contains(marker))?;
+    let stamp = line.split_whitespace().next()?;
+    let t: k8s_openapi::jiff::Timestamp = stamp.parse().ok()?;
+    Some(t.as_microsecond() as f64 / 1e6)
+}
+
+/// A silent partition from the API server: the kill switch stops the
+/// handler no later than 2/3·TTL (+ 0.2 s) after the last successful
+/// renewal was sent (its `renewTime`), measured on this host's clock.
+pub async fn kill_switch_within_two_thirds_of_the_ttl(kind: Kind) {
+    let (ns, op) = setup(kind, "kill").await;
+    let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
+    let dir = PrivateDir::new(&ns.name).unwrap();
+    let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
+    let w = kind.start_with(&ns.name, "w1", Some(&kubeconfig)).unwrap();
+    let ttl = 6.0;
+    tasks::create(
+        &ns,
+        "job",
+        spec(
+            kind,
+            json!({"steps": 100, "stepMillis": 200}),
+            json!({"leaseDurationSeconds": 6, "maxRetries": 3}),
+        ),
+    )
+    .await
+    .unwrap();
+    wait_holder(&ns, "job", "w1", WAIT, || op.logs_with(&[&w]))
+        .await
+        .unwrap();
+    let leases = ns.api::<TaskLease>();
+    let claimed = leases.get("job-1").await.unwrap().spec.renew_time;
+    // One renewal through the proxy, then cut it right after.
+    let renewed = wait_for(
+        "a renewal",
+        WAIT,
+        || w.logs(),
+        || async {
+            let now = leases.get("job-1").await?.spec.renew_time;
+            Ok((now != claimed).then_some(now))
+        },
+    )
+    .await
+    .unwrap();
+    proxy.cut();
+    wait_log(&w, kind.killed_marker()).await;
+    // The renewal the cut may have swallowed on its way back was sent
+    // later still: the last one the worker saw succeed is no later than
+    // the newest renewTime the server holds.
+    let last = leases.get("job-1").await.unwrap().spec.renew_time;
+    let last = last.or(renewed).expect("a renewTime");
+    let sent = last.0.as_microsecond() as f64 / 1e6;
+    let fired = logged_at(&w.log_text(), kind.killed_marker()).expect("a timestamped line");
+    let latency = fired - sent;
+    eprintln!(
+        "{kind:?}: handler stopped {latency:.3} s after the last renewal's send (2/3·TTL = {:.3} s)",
+        ttl * 2.0 / 3.0
+    );
+    assert!(
+        latency <= ttl * 2.0 / 3.0 + 0.2,
+        "{kind:?}: stopped {latency:.3} s after the last renewal (TTL {ttl} s)\n{}",
+        w.logs()
+    );
+    // The task goes on elsewhere.
+    let w2 = kind.start(&ns.name, "w2").unwrap();
+    let done = wait_phase(
+        &ns,
+        "job",
+        TaskPhase::Succeeded,
+        Duration::from_secs(90),
+        || op.logs_with(&[&w, &w2]),
+    )
+    .await
+    .unwrap();
+    let status = done.status.clone().unwrap();
+    assert_eq!(effects(kind, &done).await, [status.fencing_token]);
+    drop((w, w2));
+    ns.finish().await.unwrap();
+}
+
+/// The API server unreachable when the handler is done: the completion is
+/// retried while the fence holds and lands once it is back — one attempt,
+/// no retry spent, one effect.
+pub async fn completion_retried_across_a_short_api_outage(kind: Kind) {
+    let (ns, op) = setup(kind, "outage").await;
+    let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
+    let dir = PrivateDir::new(&ns.name).unwrap();
+    let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
+    let w = kind.start_with(&ns.name, "w1", Some(&kubeconfig)).unwrap();
+    // A 30 s lease: the first renewal is due 10 s after the claim, the kill
+    // switch 20 s after it; the handler is done after about 1 s.
+    tasks::create(
+        &ns,
+        "job",
+        spec(
+            kind,
+            json!({"steps": 5, "stepMillis": 200}),
+            json!({"leaseDurationSeconds": 30, "maxRetries": 0}),
+        ),
+    )
+    .await
+    .unwrap();
+    wait_log(&w, kind.started_marker()).await;
+    proxy.cut();
+    let outage = std::time::Instant::now();
+    // Its completion meets the outage: a try fails or times out.
+    let log = w.log.clone();
+    wait_for(
+        "a failed completion",
+        WAIT,
+        || w.logs(),
+        || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            async move {
+                Ok(
+                    (text.contains("completion failed") || text.contains("completion timed out"))
+                        .then_some(()),
+                )
+            }
+        },
+    )
+    .await
+    .unwrap();
+    proxy.restore();
+    eprintln!(
+        "{kind:?}: API server unreachable for {:.1} s",
+        outage.elapsed().as_secs_f64()
+    );
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, WAIT, || {
+        op.logs_with(&[&w])
+    })
+    .await
+    .unwrap();
+    let status = done.status.clone().unwrap();
+    assert_eq!(status.history.len(), 1, "{status:?}");
+    assert_eq!(status.attempts, 0, "{status:?}");
+    assert_eq!(effects(kind, &done).await, [status.fencing_token]);
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
 /// The scenarios for one kind, as a module of tests named for it.
 macro_rules! kind {
     ($module:ident, $kind:expr) => {
@@ -364,6 +510,16 @@ macro_rules! kind {
             #[tokio::test]
             async fn cancel_stops_the_handler() {
                 super::cancel_stops_the_handler($kind).await
+            }
+
+            #[tokio::test]
+            async fn kill_switch_within_two_thirds_of_the_ttl() {
+                super::kill_switch_within_two_thirds_of_the_ttl($kind).await
+            }
+
+            #[tokio::test]
+            async fn completion_retried_across_a_short_api_outage() {
+                super::completion_retried_across_a_short_api_outage($kind).await
             }
 
             #[tokio::test]
