@@ -23,7 +23,10 @@
 #   --scale=N --probes=P  idle tasks up to N in five levels, P probes each
 #                         (100000, 100 / 200, 10)
 #   --dag=N --locked=N --speculative=N   workloads (1000, 200, 200 / 100, 20, 20)
-#   --failover=N --killswitch=N          latency trials (20, 20 / 2, 2)
+#   --failover=N --killswitch=N          latency trials (20, 20 / 2, 2); the
+#                         kill switch for each worker kind (Rust SDK, batchlease-run)
+#   --kinds=N             no-op tasks end to end per worker kind, side by side
+#                         (500 / 40)
 #   --concurrency=N       client concurrency of bulk writes (16)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,16 +53,17 @@ hack/deps.sh
 if $quick; then
   profile=debug
   # Two builds: `--bin bench` would filter the other packages' binaries out.
-  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker
+  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-run
   cargo build -q --locked -p batchlease-e2e --bin bench
 else
   profile=release
-  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker
+  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-run
   cargo build -q --locked --release -p batchlease-e2e --bin bench
   args+=("--out=$root/e2e/bench/plots")
 fi
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/$profile/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/$profile/batchlease-demo-worker
+export BATCHLEASE_RUN_BIN=$CARGO_TARGET_DIR/$profile/batchlease-run
 
 run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)
 cleanup() {

@@ -39,7 +39,7 @@ if [ "$permanent" = 1 ]; then
   echo "the payload asks for a permanent failure" >&2
   exit 65
 fi
-psql "$CONFORMANCE_DB" -X -q -v ON_ERROR_STOP=1 \
+psql "$CONFORMANCE_DB" -X -q -o /dev/null -v ON_ERROR_STOP=1 \
   -v uid="$BATCHLEASE_TASK_UID" -v token="$BATCHLEASE_FENCING_TOKEN" <<'SQL'
 BEGIN;
 SELECT batchlease_fence(:'uid', :token);

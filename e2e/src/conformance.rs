@@ -13,13 +13,28 @@
 //! and a result carrying `"resumedFrom": i`. The Rust SDK's is the demo
 //! worker's handler; `batchlease-run`'s is `e2e/conformance/behaviour.sh`.
 
-use std::path::Path;
+use std::path::PathBuf;
 
 use tokio_postgres::Client;
 
 use crate::process::Process;
 use crate::runner::{self, RunnerOpts};
 use crate::workers::{self, WorkerOpts};
+
+/// How to start a worker of a kind, beyond the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct StartOpts {
+    /// Reach the API server through this kubeconfig (e.g. a test proxy's)
+    /// instead of `KUBECONFIG`.
+    pub kubeconfig: Option<PathBuf>,
+    /// Concurrent attempts (default 1).
+    pub slots: usize,
+    /// A queue other than the kind's own.
+    pub queue: Option<String>,
+}
+
+/// Every kind, in the order reports list them.
+pub const KINDS: [Kind; 2] = [Kind::RustSdk, Kind::Runner];
 
 /// A kind of worker under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +46,14 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Its name in reports.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::RustSdk => "rust-sdk",
+            Kind::Runner => "batchlease-run",
+        }
+    }
+
     /// The queue its workers serve.
     pub fn queue(self) -> &'static str {
         match self {
@@ -42,35 +65,40 @@ impl Kind {
     /// Starts worker `identity` for `namespace` (one slot; a drain that
     /// gives attempts back within a few seconds).
     pub fn start(self, namespace: &str, identity: &str) -> anyhow::Result<Process> {
-        self.start_with(namespace, identity, None)
+        self.start_opts(namespace, identity, &StartOpts::default())
     }
 
-    /// [`Kind::start`], reaching the API server through `kubeconfig`
-    /// (e.g. a test proxy's) instead of `KUBECONFIG`.
-    pub fn start_with(
+    /// [`Kind::start`] with `opts`.
+    pub fn start_opts(
         self,
         namespace: &str,
         identity: &str,
-        kubeconfig: Option<&Path>,
+        opts: &StartOpts,
     ) -> anyhow::Result<Process> {
+        let queue = opts.queue.as_deref().unwrap_or(self.queue()).to_owned();
+        let slots = opts.slots.max(1);
         match self {
             Kind::RustSdk => workers::start(
                 namespace,
                 identity,
                 &WorkerOpts {
-                    slots: 1,
+                    queue,
+                    slots,
                     drain_grace_seconds: 2,
-                    kubeconfig: kubeconfig.map(Path::to_path_buf),
+                    kubeconfig: opts.kubeconfig.clone(),
                     ..Default::default()
                 },
             ),
             Kind::Runner => {
                 let script = crate::crate_dir().join("conformance/behaviour.sh");
-                let opts = RunnerOpts {
-                    queue: self.queue().into(),
+                let runner_opts = RunnerOpts {
+                    queue,
+                    slots,
                     kill_grace: 1.0,
                     env: vec![("CONFORMANCE_DB".into(), workers::pg_url()?)],
-                    extra: kubeconfig
+                    extra: opts
+                        .kubeconfig
+                        .as_ref()
                         .map(|k| vec![format!("--kubeconfig={}", k.display())])
                         .unwrap_or_default(),
                     ..Default::default()
@@ -78,7 +106,7 @@ impl Kind {
                 runner::start(
                     namespace,
                     identity,
-                    &opts,
+                    &runner_opts,
                     &format!("exec {}", script.display()),
                 )
             }

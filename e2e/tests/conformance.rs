@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use batchlease_api::{BatchTask, TaskLease, TaskPhase};
-use batchlease_e2e::conformance::{self, Kind};
+use batchlease_e2e::conformance::{self, Kind, StartOpts};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
@@ -349,7 +349,16 @@ pub async fn kill_switch_within_two_thirds_of_the_ttl(kind: Kind) {
     let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
     let dir = PrivateDir::new(&ns.name).unwrap();
     let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
-    let w = kind.start_with(&ns.name, "w1", Some(&kubeconfig)).unwrap();
+    let w = kind
+        .start_opts(
+            &ns.name,
+            "w1",
+            &StartOpts {
+                kubeconfig: Some(kubeconfig.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     let ttl = 6.0;
     tasks::create(
         &ns,
@@ -423,7 +432,16 @@ pub async fn completion_retried_across_a_short_api_outage(kind: Kind) {
     let proxy = Proxy::start(apiserver_addr().unwrap()).await.unwrap();
     let dir = PrivateDir::new(&ns.name).unwrap();
     let kubeconfig = proxied_kubeconfig(&proxy, &dir).unwrap();
-    let w = kind.start_with(&ns.name, "w1", Some(&kubeconfig)).unwrap();
+    let w = kind
+        .start_opts(
+            &ns.name,
+            "w1",
+            &StartOpts {
+                kubeconfig: Some(kubeconfig.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     // A 30 s lease: the first renewal is due 10 s after the claim, the kill
     // switch 20 s after it; the handler is done after about 1 s.
     tasks::create(

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use batchlease_api::{BatchTask, TaskPhase};
+use batchlease_e2e::conformance::{Kind, StartOpts};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::phase_of;
-use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, TestNamespace, api_requests, pg, wait_for};
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{Api, PostParams};
@@ -88,7 +88,11 @@ pub async fn run_tasks(
     conc: usize,
     spec: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<f64> {
-    Ok(run_tasks_counted(cluster, prefix, n, conc, spec).await?.0)
+    Ok(
+        run_tasks_counted(cluster, prefix, n, conc, Kind::RustSdk, spec)
+            .await?
+            .0,
+    )
 }
 
 /// [`run_tasks`], also returning the requests the API server counted from
@@ -100,18 +104,19 @@ pub async fn run_tasks_counted(
     prefix: &str,
     n: usize,
     conc: usize,
+    kind: Kind,
     spec: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<(f64, api_requests::Counts, Cpu)> {
     let ns = cluster.namespace(prefix).await?;
     let _db = pg::connect().await?;
     let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
     op.wait_leading(Duration::from_secs(60)).await?;
-    let opts = WorkerOpts {
+    let opts = StartOpts {
         slots: 8,
         ..Default::default()
     };
-    let w1 = workers::start(&ns.name, "bench-w1", &opts)?;
-    let w2 = workers::start(&ns.name, "bench-w2", &opts)?;
+    let w1 = kind.start_opts(&ns.name, "bench-w1", &opts)?;
+    let w2 = kind.start_opts(&ns.name, "bench-w2", &opts)?;
     let note = quiet_cluster(cluster).await?;
     if !note.is_empty() {
         eprintln!("note:{note}");

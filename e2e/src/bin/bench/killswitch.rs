@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use batchlease_api::{BatchTask, TaskLease};
+use batchlease_e2e::conformance::{Kind, StartOpts};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
-use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, tasks, wait_for};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams};
@@ -89,8 +89,10 @@ async fn acked_renewal(worker: &Process, lease: &str) -> anyhow::Result<()> {
 
 /// `trials` cuts, each with a worker of its own behind a proxy of its own
 /// (a cut connection is not reused), on a queue of its own.
-pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch> {
-    let ns = cluster.namespace("bench-killswitch").await?;
+pub async fn run(cluster: &Cluster, trials: usize, kind: Kind) -> anyhow::Result<KillSwitch> {
+    let ns = cluster
+        .namespace(&format!("bench-killswitch-{}", kind.label()))
+        .await?;
     let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
     op.wait_leading(Duration::from_secs(60)).await?;
     let dir = batchlease_e2e::secrets::PrivateDir::new(&ns.name)?;
@@ -98,19 +100,19 @@ pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch>
     let (mut from_cut, mut from_renewal) = (Vec::new(), Vec::new());
     for i in 0..trials {
         let proxy = Proxy::start(apiserver_addr()?).await?;
-        let opts = WorkerOpts {
-            queue: format!("ks{i}"),
+        let queue = format!("ks{i}");
+        let opts = StartOpts {
+            queue: Some(queue.clone()),
             slots: 1,
             kubeconfig: Some(proxied_kubeconfig(&proxy, &dir)?),
-            ..Default::default()
         };
-        let worker = workers::start(&ns.name, &format!("k{i}"), &opts)?;
+        let worker = kind.start_opts(&ns.name, &format!("k{i}"), &opts)?;
         let name = format!("k{i:03}");
         tasks::create(
             &ns,
             &name,
-            json!({"queue": opts.queue, "leaseDurationSeconds": TTL_SECONDS, "maxRetries": 0,
-                   "payload": {"steps": 1, "stepMillis": 600_000}}),
+            json!({"queue": queue, "leaseDurationSeconds": TTL_SECONDS, "maxRetries": 0,
+                   "payload": {"steps": 600, "stepMillis": 1000}}),
         )
         .await?;
         let lease = format!("{name}-1");
@@ -134,7 +136,7 @@ pub async fn run(cluster: &Cluster, trials: usize) -> anyhow::Result<KillSwitch>
                 let at = worker
                     .log_text()
                     .lines()
-                    .find(|l| l.contains("kill switch fired"))
+                    .find(|l| l.contains(kind.killed_marker()))
                     .and_then(log_time);
                 async move { Ok(at) }
             },

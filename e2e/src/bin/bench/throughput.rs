@@ -6,6 +6,7 @@
 
 use anyhow::Context;
 use batchlease_api::BatchTask;
+use batchlease_e2e::conformance::Kind;
 use batchlease_e2e::{Cluster, api_requests};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -112,6 +113,7 @@ pub async fn end_to_end(
         "bench-e2e",
         n,
         conc,
+        Kind::RustSdk,
         |_| json!({"queue": "demo", "payload": {"steps": 0, "stepMillis": 0}}),
     )
     .await?;
@@ -148,5 +150,46 @@ pub async fn end_to_end(
             ),
         );
     }
+    Ok(())
+}
+
+/// No-op tasks end to end for each kind of worker (`conformance::KINDS`),
+/// side by side on one control plane: two workers × 8 slots of the kind,
+/// each task the conformance behaviour with no steps — a registration, one
+/// fenced effect and a completion (for `batchlease-run`, a shell script
+/// with `python3` and `psql` started per task: the price of a command).
+pub async fn kinds(
+    cluster: &Cluster,
+    n: usize,
+    conc: usize,
+    report: &mut String,
+) -> anyhow::Result<()> {
+    let mut rates = Vec::new();
+    for kind in batchlease_e2e::conformance::KINDS {
+        let prefix = format!("bench-kind-{}", kind.label());
+        let (rate, _, cpu) = run_tasks_counted(
+            cluster,
+            &prefix,
+            n,
+            conc,
+            kind,
+            |_| json!({"queue": kind.queue(), "payload": {"steps": 0, "stepMillis": 0}}),
+        )
+        .await?;
+        eprintln!("{kind:?}: {rate:.1} tasks/s");
+        rates.push((kind, rate, cpu));
+    }
+    let base = rates.first().map_or(1.0, |r| r.1);
+    let mut line = format!("worker kinds ({n} no-op tasks each, 2 workers × 8 slots):");
+    for (kind, rate, cpu) in &rates {
+        line.push_str(&format!(
+            " {}: {rate:.1} tasks/s ({:.2}× the Rust SDK; workers {:.1} ms CPU/task);",
+            kind.label(),
+            rate / base,
+            cpu.workers * 1000.0 / n.max(1) as f64,
+        ));
+    }
+    line.push('\n');
+    emit(report, &line);
     Ok(())
 }
