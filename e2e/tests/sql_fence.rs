@@ -101,16 +101,16 @@ async fn a_client_transaction_is_fenced_by_the_registered_token() {
     // the newer token, and leaves nothing behind.
     register(&uid, &fence(2, ttl)).await;
     let (code, message) = fenced_write(&uid, 1, None).await.unwrap_err();
-    assert_eq!(code, "BLF01", "{message}");
+    assert_eq!(code, "LF001", "{message}");
     assert!(message.contains("attempt 2 registered"), "{message}");
     // A token that never registered is refused too.
     let (code, message) = fenced_write(&uid, 3, None).await.unwrap_err();
-    assert_eq!(code, "BLF04", "{message}");
+    assert_eq!(code, "LF003", "{message}");
     assert!(message.contains("not registered"), "{message}");
     let (code, _) = fenced_write("uid-never-registered", 1, None)
         .await
         .unwrap_err();
-    assert_eq!(code, "BLF04");
+    assert_eq!(code, "LF003");
     fenced_write(&uid, 2, None).await.unwrap();
     assert_eq!(effects(&db, &uid).await, [1, 1, 2]);
 }
@@ -146,7 +146,7 @@ async fn the_recorded_deadline_refuses_late_writes_until_a_renewal_extends_it() 
     fenced_write(&uid, 1, None).await.unwrap();
     past_recorded_deadline(&db, &uid).await;
     let (code, message) = fenced_write(&uid, 1, None).await.unwrap_err();
-    assert_eq!(code, "BLF03", "{message}");
+    assert_eq!(code, "LF002", "{message}");
 
     // A renewal (a new kill clock for the same token) extends it: the
     // store's `extend` moves the recorded deadline forward.
@@ -207,7 +207,7 @@ async fn a_commit_that_arrives_after_the_deadline_is_refused_at_commit() {
     .unwrap();
     let err = c.batch_execute("COMMIT").await.unwrap_err();
     let db_err = err.as_db_error().expect("refused by the server");
-    assert_eq!(db_err.code().code(), "BLF03", "{db_err:?}");
+    assert_eq!(db_err.code().code(), "LF002", "{db_err:?}");
     assert!(
         effects(&db, &uid).await.is_empty(),
         "the effect rolled back"
@@ -252,4 +252,105 @@ SQL"#;
         "{stderr}"
     );
     assert_eq!(effects(&db, &uid).await, [1]);
+}
+
+#[tokio::test]
+async fn a_successor_registers_after_the_zombies_open_transaction_ends() {
+    let (db, uid) = setup().await;
+    let ttl = Duration::from_secs(60);
+    register(&uid, &fence(1, ttl)).await;
+    // The zombie's fenced transaction holds the task's row.
+    let zombie = client().await;
+    zombie
+        .batch_execute(&format!(
+            "BEGIN; SELECT batchlease_fence('{uid}', 1); INSERT INTO sql_effects VALUES ('{uid}', 1)"
+        ))
+        .await
+        .unwrap();
+    // The successor's registration waits for that row lock.
+    let successor = {
+        let uid = uid.clone();
+        tokio::spawn(async move {
+            let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+            store.register(&fence(2, ttl), &uid).await
+        })
+    };
+    wait_for(
+        "the registration waiting for the zombie's row lock",
+        Duration::from_secs(30),
+        String::new,
+        || async {
+            let waiting: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE wait_event_type = 'Lock' AND query LIKE '%batchlease_register%'",
+                    &[],
+                )
+                .await?
+                .get(0);
+            Ok((waiting > 0).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!successor.is_finished());
+    // The zombie commits in time: its write is ordered before the
+    // successor's registration, which then goes through.
+    zombie.batch_execute("COMMIT").await.unwrap();
+    successor.await.unwrap().unwrap();
+    let (code, _) = fenced_write(&uid, 1, None).await.unwrap_err();
+    assert_eq!(code, "LF001");
+    assert_eq!(effects(&db, &uid).await, [1]);
+}
+
+#[tokio::test]
+async fn extend_does_not_queue_behind_the_attempts_own_open_transaction() {
+    let (_db, uid) = setup().await;
+    let ttl = Duration::from_secs(6);
+    let f = fence(1, ttl);
+    register(&uid, &f).await;
+    let own = client().await;
+    own.batch_execute(&format!("BEGIN; SELECT batchlease_fence('{uid}', 1)"))
+        .await
+        .unwrap();
+    let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+    // A short lock wait (TTL/12, at most 1 s), then an error to retry —
+    // not a connection pinned for the TTL/3 of a registration's wait.
+    let started = Instant::now();
+    let err = store.extend(&f, &uid).await.unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(matches!(err, Error::Postgres { .. }), "{err:?}");
+    own.batch_execute("COMMIT").await.unwrap();
+    store.extend(&f, &uid).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_fence_never_loosens_a_limit_the_client_set() {
+    let (_db, uid) = setup().await;
+    register(&uid, &fence(1, Duration::from_secs(60))).await;
+    let c = client().await;
+    c.batch_execute(&format!(
+        "SET statement_timeout = 1234; SET lock_timeout = 0;
+         BEGIN; SELECT batchlease_fence('{uid}', 1)"
+    ))
+    .await
+    .unwrap();
+    let show = |name: &'static str| {
+        let c = &c;
+        async move {
+            c.query_one(&format!("SHOW {name}"), &[])
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    // Stricter than the fence's (the deadline is a minute away): kept.
+    assert_eq!(show("statement_timeout").await, "1234ms");
+    // None set: the fence's TTL/3.
+    assert_eq!(show("lock_timeout").await, "20s");
+    c.batch_execute("ROLLBACK").await.unwrap();
 }

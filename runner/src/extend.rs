@@ -5,8 +5,10 @@
 //! transaction with `batchlease_fence(uid, token)` is refused once that
 //! deadline passes. The SDK renews the lease every TTL/3, moving the kill
 //! instant; this task looks every TTL/6 and, when the instant moved,
-//! calls `FencedStore::extend` — so the recorded deadline is never less
-//! than TTL/6 ahead of a live attempt, and never past its kill switch.
+//! calls `FencedStore::extend` (at once, too: a renewal may have moved it
+//! while registration ran) — so the recorded deadline trails the kill
+//! switch by at most TTL/6, the 500 ms clock margin and a round trip, and
+//! is never past it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,16 +33,22 @@ pub fn spawn(
 ) {
     tokio::spawn(async move {
         let every = (fence.ttl() / 6).max(crate::attempt::MIN_POLL);
-        // Registration recorded the claim's kill instant.
-        let mut extended_to = Instant::now() + fence.time_left();
+        // Registration recorded the kill instant of its time, which a
+        // renewal during a slow registration may already have moved: the
+        // first extend is at once.
+        let mut extended_to: Option<Instant> = None;
+        let mut first = true;
         loop {
-            tokio::select! {
-                _ = done.cancelled() => return,
-                _ = fence.killed().cancelled() => return,
-                _ = tokio::time::sleep(every) => {}
+            if !first {
+                tokio::select! {
+                    _ = done.cancelled() => return,
+                    _ = fence.killed().cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
             }
+            first = false;
             let kill_at = Instant::now() + fence.time_left();
-            if kill_at < extended_to + MIN_MOVE {
+            if extended_to.is_some_and(|to| kill_at < to + MIN_MOVE) {
                 continue;
             }
             let r = timeout(every, async {
@@ -49,7 +57,7 @@ pub fn spawn(
             .await;
             match r {
                 Ok(Ok(())) => {
-                    extended_to = kill_at;
+                    extended_to = Some(kill_at);
                     debug!(task = %label, token = fence.token(), "storage deadline extended");
                 }
                 // A newer attempt registered: this one is a zombie, and
@@ -57,6 +65,12 @@ pub fn spawn(
                 Ok(Err(e @ Error::Fenced { .. })) => {
                     error!(task = %label, token = fence.token(), error = %e, "storage holds a newer token: stopping the attempt");
                     fence.kill(KillReason::LeaseLost);
+                    return;
+                }
+                // Never registered, or its deadline passed at the storage:
+                // nothing to extend any more (the kill switch follows).
+                Ok(Err(e @ Error::Revoked { .. })) => {
+                    warn!(task = %label, token = fence.token(), error = %e, "the storage deadline cannot be extended: stopping the extender");
                     return;
                 }
                 Ok(Err(e)) => {

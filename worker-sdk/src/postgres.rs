@@ -117,9 +117,18 @@ pub const MIGRATION: &str = concat!(
     committed_token    bigint,
     updated_at         timestamptz NOT NULL DEFAULT now()
 );
-ALTER TABLE task_state ADD COLUMN IF NOT EXISTS committed_token bigint;
-UPDATE task_state SET committed_token = last_fencing_token
- WHERE status = 'COMPLETED' AND committed_token IS NULL;
+-- A table of an older version: only then (ALTER TABLE locks the table
+-- exclusively even when the column exists, behind every open transaction).
+DO $do$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                  WHERE table_schema = current_schema() AND table_name = 'task_state'
+                    AND column_name = 'committed_token') THEN
+    ALTER TABLE task_state ADD COLUMN committed_token bigint;
+    UPDATE task_state SET committed_token = last_fencing_token WHERE status = 'COMPLETED';
+  END IF;
+END
+$do$;
 CREATE TABLE IF NOT EXISTS resource_fence (
     namespace  text NOT NULL,
     resource   text NOT NULL,
@@ -327,19 +336,19 @@ fn late(token: i64) -> Error {
 }
 
 /// A refusal the fence's SQL functions raised (their SQLSTATEs, class
-/// `BL`: see `postgres/fence.sql`), as the store's typed error; `None` for
+/// `LF`: see `postgres/fence.sql`), as the store's typed error; `None` for
 /// any other database error.
 fn fence_refusal(e: &tokio_postgres::Error, token: i64) -> Option<Error> {
     let db = e.as_db_error()?;
     let current = || db.detail().and_then(|d| d.parse::<i64>().ok());
     match db.code().code() {
-        "BLF01" => Some(Error::Fenced {
+        "LF001" => Some(Error::Fenced {
             token,
             // A newer token raised it: at least one more than ours.
             current: current().unwrap_or(token + 1),
         }),
-        "BLF03" => Some(late(token)),
-        "BLF04" => Some(Error::Revoked {
+        "LF002" => Some(late(token)),
+        "LF003" => Some(Error::Revoked {
             token,
             reason: "not_registered_at_storage",
         }),
@@ -437,16 +446,22 @@ impl FencedStore {
     /// a shell command's `psql`, a Python handler — fences its writes with
     /// `batchlease_fence(task_uid, token)`, which checks that recorded
     /// deadline. [`Error::Fenced`] if a newer attempt registered,
-    /// [`Error::Revoked`] if this one never did or its deadline passed.
+    /// [`Error::Revoked`] if this one never did or its deadline passed,
+    /// [`Error::Postgres`] if the attempt's own client held the task's row
+    /// longer than a short lock wait (try again later).
     pub async fn extend(&mut self, fence: &Fence, task_uid: &str) -> Result<(), Error> {
         let token = fence.token();
         let (tx, until) = begin_fenced(&mut self.client, &self.metrics, fence, self.skew).await?;
+        // Typed, but not counted as refused commits: an extend is none.
+        let typed = |what| {
+            move |source: tokio_postgres::Error| {
+                fence_refusal(&source, token).unwrap_or(Error::Postgres { what, source })
+            }
+        };
         tx.execute(EXTEND, &[&task_uid, &token, &until])
             .await
-            .map_err(failed(&self.metrics, token, "extend"))?;
-        tx.commit()
-            .await
-            .map_err(failed(&self.metrics, token, "commit"))?;
+            .map_err(typed("extend"))?;
+        tx.commit().await.map_err(typed("commit"))?;
         Ok(())
     }
 
@@ -592,7 +607,7 @@ impl FencedStore {
             return Err(refused(&self.metrics, e));
         }
         // The last word before COMMIT; the server checks the deadline once
-        // more at COMMIT (BLF03: the transaction rolled back).
+        // more at COMMIT (LF002: the transaction rolled back).
         if let Err(e) = fence.check() {
             let _ = tx.rollback().await;
             return Err(refused(&self.metrics, e));

@@ -21,12 +21,36 @@
 --   inside its transaction loses its session after a sixth of the TTL
 --   (idle_in_transaction_session_timeout), before its lease could expire.
 --
--- Refusals raise these SQLSTATEs (class BL, "batchlease"):
---   BLF01  fenced: a newer attempt registered (DETAIL: its token)
---   BLF03  deadline: the attempt's deadline passed on the server's clock
---   BLF04  not registered: no attempt with this token registered the task
-ALTER TABLE task_state ADD COLUMN IF NOT EXISTS deadline timestamptz;
-ALTER TABLE task_state ADD COLUMN IF NOT EXISTS ttl_ms bigint;
+-- Refusals raise these SQLSTATEs (class LF, "lease fence": a class the SQL
+-- standard leaves to implementations, as it does every class starting I-Z):
+--   LF001  fenced: a newer attempt registered (DETAIL: its token)
+--   LF002  deadline: the attempt's deadline passed on the server's clock
+--   LF003  not registered: no attempt with this token registered the task
+-- Only when missing: ALTER TABLE takes an ACCESS EXCLUSIVE lock even when
+-- the column exists, and would queue every start behind the longest open
+-- fenced transaction (and all task_state traffic behind itself).
+DO $do$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                  WHERE table_schema = current_schema() AND table_name = 'task_state'
+                    AND column_name = 'deadline') THEN
+    ALTER TABLE task_state ADD COLUMN deadline timestamptz;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                  WHERE table_schema = current_schema() AND table_name = 'task_state'
+                    AND column_name = 'ttl_ms') THEN
+    ALTER TABLE task_state ADD COLUMN ttl_ms bigint;
+  END IF;
+END
+$do$;
+
+-- A session setting in milliseconds (0: none), and the stricter of it and
+-- `ms`: a limit the client set itself is never loosened.
+CREATE OR REPLACE FUNCTION batchlease_stricter(p_name text, p_ms bigint)
+RETURNS bigint LANGUAGE sql STABLE AS $fn$
+  SELECT CASE WHEN cur > 0 AND cur < p_ms THEN cur ELSE p_ms END
+    FROM (SELECT setting::bigint AS cur FROM pg_settings WHERE name = p_name) s
+$fn$;
 
 -- Arms the rest of the transaction: the session limits from the deadline
 -- and the TTL, and the deadline for the COMMIT-time check (the earliest,
@@ -36,16 +60,19 @@ RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
   armed text := current_setting('batchlease.deadline', true);
   d numeric := extract(epoch FROM p_deadline);
-  left_ms bigint := greatest(1, floor((d - extract(epoch FROM clock_timestamp())) * 1000))::bigint;
+  left_ms bigint;
 BEGIN
   IF armed IS NOT NULL AND armed <> '' AND armed::numeric < d THEN
     d := armed::numeric;
   END IF;
+  left_ms := greatest(1, floor((d - extract(epoch FROM clock_timestamp())) * 1000))::bigint;
   PERFORM set_config('batchlease.deadline', d::text, true);
-  PERFORM set_config('statement_timeout', left_ms::text, true);
+  PERFORM set_config('statement_timeout', batchlease_stricter('statement_timeout', left_ms)::text, true);
   IF p_ttl_ms IS NOT NULL AND p_ttl_ms > 0 THEN
-    PERFORM set_config('lock_timeout', greatest(1, p_ttl_ms / 3)::text, true);
-    PERFORM set_config('idle_in_transaction_session_timeout', greatest(1, p_ttl_ms / 6)::text, true);
+    PERFORM set_config('lock_timeout',
+      batchlease_stricter('lock_timeout', greatest(1, p_ttl_ms / 3))::text, true);
+    PERFORM set_config('idle_in_transaction_session_timeout',
+      batchlease_stricter('idle_in_transaction_session_timeout', greatest(1, p_ttl_ms / 6))::text, true);
   END IF;
 END
 $fn$;
@@ -60,7 +87,7 @@ BEGIN
   IF armed IS NOT NULL AND armed <> ''
      AND extract(epoch FROM clock_timestamp()) >= armed::numeric THEN
     RAISE EXCEPTION 'batchlease: the attempt''s deadline passed before COMMIT'
-      USING ERRCODE = 'BLF03', DETAIL = 'task ' || NEW.task_id;
+      USING ERRCODE = 'LF002', DETAIL = 'task ' || NEW.task_id;
   END IF;
   RETURN NULL;
 END
@@ -79,7 +106,7 @@ $do$;
 -- Registration, before the handler runs: raises the task's token to
 -- p_token (never lowers it) and records the attempt's deadline and TTL.
 -- Returns the commit that stuck, if any (committed_token NULL: none), or
--- raises BLF01 (a newer attempt registered) or BLF03 (too late).
+-- raises LF001 (a newer attempt registered) or LF002 (too late).
 -- Registering the same token again (an acknowledgement was lost) is
 -- harmless and moves its deadline forward.
 CREATE OR REPLACE FUNCTION batchlease_register(
@@ -88,13 +115,15 @@ CREATE OR REPLACE FUNCTION batchlease_register(
 LANGUAGE plpgsql AS $fn$
 DECLARE
   r task_state%ROWTYPE;
+  -- Never past what any lease of this TTL allows (2/3 of it from now).
+  d timestamptz := least(p_deadline, clock_timestamp() + p_ttl_ms * 2 / 3 * interval '1 millisecond');
 BEGIN
   IF clock_timestamp() >= p_deadline THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % registered past its deadline', p_token, p_task
-      USING ERRCODE = 'BLF03';
+      USING ERRCODE = 'LF002';
   END IF;
   INSERT INTO task_state AS t (task_id, status, last_fencing_token, deadline, ttl_ms, updated_at)
-  VALUES (p_task, 'RUNNING', p_token, p_deadline, p_ttl_ms, now())
+  VALUES (p_task, 'RUNNING', p_token, d, p_ttl_ms, now())
   ON CONFLICT (task_id) DO UPDATE SET
       last_fencing_token = EXCLUDED.last_fencing_token,
       status = CASE WHEN t.committed_token IS NULL THEN 'RUNNING' ELSE t.status END,
@@ -105,7 +134,7 @@ BEGIN
   SELECT * INTO r FROM task_state WHERE task_id = p_task;
   IF r.last_fencing_token > p_token THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % is fenced: attempt % registered', p_token, p_task, r.last_fencing_token
-      USING ERRCODE = 'BLF01', DETAIL = r.last_fencing_token::text;
+      USING ERRCODE = 'LF001', DETAIL = r.last_fencing_token::text;
   END IF;
   committed_token := r.committed_token;
   payload := r.payload;
@@ -114,35 +143,47 @@ $fn$;
 
 -- Moves a live attempt's deadline forward (after a renewal of its lease):
 -- what batchlease_fence() without a deadline of its own checks. Raises
--- BLF01 if a newer attempt registered, BLF04 if this one never did,
--- BLF03 if p_deadline already passed.
+-- LF001 if a newer attempt registered, LF003 if this one never did,
+-- LF002 if p_deadline already passed.
 CREATE OR REPLACE FUNCTION batchlease_extend(p_task text, p_token bigint, p_deadline timestamptz)
 RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
   current bigint;
+  ttl bigint;
 BEGIN
   IF clock_timestamp() >= p_deadline THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % extended past its deadline', p_token, p_task
-      USING ERRCODE = 'BLF03';
+      USING ERRCODE = 'LF002';
   END IF;
-  UPDATE task_state SET deadline = greatest(deadline, p_deadline), updated_at = now()
-   WHERE task_id = p_task AND last_fencing_token = p_token;
-  IF FOUND THEN
-    RETURN;
+  SELECT last_fencing_token, ttl_ms INTO current, ttl FROM task_state WHERE task_id = p_task;
+  IF NOT FOUND OR current < p_token THEN
+    RAISE EXCEPTION 'batchlease: attempt % of task % is not registered', p_token, p_task
+      USING ERRCODE = 'LF003';
   END IF;
-  SELECT last_fencing_token INTO current FROM task_state WHERE task_id = p_task;
   IF current > p_token THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % is fenced: attempt % registered', p_token, p_task, current
-      USING ERRCODE = 'BLF01', DETAIL = current::text;
+      USING ERRCODE = 'LF001', DETAIL = current::text;
   END IF;
-  RAISE EXCEPTION 'batchlease: attempt % of task % is not registered', p_token, p_task
-    USING ERRCODE = 'BLF04';
+  -- The attempt's own client may hold the row in a fenced transaction:
+  -- wait for it only briefly (55P03 then; the caller tries again), never
+  -- as long as a successor's registration would.
+  PERFORM set_config('lock_timeout', greatest(1, least(coalesce(ttl, 3000) / 12, 1000))::text, true);
+  UPDATE task_state
+     SET deadline = greatest(deadline, least(p_deadline,
+                      clock_timestamp() + coalesce(ttl, 0) * 2 / 3 * interval '1 millisecond')),
+         updated_at = now()
+   WHERE task_id = p_task AND last_fencing_token = p_token;
+  IF NOT FOUND THEN
+    -- Replaced while we waited for the row.
+    RAISE EXCEPTION 'batchlease: attempt % of task % is fenced', p_token, p_task
+      USING ERRCODE = 'LF001';
+  END IF;
 END
 $fn$;
 
 -- The fence for a client's own transaction: takes the task's row lock,
--- refuses a token that is not the one registered (BLF01 newer, BLF04
--- none) and a deadline that passed (BLF03), and arms the rest of the
+-- refuses a token that is not the one registered (LF001 newer, LF003
+-- none) and a deadline that passed (LF002), and arms the rest of the
 -- transaction (session limits; the deadline re-checked at COMMIT). The
 -- deadline is p_deadline if given (an SDK that put its kill instant on
 -- this server's clock), else the one the attempt's registration and
@@ -164,16 +205,16 @@ BEGIN
   SELECT * INTO r FROM task_state WHERE task_id = p_task FOR UPDATE;
   IF NOT FOUND OR r.last_fencing_token < p_token THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % is not registered', p_token, p_task
-      USING ERRCODE = 'BLF04';
+      USING ERRCODE = 'LF003';
   END IF;
   IF r.last_fencing_token > p_token THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % is fenced: attempt % registered', p_token, p_task, r.last_fencing_token
-      USING ERRCODE = 'BLF01', DETAIL = r.last_fencing_token::text;
+      USING ERRCODE = 'LF001', DETAIL = r.last_fencing_token::text;
   END IF;
   d := coalesce(p_deadline, r.deadline);
   IF d IS NULL OR clock_timestamp() >= d THEN
     RAISE EXCEPTION 'batchlease: attempt % of task % is past its deadline', p_token, p_task
-      USING ERRCODE = 'BLF03';
+      USING ERRCODE = 'LF002';
   END IF;
   PERFORM batchlease_arm(d, r.ttl_ms);
   -- Writes the row, so the COMMIT-time check runs for this transaction.
@@ -204,6 +245,11 @@ BEGIN
     WHERE t.last_fencing_token <= EXCLUDED.last_fencing_token AND t.committed_token IS NULL;
   IF NOT FOUND THEN
     RETURN false;
+  END IF;
+  -- The upsert may have waited for the row lock past the deadline.
+  IF clock_timestamp() >= p_deadline THEN
+    RAISE EXCEPTION 'batchlease: attempt % of task % committed past its deadline', p_token, p_task
+      USING ERRCODE = 'LF002';
   END IF;
   PERFORM batchlease_arm(p_deadline, p_ttl_ms);
   RETURN true;
