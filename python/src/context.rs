@@ -1,0 +1,180 @@
+//! `batchlease.Context`: what a Python handler gets for one attempt.
+
+use batchlease_worker_sdk::{JsonObject, TaskContext};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors::sdk_error;
+
+/// The context of one attempt (see the stubs for the Python API).
+#[pyclass(module = "batchlease._native", name = "Context", frozen)]
+#[derive(Debug)]
+pub struct Context {
+    ctx: TaskContext,
+    payload: Py<PyAny>,
+    previous_checkpoint: Py<PyAny>,
+    earlier_commit: Py<PyAny>,
+}
+
+/// `json.loads(text)`.
+pub fn loads<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// `json.dumps(value)` as a JSON object, or a `TypeError`/`ValueError`.
+pub fn dumps_object(py: Python<'_>, value: &Bound<'_, PyAny>, what: &str) -> PyResult<JsonObject> {
+    if !value.is_instance_of::<PyDict>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what} must be a dict (a JSON object), not {}",
+            value.get_type().name()?
+        )));
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("allow_nan", false)?;
+    let text: String = py
+        .import("json")?
+        .call_method("dumps", (value,), Some(&kwargs))?
+        .extract()?;
+    JsonObject::from_text(text)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("{what}: {e}")))
+}
+
+impl Context {
+    /// Builds the Python view of `ctx` (payload and checkpoint parsed once).
+    pub fn new(py: Python<'_>, ctx: TaskContext) -> PyResult<Self> {
+        let payload = match ctx.payload_raw() {
+            Some(p) => loads(py, p.as_str())?.unbind(),
+            None => PyDict::new(py).into_any().unbind(),
+        };
+        let previous_checkpoint = match ctx.previous_checkpoint_raw() {
+            Some(c) => loads(py, c.as_str())?.unbind(),
+            None => py.None(),
+        };
+        let earlier_commit = match ctx.earlier_commit() {
+            Some(e) => {
+                let d = PyDict::new(py);
+                d.set_item("token", e.token)?;
+                match &e.payload {
+                    Some(p) => d.set_item("payload", loads(py, &p.to_string())?)?,
+                    None => d.set_item("payload", py.None())?,
+                }
+                d.into_any().unbind()
+            }
+            None => py.None(),
+        };
+        Ok(Self {
+            ctx,
+            payload,
+            previous_checkpoint,
+            earlier_commit,
+        })
+    }
+}
+
+#[pymethods]
+impl Context {
+    /// `spec.payload` as a dict (`{}` when the task has none).
+    #[getter]
+    fn payload(&self, py: Python<'_>) -> Py<PyAny> {
+        self.payload.clone_ref(py)
+    }
+
+    /// The attempt's fencing token.
+    #[getter]
+    fn token(&self) -> i64 {
+        self.ctx.fencing_token()
+    }
+
+    #[getter]
+    fn task_uid(&self) -> &str {
+        self.ctx.task_uid()
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.ctx.task_name()
+    }
+
+    #[getter]
+    fn namespace(&self) -> &str {
+        self.ctx.namespace()
+    }
+
+    #[getter]
+    fn queue(&self) -> &str {
+        self.ctx.queue()
+    }
+
+    /// 1 for the first attempt, 2 for the first retry, …
+    #[getter]
+    fn attempt(&self) -> i32 {
+        self.ctx.attempt()
+    }
+
+    /// The previous attempt's last checkpoint (a dict), or None.
+    #[getter]
+    fn previous_checkpoint(&self, py: Python<'_>) -> Py<PyAny> {
+        self.previous_checkpoint.clone_ref(py)
+    }
+
+    /// `{"token": int, "payload": dict | None}` when an earlier attempt's
+    /// commit stuck (found at registration; only with a database), else
+    /// None.
+    #[getter]
+    fn earlier_commit(&self, py: Python<'_>) -> Py<PyAny> {
+        self.earlier_commit.clone_ref(py)
+    }
+
+    /// Records progress (a dict); it travels with the next renewal.
+    fn checkpoint(&self, py: Python<'_>, progress: &Bound<'_, PyAny>) -> PyResult<()> {
+        let cp = dumps_object(py, progress, "checkpoint")?;
+        self.ctx.checkpoint(cp).map_err(|e| sdk_error(py, e))
+    }
+
+    /// True once the kill switch fired (or the attempt was cancelled):
+    /// stop, nothing you write will be accepted.
+    fn is_cancelled(&self) -> bool {
+        self.ctx.cancellation().is_cancelled()
+    }
+
+    /// Raises `batchlease.Revoked` if the attempt may no longer write.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.ctx.fence().check().map_err(|e| sdk_error(py, e))
+    }
+
+    /// Seconds left before the kill switch fires unless a renewal succeeds.
+    fn time_left(&self) -> f64 {
+        self.ctx.fence().time_left().as_secs_f64()
+    }
+
+    /// `(sql, params)` fencing the caller's own transaction:
+    /// `cur.execute(*ctx.fence_sql())` first thing after BEGIN.
+    fn fence_sql<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let params = PyTuple::new(
+            py,
+            [
+                self.ctx.task_uid().into_pyobject(py)?.into_any(),
+                self.ctx.fencing_token().into_pyobject(py)?.into_any(),
+            ],
+        )?;
+        PyTuple::new(
+            py,
+            [
+                "SELECT batchlease_fence(%s, %s)"
+                    .into_pyobject(py)?
+                    .into_any(),
+                params.into_any(),
+            ],
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Context(name={:?}, namespace={:?}, token={}, attempt={})",
+            self.ctx.task_name(),
+            self.ctx.namespace(),
+            self.ctx.fencing_token(),
+            self.ctx.attempt()
+        )
+    }
+}
