@@ -1,0 +1,107 @@
+"""The Python package against the real control plane, operator and
+PostgreSQL: each test its own namespace, operator and worker process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psycopg
+import pytest
+
+
+def status(t: dict) -> dict:
+    return t.get("status") or {}
+
+
+def test_sync_handler_succeeds_with_its_result_and_the_payload(env):
+    env.start_worker("q")
+    payload = {"action": "echo", "n": 3, "nested": {"list": [1, "two", None]}}
+    env.create_task("echo", "q", payload)
+    t = env.wait_phase("echo", {"Succeeded"})
+    result = status(t)["result"]
+    assert result["echo"] == payload, result
+    assert result["attempt"] == 1 and result["name"] == "echo"
+    assert result["token"] == status(t)["fencingToken"]
+
+
+def test_retryable_error_then_success_with_the_checkpoint_carried(env):
+    env.start_worker("q")
+    env.create_task("flaky", "q", {"action": "retry_once"})
+    t = env.wait_phase("flaky", {"Succeeded"}, timeout=90)
+    s = status(t)
+    assert s["result"] == {"attempt": 2, "resumedFrom": {"step": 7}}, s
+    # `attempts` counts attempts that spent the retry budget; the token
+    # counts leases issued.
+    assert s["attempts"] == 1 and s["fencingToken"] == 2, s
+
+
+def test_permanent_error_dead_letters(env):
+    env.start_worker("q")
+    env.create_task("bad", "q", {"action": "permanent"})
+    t = env.wait_phase("bad", {"DeadLettered"})
+    s = status(t)
+    assert s["lastFailure"]["reason"] == "BadInput", s
+    assert "never work" in s["lastFailure"]["message"], s
+    assert s["attempts"] == 1 and s["fencingToken"] == 1, s
+
+
+def test_other_exceptions_are_retryable_named_for_their_class(env):
+    env.start_worker("q")
+    env.create_task("crash", "q", {"action": "crash"}, max_retries=0)
+    t = env.wait_phase("crash", {"DeadLettered"})
+    s = status(t)
+    assert s["lastFailure"]["reason"] == "ValueError", s
+    assert "not a number" in s["lastFailure"]["message"], s
+
+
+def test_async_handler_succeeds(env):
+    env.start_worker("q", mode="async")
+    env.create_task("aio", "q", {"action": "echo", "k": "v"})
+    t = env.wait_phase("aio", {"Succeeded"})
+    result = status(t)["result"]
+    assert result["async"] is True and result["echo"] == {"action": "echo", "k": "v"}, result
+
+
+def test_a_handler_spinning_in_pure_python_for_two_ttls_keeps_its_lease(env):
+    # TTL 5 s (the minimum): the kill switch would fire after 3.3 s without
+    # renewals; the handler holds the GIL for 10 s.
+    env.start_worker("q")
+    env.create_task("spin", "q", {"action": "spin", "seconds": 10}, lease_seconds=5)
+    t = env.wait_phase("spin", {"Succeeded", "DeadLettered"}, timeout=60)
+    s = status(t)
+    assert s["phase"] == "Succeeded", env.diagnostics("spin")
+    # One lease issued, none failed: the lease was renewed throughout.
+    assert s["fencingToken"] == 1 and s["attempts"] == 0, s
+    assert s["result"] == {"spins": True, "attempt": 1, "cancelled": False}, s
+
+
+def test_fenced_psycopg_write_of_the_live_attempt(env):
+    env.start_worker("q")
+    env.create_task("fenced", "q", {"action": "fenced_write"})
+    t = env.wait_phase("fenced", {"Succeeded"})
+    s = status(t)
+    token = s["fencingToken"]
+    assert s["result"] == {"written": token, "wrongTokenRefused": "BLF04"}, s
+    with psycopg.connect(os.environ["BATCHLEASE_PG_URL"]) as conn:
+        row = conn.execute("SELECT token FROM py_fenced_out WHERE task = %s",
+                           (t["metadata"]["uid"],)).fetchone()
+    assert row == (token,), row
+
+
+def test_the_kill_switch_cancels_an_async_handler(env, tmp_path):
+    # The task is deleted while its handler awaits: the next renewal finds
+    # the lease gone (404), the kill switch fires, and the handler's
+    # asyncio task is cancelled.
+    marker = tmp_path / "cancelled"
+    env.start_worker("q", mode="async")
+    env.create_task("doomed", "q", {"action": "sleep", "seconds": 300, "marker": str(marker)})
+    env.wait_phase("doomed", {"Running"})
+    kubectl_delete = __import__("conftest").kubectl
+    kubectl_delete("delete", "batchtask", "doomed", "-n", env.ns, "--wait=false")
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            pytest.fail("the async handler was not cancelled\n" + env.diagnostics("doomed"))
+        time.sleep(0.2)
+    assert marker.read_text() == "cancelled 1 True"
