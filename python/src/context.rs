@@ -3,6 +3,7 @@
 use batchlease_worker_sdk::{JsonObject, TaskContext};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
+use tokio_util::sync::CancellationToken;
 
 use crate::errors::sdk_error;
 
@@ -11,6 +12,8 @@ use crate::errors::sdk_error;
 #[derive(Debug)]
 pub struct Context {
     ctx: TaskContext,
+    /// Fires when the SDK dropped the attempt (the drain's grace is over).
+    dropped: CancellationToken,
     payload: Py<PyAny>,
     previous_checkpoint: Py<PyAny>,
     earlier_commit: Py<PyAny>,
@@ -41,7 +44,7 @@ pub fn dumps_object(py: Python<'_>, value: &Bound<'_, PyAny>, what: &str) -> PyR
 
 impl Context {
     /// Builds the Python view of `ctx` (payload and checkpoint parsed once).
-    pub fn new(py: Python<'_>, ctx: TaskContext) -> PyResult<Self> {
+    pub fn new(py: Python<'_>, ctx: TaskContext, dropped: CancellationToken) -> PyResult<Self> {
         let payload = match ctx.payload_raw() {
             Some(p) => loads(py, p.as_str())?.unbind(),
             None => PyDict::new(py).into_any().unbind(),
@@ -64,6 +67,7 @@ impl Context {
         };
         Ok(Self {
             ctx,
+            dropped,
             payload,
             previous_checkpoint,
             earlier_commit,
@@ -131,10 +135,11 @@ impl Context {
         self.ctx.checkpoint(cp).map_err(|e| sdk_error(py, e))
     }
 
-    /// True once the kill switch fired (or the attempt was cancelled):
-    /// stop, nothing you write will be accepted.
+    /// True once the kill switch fired, or the worker gave the attempt
+    /// up (its drain grace is over): stop, nothing you write will be
+    /// accepted.
     fn is_cancelled(&self) -> bool {
-        self.ctx.cancellation().is_cancelled()
+        self.ctx.cancellation().is_cancelled() || self.dropped.is_cancelled()
     }
 
     /// Raises `batchlease.Revoked` if the attempt may no longer write.

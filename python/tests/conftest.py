@@ -109,10 +109,12 @@ class Env:
         self.operator = op
         return op
 
-    def start_worker(self, queue: str, mode: str = "sync", slots: int = 1) -> Proc:
-        w = Proc(f"{self.ns}-worker-{mode}-{len(self.procs)}", [
+    def start_worker(self, queue: str, mode: str = "sync", slots: int = 1,
+                     isolation: str = "process") -> Proc:
+        w = Proc(f"{self.ns}-worker-{mode}-{isolation}-{len(self.procs)}", [
             sys.executable, str(HERE / "worker_main.py"), "--namespace", self.ns,
             "--queue", queue, "--mode", mode, "--slots", str(slots),
+            "--isolation", isolation,
         ], env={"BATCHLEASE_LOG": "info,kube=warn,batchlease_worker_sdk=debug"})
         self.procs.append(w)
         return w

@@ -63,10 +63,12 @@ def test_async_handler_succeeds(env):
     assert result["async"] is True and result["echo"] == {"action": "echo", "k": "v"}, result
 
 
-def test_a_handler_spinning_in_pure_python_for_two_ttls_keeps_its_lease(env):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_handler_spinning_in_pure_python_for_two_ttls_keeps_its_lease(env, isolation):
     # TTL 5 s (the minimum): the kill switch would fire after 3.3 s without
-    # renewals; the handler holds the GIL for 10 s.
-    env.start_worker("q")
+    # renewals; the handler spins for 10 s. On a thread it holds the
+    # worker's GIL (renewals run on a Rust thread that never takes it).
+    env.start_worker("q", isolation=isolation)
     env.create_task("spin", "q", {"action": "spin", "seconds": 10}, lease_seconds=5)
     t = env.wait_phase("spin", {"Succeeded", "DeadLettered"}, timeout=60)
     s = status(t)
@@ -105,3 +107,39 @@ def test_the_kill_switch_cancels_an_async_handler(env, tmp_path):
             pytest.fail("the async handler was not cancelled\n" + env.diagnostics("doomed"))
         time.sleep(0.2)
     assert marker.read_text() == "cancelled 1 True"
+
+
+def test_the_kill_switch_kills_a_sync_handler_s_process(env, tmp_path):
+    # A sync handler that never checks anything: deleting its task makes
+    # the next renewal find the lease gone, the kill switch fires, and the
+    # child process running the handler is killed.
+    pidfile = tmp_path / "pid"
+    worker = env.start_worker("q")
+    env.create_task("hung", "q", {"action": "hang", "pidfile": str(pidfile)})
+    env.wait_phase("hung", {"Running"})
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        if time.monotonic() > deadline:
+            pytest.fail("the handler did not start\n" + env.diagnostics("hung"))
+        time.sleep(0.2)
+    pid = int(pidfile.read_text())
+    assert pid != worker.p.pid
+    __import__("conftest").kubectl("delete", "batchtask", "hung", "-n", env.ns, "--wait=false")
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"handler process {pid} still alive\n" + env.diagnostics("hung"))
+        time.sleep(0.2)
+    # The worker itself lives on and serves the next task.
+    env.create_task("after", "q", {"action": "echo"})
+    t = env.wait_phase("after", {"Succeeded"})
+    assert status(t)["result"]["attempt"] == 1
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -64,6 +64,11 @@ def handle(ctx: batchlease.Context):
     if action == "spin":
         n = spin(float(p["seconds"]))
         return {"spins": n > 0, "attempt": ctx.attempt, "cancelled": ctx.is_cancelled()}
+    if action == "hang":
+        # Never checks ctx: only killing its process stops it.
+        with open(p["pidfile"], "w") as f:
+            f.write(str(os.getpid()))
+        spin(1e9)
     if action == "fenced_write":
         return fenced_write(ctx)
     raise batchlease.PermanentError("UnknownAction", action)
@@ -94,6 +99,7 @@ def main() -> None:
     ap.add_argument("--queue", default="default")
     ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--mode", choices=["sync", "async"], default="sync")
+    ap.add_argument("--isolation", choices=["process", "thread"], default="process")
     a = ap.parse_args()
     worker = batchlease.Worker(
         a.namespace,
@@ -102,7 +108,10 @@ def main() -> None:
         database_url=os.environ.get("BATCHLEASE_PG_URL"),
         drain_grace_seconds=2,
     )
-    worker.run(handle_async if a.mode == "async" else handle)
+    if a.mode == "async":
+        worker.run(handle_async)
+    else:
+        worker.run(handle, isolation=a.isolation)
 
 
 if __name__ == "__main__":

@@ -85,4 +85,55 @@ class ConfigError(BatchleaseError):
     """The worker is configured wrongly (or has no cluster configuration)."""
 
 
-from ._native import Context, Worker  # noqa: E402
+import inspect as _inspect  # noqa: E402
+
+from . import _native  # noqa: E402
+from ._native import Context  # noqa: E402
+
+
+class Worker:
+    """Claims TaskLeases of one queue and runs a handler for each (see the
+    stubs, ``__init__.pyi``, and docs/python.md)."""
+
+    def __init__(
+        self,
+        namespace: str,
+        queue: str = "default",
+        slots: int = 1,
+        identity: Optional[str] = None,
+        database_url: Optional[str] = None,
+        drain_grace_seconds: float = 20.0,
+    ) -> None:
+        self._native = _native.Worker(
+            namespace,
+            queue=queue,
+            slots=slots,
+            identity=identity,
+            database_url=database_url,
+            drain_grace_seconds=drain_grace_seconds,
+        )
+
+    def run(self, handler, isolation: str = "process") -> None:
+        """Runs ``handler`` until SIGTERM/SIGINT, then drains.
+
+        ``isolation`` applies to sync handlers: ``"process"`` (default) runs
+        each attempt in a child process that the kill switch kills;
+        ``"thread"`` runs it on a thread of this process, which the kill
+        switch cannot stop (poll ``ctx.is_cancelled()``). Async handlers
+        always run on an asyncio loop of their own and are cancelled.
+        """
+        if isolation not in ("process", "thread"):
+            raise ValueError("isolation must be 'process' or 'thread'")
+        if _inspect.iscoroutinefunction(handler) or isolation == "thread":
+            self._native.run(handler)
+            return
+        from ._process import ProcessHandler
+
+        wrapped = ProcessHandler(handler)
+        try:
+            self._native.run(wrapped)
+        finally:
+            wrapped.close()
+
+    def __repr__(self) -> str:
+        return repr(self._native)

@@ -28,7 +28,9 @@ class Worker:
         database_url: Optional[str] = None,
         drain_grace_seconds: float = 20.0,
     ) -> None: ...
-    def run(self, handler: Union[SyncHandler, AsyncHandler]) -> None:
+    def run(
+        self, handler: Union[SyncHandler, AsyncHandler], isolation: str = "process"
+    ) -> None:
         """Runs ``handler`` for every claimed task until SIGTERM or SIGINT,
         then drains: no new claims, running handlers get
         ``drain_grace_seconds``, the rest are given back as Interrupted.
@@ -45,8 +47,14 @@ class Worker:
 
         Kill switch (the lease can no longer be proven ours): an async
         handler is cancelled (``asyncio.CancelledError`` at its next
-        ``await``). A sync handler runs on a thread and CANNOT be stopped
-        yet: poll ``ctx.is_cancelled()`` / ``ctx.check()``; its result is
+        ``await``). A sync handler with ``isolation="process"`` (default)
+        runs in a child process (one per busy slot, from a forkserver,
+        reused across attempts), which is SIGKILLed; it must then be
+        picklable (a module-level function, the script's entry under
+        ``if __name__ == "__main__":``), its result and exceptions are
+        pickled back, and its ``ctx`` relays calls to the worker. With
+        ``isolation="thread"`` it runs on a thread of the worker, which
+        CANNOT be stopped: poll ``ctx.is_cancelled()``; its result is then
         discarded and its fenced writes are refused (``batchlease_fence``).
         """
 
