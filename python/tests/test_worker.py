@@ -143,3 +143,24 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_the_example_worker_runs_a_task(env):
+    # examples/python-worker/worker.py as documented: --namespace --queue
+    # --slots, the database from BATCHLEASE_PG_URL.
+    import conftest
+    import sys
+
+    ex = conftest.REPO / "examples" / "python-worker" / "worker.py"
+    env.procs.append(conftest.Proc(f"{env.ns}-example", [
+        sys.executable, str(ex), "--namespace", env.ns, "--queue", "demo", "--slots", "2",
+    ]))
+    env.create_task("example", "demo", {"steps": 3, "stepMillis": 50})
+    t = env.wait_phase("example", {"Succeeded"})
+    s = status(t)
+    assert s["result"] == {"steps": 3, "resumedFrom": 0, "token": s["fencingToken"],
+                           "committed": True}, s
+    with psycopg.connect(os.environ["BATCHLEASE_PG_URL"]) as conn:
+        row = conn.execute("SELECT token, steps FROM python_worker_results WHERE task_uid = %s",
+                           (t["metadata"]["uid"],)).fetchone()
+    assert row == (s["fencingToken"], 3), row
