@@ -37,7 +37,7 @@ class Worker:
         Blocks with the GIL released.
 
         ``handler(ctx)`` returns a dict (the task's ``status.result``,
-        at most 16 KiB as JSON) or None; ``async def`` handlers are run on
+        at most 128 KiB as JSON) or None; ``async def`` handlers are run on
         an asyncio loop of their own per attempt.
 
         Failures: ``RetryableError(reason, message)`` and
