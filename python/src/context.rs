@@ -1,6 +1,6 @@
 //! `batchlease.Context`: what a Python handler gets for one attempt.
 
-use batchlease_worker_sdk::{JsonObject, TaskContext};
+use batchlease_worker_sdk::{BatchTaskSpec, Child, JsonObject, Subgraph, TaskContext};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tokio_util::sync::CancellationToken;
@@ -14,6 +14,9 @@ pub struct Context {
     ctx: TaskContext,
     /// Fires when the SDK dropped the attempt (the drain's grace is over).
     dropped: CancellationToken,
+    /// The worker's runtime, for the SDK's async calls (`spawn`, …) made
+    /// from the handler's thread with the GIL released.
+    runtime: tokio::runtime::Handle,
     payload: Py<PyAny>,
     previous_checkpoint: Py<PyAny>,
     earlier_commit: Py<PyAny>,
@@ -44,7 +47,12 @@ pub fn dumps_object(py: Python<'_>, value: &Bound<'_, PyAny>, what: &str) -> PyR
 
 impl Context {
     /// Builds the Python view of `ctx` (payload and checkpoint parsed once).
-    pub fn new(py: Python<'_>, ctx: TaskContext, dropped: CancellationToken) -> PyResult<Self> {
+    pub fn new(
+        py: Python<'_>,
+        ctx: TaskContext,
+        dropped: CancellationToken,
+        runtime: tokio::runtime::Handle,
+    ) -> PyResult<Self> {
         let payload = match ctx.payload_raw() {
             Some(p) => loads(py, p.as_str())?.unbind(),
             None => PyDict::new(py).into_any().unbind(),
@@ -68,6 +76,7 @@ impl Context {
         Ok(Self {
             ctx,
             dropped,
+            runtime,
             payload,
             previous_checkpoint,
             earlier_commit,
@@ -173,6 +182,50 @@ impl Context {
         )
     }
 
+    /// Creates the sub-graph `children` (each `{"spec": {...BatchTask
+    /// spec...}, "after": [sibling indexes]}`) under this task,
+    /// idempotently per `version` (the SDK's `TaskContext::spawn`); returns
+    /// the children's names. Blocks (GIL released) until created.
+    fn spawn(
+        &self,
+        py: Python<'_>,
+        version: String,
+        children: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        let mut graph = Subgraph::new(version);
+        for (i, child) in children.iter().enumerate() {
+            let value = dumps_object(py, child, "a child")?;
+            let parsed: ChildSpec = value
+                .parse()
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("child {i}: {e}")))?;
+            graph.push(Child {
+                spec: parsed.spec,
+                after: parsed.after,
+            });
+        }
+        let (ctx, runtime) = (self.ctx.clone(), self.runtime.clone());
+        py.detach(move || runtime.block_on(async move { ctx.spawn(&graph).await }))
+            .map_err(|e| sdk_error(py, e))
+    }
+
+    /// The results of the task's `dependsOn` tasks: name to result (a dict,
+    /// or None for a dependency that succeeded without one). Blocks (GIL
+    /// released) while they are read.
+    fn dependency_results<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (ctx, runtime) = (self.ctx.clone(), self.runtime.clone());
+        let results = py
+            .detach(move || runtime.block_on(async move { ctx.dependency_results().await }))
+            .map_err(|e| sdk_error(py, e))?;
+        let out = PyDict::new(py);
+        for (name, result) in results {
+            match result {
+                Some(r) => out.set_item(name, loads(py, r.as_str())?)?,
+                None => out.set_item(name, py.None())?,
+            }
+        }
+        Ok(out)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Context(name={:?}, namespace={:?}, token={}, attempt={})",
@@ -182,4 +235,13 @@ impl Context {
             self.ctx.attempt()
         )
     }
+}
+
+/// One child as `Context.spawn` takes it.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChildSpec {
+    spec: BatchTaskSpec,
+    #[serde(default)]
+    after: Vec<u32>,
 }

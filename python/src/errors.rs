@@ -163,3 +163,17 @@ fn reason_of(class: &str) -> String {
         false => "HandlerFailed".into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::reason_of;
+
+    #[test]
+    fn reasons_are_class_names_the_status_accepts() {
+        assert_eq!(reason_of("ValueError"), "ValueError");
+        assert_eq!(reason_of("my_error"), "my_error");
+        assert_eq!(reason_of("Ünïcode"), "HandlerFailed");
+        assert_eq!(reason_of("_private"), "HandlerFailed");
+        assert_eq!(reason_of(&"A".repeat(129)), "HandlerFailed");
+    }
+}

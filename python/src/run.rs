@@ -139,9 +139,16 @@ async fn attempt(
     let call = {
         let (ctx, finished, running) = (ctx.clone(), finished.clone(), running.clone());
         let dropped = ended.clone();
+        let runtime = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
             let _finished = finished.drop_guard();
-            Python::attach(|py| call_handler(py, &handler, ctx, dropped, is_async, &running))
+            Python::attach(|py| {
+                let pyctx = Context::new(py, ctx.clone(), dropped, runtime).map_err(|e| {
+                    TaskError::permanent(format!("payload or checkpoint: {e}"))
+                        .with_reason("InvalidPayload")
+                })?;
+                call_handler(py, &handler, ctx, pyctx, is_async, &running)
+            })
         })
     };
     match call.await {
@@ -200,21 +207,16 @@ async fn cancel_on_kill(
 }
 
 /// Calls the handler with the GIL held (on a blocking thread) and maps its
-/// outcome. `dropped` fires when the SDK drops the attempt (then
-/// `ctx.is_cancelled()` is true, which the child-process runner of sync
-/// handlers polls to kill its child).
+/// outcome.
 fn call_handler(
     py: Python<'_>,
     handler: &Py<PyAny>,
     ctx: TaskContext,
-    dropped: CancellationToken,
+    pyctx: Context,
     is_async: bool,
     running: &Mutex<Option<AsyncRun>>,
 ) -> Result<Output, TaskError> {
     let killed = ctx.cancellation();
-    let pyctx = Context::new(py, ctx, dropped).map_err(|e| {
-        TaskError::permanent(format!("payload or checkpoint: {e}")).with_reason("InvalidPayload")
-    })?;
     let returned = if is_async {
         run_coroutine(py, handler, pyctx, &killed, running)
     } else {

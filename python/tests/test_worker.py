@@ -164,3 +164,27 @@ def test_the_example_worker_runs_a_task(env):
         row = conn.execute("SELECT token, steps FROM python_worker_results WHERE task_uid = %s",
                            (t["metadata"]["uid"],)).fetchone()
     assert row == (s["fencingToken"], 3), row
+
+
+def test_spawn_children_and_read_their_results(env):
+    env.start_worker("q", slots=2)
+    env.create_task("parent", "q", {"action": "spawn"})
+    t = env.wait_phase("parent", {"Succeeded"})
+    children = status(t)["result"]["children"]
+    assert len(children) == 2, children
+    for name in children:
+        env.wait_phase(name, {"Succeeded"})
+    second = env.task(children[1])
+    assert children[0] in second["spec"].get("dependsOn", []), second["spec"]
+    # A task depending on both reads their results.
+    import json
+    import conftest
+    reader = {
+        "apiVersion": "batchlease.dev/v1alpha1", "kind": "BatchTask",
+        "metadata": {"name": "reader", "namespace": env.ns},
+        "spec": {"queue": "q", "payload": {"action": "read_deps"}, "dependsOn": children},
+    }
+    conftest.kubectl("apply", "-f", "-", input=json.dumps(reader))
+    r = status(env.wait_phase("reader", {"Succeeded"}))["result"]
+    assert set(r["deps"]) == set(children), r
+    assert all(v["echo"] == {"action": "echo"} for v in r["deps"].values()), r

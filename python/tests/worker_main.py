@@ -71,6 +71,12 @@ def handle(ctx: batchlease.Context):
         spin(1e9)
     if action == "fenced_write":
         return fenced_write(ctx)
+    if action == "spawn":
+        child = {"queue": ctx.queue, "payload": {"action": "echo"}}
+        names = ctx.spawn("v1", [{"spec": child}, {"spec": child, "after": [0]}])
+        return {"children": names}
+    if action == "read_deps":
+        return {"deps": ctx.dependency_results()}
     raise batchlease.PermanentError("UnknownAction", action)
 
 

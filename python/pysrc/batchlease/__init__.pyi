@@ -1,6 +1,6 @@
 """Type stubs of the batchlease package (the Python worker SDK)."""
 
-from typing import Any, Awaitable, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Union
 
 JsonObject = Dict[str, Any]
 SyncHandler = Callable[["Context"], Optional[JsonObject]]
@@ -97,6 +97,18 @@ class Context:
         """Raises ``Revoked`` if the attempt may no longer write."""
     def time_left(self) -> float:
         """Seconds before the kill switch fires unless a renewal succeeds."""
+    def spawn(self, version: str, children: List[JsonObject]) -> List[str]:
+        """Creates children of this task (the Rust SDK's ``ctx.spawn``):
+        each ``{"spec": {<BatchTask spec: queue, payload, ...>}, "after":
+        [indexes of earlier siblings it depends on]}``. Idempotent per
+        ``version`` (a retry finds the same children; a different spec
+        under a taken name raises ``BatchleaseError`` kind
+        ``spawn_conflict``); checks the fence before each create. Returns
+        the children's names. Blocks until created (in an async handler it
+        blocks the loop for that time)."""
+    def dependency_results(self) -> Dict[str, Optional[JsonObject]]:
+        """The results of the task's ``dependsOn`` tasks, by name (blocks
+        while they are read)."""
     def fence_sql(self) -> Tuple[str, Tuple[str, int]]:
         """``("SELECT batchlease_fence(%s, %s)", (task_uid, token))``: run it
         first in your own transaction (psycopg) to fence it::

@@ -54,6 +54,12 @@ class _ChildContext:
     def time_left(self) -> float:
         return self._call("time_left")
 
+    def spawn(self, version: str, children: list) -> list:
+        return self._call("spawn", version, children)
+
+    def dependency_results(self) -> dict:
+        return self._call("dependency_results")
+
     def fence_sql(self):
         return ("SELECT batchlease_fence(%s, %s)", (self.task_uid, self.token))
 
