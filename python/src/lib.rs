@@ -73,6 +73,15 @@ impl Worker {
         }
         let config = self.config.clone();
         let outcome = py.detach(move || run::run(config, handler, is_async));
+        // The worker's own SIGINT handler chains to Python's, which only
+        // notes the signal: run Python's handlers now, and take the
+        // KeyboardInterrupt of the SIGINT that made the worker drain as
+        // the clean end it was (a user's handler's other errors propagate).
+        if let Err(e) = py.check_signals()
+            && !e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
+        {
+            return Err(e);
+        }
         outcome.map_err(|e| errors::run_error(py, &e))
     }
 

@@ -188,3 +188,24 @@ def test_spawn_children_and_read_their_results(env):
     r = status(env.wait_phase("reader", {"Succeeded"}))["result"]
     assert set(r["deps"]) == set(children), r
     assert all(v["echo"] == {"action": "echo"} for v in r["deps"].values()), r
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_worker_running_tasks_finish(env, sig):
+    import signal
+
+    worker = env.start_worker("q")
+    env.create_task("nap", "q", {"action": "nap", "seconds": 1.5})
+    env.wait_phase("nap", {"Running"})
+    worker.p.send_signal(getattr(signal, sig))
+    # The drain grace is 2 s in worker_main: the running nap finishes.
+    rc = worker.p.wait(timeout=20)
+    assert rc == 0, f"worker exited {rc}\n" + env.diagnostics("nap")
+    # Its exit is expected: not a death for wait_phase to report.
+    env.procs.remove(worker)
+    worker.stop()
+    t = env.wait_phase("nap", {"Succeeded"}, timeout=10)
+    assert status(t)["result"] == {"napped": True, "cancelled": False}
+    log = worker.log.read_text(errors="replace")
+    assert "Traceback" not in log, log
+    assert "worker stopped" in log, log

@@ -64,6 +64,9 @@ def handle(ctx: batchlease.Context):
     if action == "spin":
         n = spin(float(p["seconds"]))
         return {"spins": n > 0, "attempt": ctx.attempt, "cancelled": ctx.is_cancelled()}
+    if action == "nap":
+        time.sleep(float(p["seconds"]))
+        return {"napped": True, "cancelled": ctx.is_cancelled()}
     if action == "hang":
         # Never checks ctx: only killing its process stops it.
         with open(p["pidfile"], "w") as f:
