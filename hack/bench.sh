@@ -64,6 +64,14 @@ fi
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/$profile/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/$profile/batchlease-demo-worker
 export BATCHLEASE_RUN_BIN=$CARGO_TARGET_DIR/$profile/batchlease-run
+# The Python package, for the worker-kind phases (a release extension
+# beside the release binaries of the full run).
+if [ "$profile" = release ]; then
+  BATCHLEASE_PYTHON_BIN=$(BATCHLEASE_PY_RELEASE=1 python/test.sh --build-only)
+else
+  BATCHLEASE_PYTHON_BIN=$(python/test.sh --build-only)
+fi
+export BATCHLEASE_PYTHON_BIN
 
 run_dir=$(mktemp -d /tmp/batchlease-bench.XXXXXX)
 cleanup() {

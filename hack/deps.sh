@@ -15,6 +15,8 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
+# python/test.sh makes a venv (Debian splits venv and ensurepip out).
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 command -v runuser >/dev/null || missing+=(util-linux)
 # runc is built with cgo (e2e/oci/build.sh); hack/image.sh unpacks Debian
 # packages with dpkg-deb.

@@ -2,8 +2,9 @@
 # Runs every check and test of batchlease. This is the README's test command
 # and what CI (.ci/run) calls:
 #   deps → fmt → clippy → unit tests → CRD drift → control plane, PostgreSQL
-#   and a node (kubelet, containerd) → e2e tests → benchmark smoke run → stop
-#   everything (always, via trap).
+#   and a node (kubelet, containerd) → e2e tests (with the Python package
+#   built) → the Python package's pytest → oldest Kubernetes → benchmark
+#   smoke run → stop everything (always, via trap).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -20,7 +21,10 @@ cargo_test() {
   cargo test "$@" 2>&1 | tee -a "$results"
 }
 summary() {
+  # cargo's "test result: ok. N passed; M failed; …" and pytest's last
+  # line "N passed, M failed in 12.3s".
   awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+       /^(=+ )?[0-9]+ (passed|failed)/ && / in [0-9.]+s/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed,?$/) p += $i; if ($(i+1) ~ /^failed,?$/) f += $i } }
        END { printf "%d passed, %d failed\n", p, f }' "$results"
 }
 
@@ -75,8 +79,16 @@ hack/image.sh --profile debug --out "$run_dir/images" >/dev/null
 export BATCHLEASE_IMAGE_DIR=$run_dir/images
 # …and on the node, where e2e/tests/node.rs and node_workers.rs run them as pods.
 e2e/node/import.sh "$run_dir/node" "$run_dir"/images/*.oci.tar
+# The Python package (maturin, into a cached venv): the conformance suite
+# runs its workers with that interpreter.
+BATCHLEASE_PYTHON_BIN=$(python/test.sh --build-only)
+export BATCHLEASE_PYTHON_BIN
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
+
+# The Python package's own tests (pytest) on the same environment.
+step "python package (pytest)"
+python/test.sh 2>&1 | tee -a "$results"
 
 # The oldest Kubernetes minor supported (e2e/controlplane/versions.env):
 # a control plane of its own, where the CRDs install, their schema and CEL

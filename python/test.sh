@@ -11,12 +11,24 @@
 #   BATCHLEASE_OPERATOR_BIN         the operator binary; built if unset
 #   CARGO_TARGET_DIR, BATCHLEASE_CACHE   from hack/env.sh (sourced here)
 #   BATCHLEASE_PYTHON               the interpreter (default python3, >= 3.9)
+#   BATCHLEASE_PY_RELEASE=1         build the extension in release mode
 # Extra arguments go to pytest (e.g. -k spin).
+#
+#   python/test.sh --build-only   builds and installs the package into the
+#                                 venv and prints its interpreter (what the
+#                                 e2e conformance suite runs as
+#                                 BATCHLEASE_PYTHON_BIN); runs no test
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 . hack/env.sh
 . hack/local-env.sh
+
+build_only=false
+if [ "${1:-}" = --build-only ]; then
+  build_only=true
+  shift
+fi
 
 py=${BATCHLEASE_PYTHON:-python3}
 # Pinned: the venv is cached, keyed by the interpreter and these versions.
@@ -27,9 +39,24 @@ venv=$BATCHLEASE_CACHE/python-venv-$pyv-$key
 if [ ! -x "$venv/bin/pytest" ]; then
   echo "python/test.sh: creating $venv" >&2
   rm -rf "$venv"
-  "$py" -m venv "$venv"
+  "$py" -m venv "$venv" >&2
   # shellcheck disable=SC2086
-  PIP_CACHE_DIR=$BATCHLEASE_CACHE/pip "$venv/bin/pip" install -q $reqs
+  PIP_CACHE_DIR=$BATCHLEASE_CACHE/pip "$venv/bin/pip" install -q $reqs >&2
+fi
+
+# The wheel, built into the target directory (nothing is written into the
+# repository), then installed into the venv.
+wheels=$CARGO_TARGET_DIR/python-wheels
+rm -rf "$wheels"
+release=()
+[ "${BATCHLEASE_PY_RELEASE:-}" = 1 ] && release=(--release)
+PYO3_PYTHON=$venv/bin/python "$venv/bin/maturin" build --locked "${release[@]}" \
+  --manifest-path python/Cargo.toml --interpreter "$venv/bin/python" -o "$wheels" >&2
+"$venv/bin/pip" install -q --force-reinstall --no-deps "$wheels"/batchlease-*.whl >&2
+
+if [ "$build_only" = true ]; then
+  echo "$venv/bin/python"
+  exit 0
 fi
 
 if [ -z "${KUBECONFIG:-}" ] || [ -z "${BATCHLEASE_PG_URL:-}" ]; then
@@ -47,14 +74,6 @@ if [ -z "${BATCHLEASE_OPERATOR_BIN:-}" ]; then
   cargo build --locked -p batchlease-operator
   export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/debug/batchlease-operator
 fi
-
-# The wheel, built into the target directory (nothing is written into the
-# repository), then installed into the venv.
-wheels=$CARGO_TARGET_DIR/python-wheels
-rm -rf "$wheels"
-PYO3_PYTHON=$venv/bin/python "$venv/bin/maturin" build --locked \
-  --manifest-path python/Cargo.toml --interpreter "$venv/bin/python" -o "$wheels"
-"$venv/bin/pip" install -q --force-reinstall --no-deps "$wheels"/batchlease-*.whl
 
 export BATCHLEASE_PY_TEST_LOGS=${BATCHLEASE_PY_TEST_LOGS:-$(mktemp -d /tmp/batchlease-py-logs.XXXXXX)}
 echo "python/test.sh: process logs in $BATCHLEASE_PY_TEST_LOGS" >&2

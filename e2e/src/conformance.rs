@@ -15,6 +15,7 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use tokio_postgres::Client;
 
 use crate::process::Process;
@@ -34,7 +35,7 @@ pub struct StartOpts {
 }
 
 /// Every kind, in the order reports list them.
-pub const KINDS: [Kind; 2] = [Kind::RustSdk, Kind::Runner];
+pub const KINDS: [Kind; 3] = [Kind::RustSdk, Kind::Runner, Kind::Python];
 
 /// A kind of worker under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,10 @@ pub enum Kind {
     RustSdk,
     /// `batchlease-run` running `e2e/conformance/behaviour.sh`.
     Runner,
+    /// The Python package: `e2e/conformance/behaviour.py` run by the
+    /// interpreter `BATCHLEASE_PYTHON_BIN` (the venv `python/test.sh
+    /// --build-only` prints, with the package installed).
+    Python,
 }
 
 impl Kind {
@@ -51,6 +56,7 @@ impl Kind {
         match self {
             Kind::RustSdk => "rust-sdk",
             Kind::Runner => "batchlease-run",
+            Kind::Python => "python",
         }
     }
 
@@ -59,6 +65,7 @@ impl Kind {
         match self {
             Kind::RustSdk => "demo",
             Kind::Runner => "sh",
+            Kind::Python => "py",
         }
     }
 
@@ -110,6 +117,36 @@ impl Kind {
                     &format!("exec {}", script.display()),
                 )
             }
+            Kind::Python => {
+                let python = std::env::var("BATCHLEASE_PYTHON_BIN").context(
+                    "BATCHLEASE_PYTHON_BIN unset: run hack/test.sh (it builds the Python package: python/test.sh --build-only)",
+                )?;
+                let script = crate::crate_dir().join("conformance/behaviour.py");
+                let mut env = vec![
+                    (
+                        "RUST_LOG".to_owned(),
+                        "info,kube=warn,batchlease_worker_sdk=debug".to_owned(),
+                    ),
+                    ("BATCHLEASE_PG_URL".into(), workers::pg_url()?),
+                    ("CONFORMANCE_DB".into(), workers::pg_url()?),
+                ];
+                if let Some(k) = &opts.kubeconfig {
+                    env.push(("KUBECONFIG".into(), k.display().to_string()));
+                }
+                Process::start(
+                    python,
+                    namespace,
+                    &format!("python-{identity}"),
+                    vec![
+                        script.display().to_string(),
+                        format!("--namespace={namespace}"),
+                        format!("--queue={queue}"),
+                        format!("--identity={identity}"),
+                        format!("--slots={slots}"),
+                    ],
+                    env,
+                )
+            }
         }
     }
 
@@ -121,7 +158,7 @@ impl Kind {
                 "SELECT token FROM task_state_audit
                   WHERE task_id = $1 AND status = 'COMPLETED' ORDER BY at"
             }
-            Kind::Runner => {
+            Kind::Runner | Kind::Python => {
                 "SELECT token FROM conformance_effects WHERE task_id = $1 ORDER BY token"
             }
         };
@@ -138,13 +175,14 @@ impl Kind {
         match self {
             Kind::RustSdk => "working",
             Kind::Runner => "command started",
+            Kind::Python => "attempt started",
         }
     }
 
     /// What its log says when a cancel stops a running handler.
     pub fn cancelled_marker(self) -> &'static str {
         match self {
-            Kind::RustSdk => "the task was cancelled: stopping the attempt",
+            Kind::RustSdk | Kind::Python => "the task was cancelled: stopping the attempt",
             Kind::Runner => "SIGTERM to the child's process group",
         }
     }
@@ -152,14 +190,14 @@ impl Kind {
     /// What its log says when its kill switch stops a running handler.
     pub fn killed_marker(self) -> &'static str {
         match self {
-            Kind::RustSdk => "kill switch fired",
+            Kind::RustSdk | Kind::Python => "kill switch fired",
             Kind::Runner => "SIGTERM to the child's process group",
         }
     }
 
     /// Whether it can expand a task into children (`ctx.spawn`).
     pub fn spawns(self) -> bool {
-        matches!(self, Kind::RustSdk)
+        matches!(self, Kind::RustSdk | Kind::Python)
     }
 }
 

@@ -44,6 +44,7 @@ fn short(kind: Kind) -> &'static str {
     match kind {
         Kind::RustSdk => "rs",
         Kind::Runner => "run",
+        Kind::Python => "py",
     }
 }
 
@@ -550,3 +551,4 @@ macro_rules! kind {
 
 kind!(rust_sdk, Kind::RustSdk);
 kind!(runner, Kind::Runner);
+kind!(python, Kind::Python);

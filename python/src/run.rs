@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batchlease_worker_sdk::postgres::{ConnectOptions, FencedPool, migrate};
-use batchlease_worker_sdk::{Error, Output, TaskContext, TaskError, WorkerBuilder};
+use batchlease_worker_sdk::{Output, TaskContext, TaskError, WorkerBuilder};
 use pyo3::prelude::*;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -124,7 +124,12 @@ async fn attempt(
     let ended = CancellationToken::new();
     let _ended = ended.clone().drop_guard();
     if let Some(pool) = pool {
-        tokio::spawn(keep_extended(pool, ctx.clone(), ended.clone()));
+        batchlease_worker_sdk::postgres::spawn_extender(
+            pool,
+            ctx.fence().clone(),
+            ctx.task_uid().to_owned(),
+            ended.clone(),
+        );
     }
     let finished = CancellationToken::new();
     let running: Arc<Mutex<Option<AsyncRun>>> = Arc::new(Mutex::new(None));
@@ -276,36 +281,4 @@ fn run_coroutine<'py>(
         debug!(error = %e, "closing the handler's event loop");
     }
     outcome
-}
-
-/// Keeps the deadline recorded for the attempt in PostgreSQL at the kill
-/// instant (`FencedStore::extend`) while the handler runs, so that
-/// `SELECT batchlease_fence(uid, token)` in the handler's own transaction
-/// accepts a live attempt and refuses it once its lease is lost. Every
-/// sixth of the TTL: the heartbeat renews every third, so the recorded
-/// deadline never falls behind the present while renewals succeed.
-async fn keep_extended(pool: Arc<FencedPool>, ctx: TaskContext, ended: CancellationToken) {
-    let every = ctx.fence().ttl() / 6;
-    let killed = ctx.cancellation();
-    loop {
-        tokio::select! {
-            _ = ended.cancelled() => return,
-            _ = killed.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-        let extended = match pool.get().await {
-            Ok(mut db) => db.extend(ctx.fence(), ctx.task_uid()).await,
-            Err(e) => Err(e),
-        };
-        match extended {
-            Ok(()) => debug!(task = ctx.task_name(), "deadline extended"),
-            Err(e @ (Error::Fenced { .. } | Error::Revoked { .. })) => {
-                warn!(task = ctx.task_name(), error = %e, "deadline not extended: the attempt is over in storage");
-                return;
-            }
-            Err(e) => {
-                warn!(task = ctx.task_name(), error = %e, "deadline not extended (will retry)")
-            }
-        }
-    }
 }

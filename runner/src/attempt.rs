@@ -127,11 +127,10 @@ pub async fn run(ctx: TaskContext, cfg: Arc<Config>) -> Result<Output, TaskError
     // kill switch): the supervisor then stops the child.
     let _abandon_on_drop = abandoned.clone().drop_guard();
     if let Some(store) = &cfg.store {
-        crate::extend::spawn(
+        batchlease_worker_sdk::postgres::spawn_extender(
             store.clone(),
             ctx.fence().clone(),
             ctx.task_uid().to_owned(),
-            label.clone(),
             abandoned.clone(),
         );
     }

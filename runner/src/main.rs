@@ -13,7 +13,6 @@ mod checkpoint_file;
 mod child;
 mod child_env;
 mod exit;
-mod extend;
 mod grace;
 mod metrics;
 mod output;

@@ -94,10 +94,12 @@ use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
 
 mod connect;
+mod extender;
 mod resource_fence;
 mod versioned;
 
 pub use connect::{ConnectError, ConnectOptions, SslMode};
+pub use extender::spawn_extender;
 
 use resource_fence::Step;
 
