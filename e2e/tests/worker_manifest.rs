@@ -53,3 +53,65 @@ async fn the_documented_worker_manifest_is_accepted_by_the_api_server() {
     assert!(!sa.success, "{}", sa.combined());
     ns.cleanup().await.unwrap();
 }
+
+/// The Python package's default drain grace (`Worker(drain_grace_seconds=…)`
+/// in python/pysrc/batchlease/__init__.py), read from the source.
+fn python_drain_grace() -> f64 {
+    let src = std::fs::read_to_string(
+        batchlease_e2e::repo_root().join("python/pysrc/batchlease/__init__.py"),
+    )
+    .unwrap();
+    src.lines()
+        .find_map(|l| l.trim().strip_prefix("drain_grace_seconds: float = "))
+        .and_then(|v| v.trim_end_matches(',').parse().ok())
+        .expect("a default drain grace in the Python Worker")
+}
+
+/// The Python example's manifest (`examples/python-worker/deployment.yaml`):
+/// accepted by the API server, its pods outlast the Python worker's drain
+/// grace, name the pod as the SDK's identity, and give the forkserver a
+/// writable /tmp under a read-only root.
+#[tokio::test]
+async fn the_python_worker_manifest_is_accepted_by_the_api_server() {
+    let cluster = Cluster::connect().await.unwrap();
+    let ns = cluster.namespace("pyworker").await.unwrap();
+    let out = kubectl::run(&[
+        "apply",
+        "--dry-run=server",
+        "-n",
+        &ns.name,
+        "-f",
+        "examples/python-worker/deployment.yaml",
+        "-o",
+        "json",
+    ])
+    .unwrap();
+    assert!(out.success, "{}", out.combined());
+    let applied: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let items = applied["items"].as_array().unwrap();
+    let deployment = items.iter().find(|i| i["kind"] == "Deployment").unwrap();
+    let pod = &deployment["spec"]["template"]["spec"];
+    let grace = pod["terminationGracePeriodSeconds"].as_f64().unwrap();
+    let drain = python_drain_grace();
+    assert!(
+        grace > drain,
+        "terminationGracePeriodSeconds {grace} ≤ the Python worker's drain grace {drain}"
+    );
+    let container = &pod["containers"][0];
+    let env = container["env"].as_array().unwrap();
+    let pod_name = env.iter().find(|e| e["name"] == "POD_NAME").unwrap();
+    assert_eq!(
+        pod_name["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    let tmp = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/tmp");
+    assert!(
+        tmp.is_some(),
+        "no writable /tmp for the forkserver: {container}"
+    );
+    ns.cleanup().await.unwrap();
+}
