@@ -108,7 +108,9 @@ pub async fn run_tasks_counted(
     spec: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<(f64, api_requests::Counts, Cpu)> {
     let ns = cluster.namespace(prefix).await?;
-    let _db = pg::connect().await?;
+    let db = pg::connect().await?;
+    // The table the command and Python kinds write their effect to.
+    batchlease_e2e::conformance::prepare(&db).await?;
     let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
     op.wait_leading(Duration::from_secs(60)).await?;
     let opts = StartOpts {
@@ -145,7 +147,12 @@ pub async fn run_tasks_counted(
         "all tasks succeeded",
         Duration::from_secs(3600),
         || format!("{}{}{}", op.logs(), w1.logs(), w2.logs()),
-        || async { Ok((count_phase(&ns, TaskPhase::Succeeded).await? == n).then_some(())) },
+        || async {
+            // A no-op task that dead-letters will not succeed: stop now.
+            let dead = count_phase(&ns, TaskPhase::DeadLettered).await?;
+            anyhow::ensure!(dead == 0, "{dead} tasks dead-lettered");
+            Ok((count_phase(&ns, TaskPhase::Succeeded).await? == n).then_some(()))
+        },
     )
     .await?;
     let secs = start.elapsed().as_secs_f64();
