@@ -80,7 +80,8 @@ export BATCHLEASE_IMAGE_DIR=$run_dir/images
 # …and on the node, where e2e/tests/node.rs and node_workers.rs run them as pods.
 e2e/node/import.sh "$run_dir/node" "$run_dir"/images/*.oci.tar
 # The Python package (maturin, into a cached venv): the conformance suite
-# runs its workers with that interpreter.
+# runs its workers with that interpreter. (hack/image.sh built the same
+# wheel for the Python worker's image: this build is a no-op.)
 BATCHLEASE_PYTHON_BIN=$(python/test.sh --build-only)
 export BATCHLEASE_PYTHON_BIN
 # --no-fail-fast: every test binary runs, and the summary counts them all.

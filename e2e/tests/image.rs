@@ -5,29 +5,40 @@
 //! would run it — the entrypoint with the rendered args and env, user
 //! 65532, read-only root, no capabilities — with the service-account token
 //! mounted where a pod has it (in-cluster configuration, no kubeconfig):
-//! it becomes ready and issues a lease.
+//! it becomes ready and issues a lease. The Python worker's image
+//! (`examples/python-worker` on Debian's python3.11) runs the same way, as
+//! `examples/python-worker/deployment.yaml` would: it runs a task to the
+//! end, commits its fenced row, and drains and exits 0 on SIGTERM.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use batchlease_api::LeasePhase;
+use batchlease_api::{LeasePhase, TaskPhase};
 use batchlease_e2e::oci::{self, Container, Unpacked};
+use batchlease_e2e::operator::Operator;
 use batchlease_e2e::ports::free_port;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::secrets::PrivateDir;
-use batchlease_e2e::tasks::{self, wait_lease};
-use batchlease_e2e::{Cluster, helm, kubectl, wait_for};
+use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
+use batchlease_e2e::{Cluster, helm, identity, kubectl, pg, wait_for, workers};
 use serde_json::json;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
+const PYTHON_WORKER: &str = "batchlease-python-worker";
 
 fn check_image(bin: &str, img: &Unpacked) {
     let reference = format!("ghcr.io/batchlease/{bin}:{VERSION}");
     let cfg = &img.config["config"];
     assert_eq!(cfg["User"], "65532:65532", "runs as nonroot: {cfg}");
-    assert_eq!(cfg["Entrypoint"], json!([format!("/usr/local/bin/{bin}")]));
+    let python = bin == PYTHON_WORKER;
+    let entrypoint = if python {
+        json!(["/usr/bin/python3.11", "/app/worker.py"])
+    } else {
+        json!([format!("/usr/local/bin/{bin}")])
+    };
+    assert_eq!(cfg["Entrypoint"], entrypoint);
     let labels = &cfg["Labels"];
     assert_eq!(labels["org.opencontainers.image.title"], bin);
     assert_eq!(labels["org.opencontainers.image.version"], VERSION);
@@ -64,7 +75,9 @@ fn check_image(bin: &str, img: &Unpacked) {
     assert_eq!(img.docker_manifest[0]["RepoTags"], json!([reference]));
     // The root filesystem: the binary, the C runtime it links, the
     // nonroot user.
-    let entry = img.rootfs.join(format!("usr/local/bin/{bin}"));
+    let entry = img
+        .rootfs
+        .join(entrypoint[0].as_str().unwrap().trim_start_matches('/'));
     let mode = std::fs::metadata(&entry).unwrap().permissions().mode();
     assert!(mode & 0o111 != 0, "{} not executable", entry.display());
     let passwd = std::fs::read_to_string(img.rootfs.join("etc/passwd")).unwrap();
@@ -73,16 +86,37 @@ fn check_image(bin: &str, img: &Unpacked) {
     // It runs on the image's own libraries, not the host's.
     let ld = img.rootfs.join("lib64/ld-linux-x86-64.so.2");
     let libs = img.rootfs.join("lib/x86_64-linux-gnu");
-    let out = std::process::Command::new(&ld)
-        .args(["--inhibit-cache", "--library-path"])
-        .arg(&libs)
-        .arg(&entry)
-        .arg("--help")
-        .output()
-        .unwrap();
+    let mut cmd = std::process::Command::new(&ld);
+    cmd.args(["--inhibit-cache", "--library-path"]);
+    if python {
+        // The interpreter, the stdlib's extension modules and the
+        // packages the worker imports, on the image's libraries and
+        // stdlib only (a clean environment: no host site-packages).
+        let usr_libs = img.rootfs.join("usr/lib/x86_64-linux-gnu");
+        cmd.arg(format!("{}:{}", libs.display(), usr_libs.display()))
+            .arg(&entry)
+            .args(["-c", "import ssl, sqlite3, multiprocessing, json, asyncio, psycopg, batchlease; assert psycopg.pq.__impl__ == 'binary'"])
+            .env_clear()
+            .env("PYTHONHOME", img.rootfs.join("usr"))
+            .env("PYTHONPATH", img.rootfs.join("app/site-packages"))
+            .env("PYTHONDONTWRITEBYTECODE", "1");
+        assert!(img.rootfs.join("app/worker.py").is_file());
+        let env = cfg["Env"].as_array().unwrap();
+        for var in [
+            "PYTHONPATH=/app/site-packages",
+            "PYTHONDONTWRITEBYTECODE=1",
+            "PYTHONUNBUFFERED=1",
+        ] {
+            assert!(env.contains(&json!(var)), "{var} in {cfg}");
+        }
+    } else {
+        cmd.arg(&libs).arg(&entry).arg("--help");
+    }
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
-        "{bin} --help on the image's libraries: {}",
+        "{bin} on the image's libraries: {}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -94,6 +128,7 @@ fn image_archives_are_valid_and_labelled() {
         "batchlease-operator",
         "batchlease-demo-worker",
         "batchlease-run",
+        PYTHON_WORKER,
     ] {
         let archive = oci::archive(bin).unwrap();
         let out = std::process::Command::new(&crane)
@@ -297,5 +332,148 @@ async fn the_operator_image_runs_and_issues_a_lease() {
     drop(_container);
     drop(_process);
     helm::ok(&["uninstall", &release, "-n", n]).unwrap();
+    ns.cleanup().await.unwrap();
+}
+
+/// The Python worker's image, run by runc as its Deployment would run it
+/// (`examples/python-worker/deployment.yaml`: read-only root, an emptyDir
+/// on /tmp for the forkserver, user 65532, no capabilities), with a
+/// kubeconfig mounted read-only and the harness's PostgreSQL on loopback
+/// (host networking): it claims a task, runs it to `Succeeded` with its
+/// result and fenced row, and on SIGTERM drains and exits 0.
+#[tokio::test]
+async fn the_python_worker_image_runs_a_task_and_drains() {
+    let runc = match oci::runc_usable() {
+        Ok(runc) => runc,
+        Err(why) => {
+            // No fallback as for the operator: the worker's forkserver
+            // would start the host's interpreter, not the image's.
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let (ns, op) = Operator::in_new_namespace("pyimage", "op", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let n = ns.name.as_str();
+    let dir = PrivateDir::new(n).unwrap();
+    let img = oci::unpack(&oci::archive(PYTHON_WORKER).unwrap(), dir.path()).unwrap();
+
+    // A self-contained kubeconfig (its own client identity, the key and CA
+    // inline) the container's user can read, in a directory of its own:
+    // the bind mount hides the private directory above it.
+    let kc = identity::kubeconfig_as("python-worker-image", &dir).unwrap();
+    let flat = kubectl::ok(&[
+        "config",
+        "view",
+        "--flatten",
+        "--minify",
+        &format!("--kubeconfig={}", kc.display()),
+    ])
+    .unwrap();
+    let kube_dir = dir.path().join("kube");
+    std::fs::create_dir(&kube_dir).unwrap();
+    std::fs::set_permissions(&kube_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let kube_file = kube_dir.join("kubeconfig");
+    std::fs::write(&kube_file, flat).unwrap();
+    std::fs::set_permissions(&kube_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+    let pod = "python-worker-0";
+    let args: Vec<String> = ["--namespace", n, "--queue", "py", "--slots", "1"]
+        .map(String::from)
+        .to_vec();
+    let env = vec![
+        (
+            "KUBECONFIG".to_owned(),
+            "/var/run/batchlease/kubeconfig".to_owned(),
+        ),
+        ("POD_NAME".to_owned(), pod.to_owned()),
+        ("BATCHLEASE_PG_URL".to_owned(), workers::pg_url().unwrap()),
+    ];
+    let bundle = dir.path().join("bundle");
+    std::fs::create_dir(&bundle).unwrap();
+    oci::bundle_config(
+        &runc,
+        &bundle,
+        &img,
+        &args,
+        &env,
+        pod,
+        &[(kube_dir.clone(), "/var/run/batchlease")],
+    )
+    .unwrap();
+    let id = format!("py{}", &n[n.len() - 6..]);
+    let mut c = Container::run(&runc, &dir.path().join("runc-state"), &bundle, n, &id).unwrap();
+    let log = c.process.log.clone();
+    let logs = || {
+        format!(
+            "{}--- the container ---\n{}",
+            op.logs(),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    };
+
+    let task = tasks::create(
+        &ns,
+        "py",
+        json!({"queue": "py", "payload": {"steps": 2, "stepMillis": 100}}),
+    )
+    .await
+    .unwrap();
+    let done = wait_phase(
+        &ns,
+        "py",
+        TaskPhase::Succeeded,
+        Duration::from_secs(90),
+        logs,
+    )
+    .await
+    .unwrap();
+    let status = done.status.unwrap();
+    let result = serde_json::to_value(&status.result).unwrap();
+    assert_eq!(
+        result,
+        json!({"steps": 2, "resumedFrom": 0, "token": 1, "committed": true}),
+        "{}",
+        logs()
+    );
+    // The SDK's identity is <POD_NAME>/<suffix>.
+    let lease = ns
+        .api::<batchlease_api::TaskLease>()
+        .get("py-1")
+        .await
+        .unwrap();
+    let holder = lease.spec.holder_identity.unwrap_or_default();
+    assert!(holder.starts_with(&format!("{pod}/")), "holder {holder}");
+    // Its fenced row.
+    let uid = task.metadata.uid.unwrap();
+    let db = pg::connect().await.unwrap();
+    let row = db
+        .query_one(
+            "SELECT token, steps FROM python_worker_results WHERE task_uid = $1",
+            &[&uid],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (1, 2));
+
+    // SIGTERM (runc passes it on to the worker, PID 1 in the container):
+    // it drains and exits 0.
+    assert_eq!(c.status().unwrap(), "running");
+    c.process.signal("TERM").unwrap();
+    let exit = wait_for(
+        "the Python worker's container to exit after SIGTERM",
+        Duration::from_secs(40),
+        logs,
+        || {
+            let exited = c.process.exited();
+            async move { Ok(exited) }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(exit.success(), "exit {exit}\n{}", logs());
+    drop(c);
+    drop(op);
     ns.cleanup().await.unwrap();
 }
