@@ -99,15 +99,7 @@ async fn serve(config: Config, handler: Arc<Py<PyAny>>, is_async: bool) -> Resul
 }
 
 async fn shutdown() {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        let _ = tokio::signal::ctrl_c().await;
-        return;
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    batchlease_worker_sdk::shutdown_signal().await;
     info!("signal: draining");
 }
 

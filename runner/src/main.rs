@@ -212,17 +212,7 @@ fn init_tracing(format: LogFormat) {
 /// SIGTERM or SIGINT: forward SIGTERM to the children (`drain`), then let
 /// the SDK drain (no more claims; attempts given back when they end).
 async fn shutdown(drain: CancellationToken) {
-    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
+    batchlease_worker_sdk::shutdown_signal().await;
     info!("SIGTERM: draining; SIGTERM forwarded to the running commands");
     drain.cancel();
 }

@@ -69,4 +69,4 @@ pub use spawn::LABEL_PARENT;
 #[doc(hidden)]
 pub use spawn::{Parent, create_children};
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
-pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder};
+pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder, shutdown_signal};

@@ -464,14 +464,6 @@ async fn serve_metrics(
 }
 
 async fn shutdown() {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        let _ = tokio::signal::ctrl_c().await;
-        return;
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    batchlease_worker_sdk::shutdown_signal().await;
     info!("SIGTERM: draining");
 }
