@@ -21,17 +21,9 @@ use batchlease_worker_sdk::postgres::FencedStore;
 use batchlease_worker_sdk::{Error, Fence, KillClock, WorkerMetrics};
 use rand::Rng;
 use tokio::time::Instant;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 static EFFECTS: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-
-async fn client() -> Client {
-    let (client, conn) = tokio_postgres::connect(&workers::pg_url().unwrap(), NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    client
-}
 
 async fn setup() -> (Client, String) {
     let db = pg::connect().await.unwrap();
@@ -52,7 +44,7 @@ fn fence(token: i64, ttl: Duration) -> Fence {
 }
 
 async fn register(uid: &str, fence: &Fence) {
-    let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+    let mut store = FencedStore::new(pg::connect().await.unwrap(), WorkerMetrics::default());
     store.register(fence, uid).await.unwrap();
 }
 
@@ -63,7 +55,7 @@ async fn fenced_write(
     token: i64,
     deadline: Option<&str>,
 ) -> Result<(), (String, String)> {
-    let c = client().await;
+    let c = pg::connect().await.unwrap();
     let fence = match deadline {
         None => format!("SELECT batchlease_fence('{uid}', {token})"),
         Some(d) => format!("SELECT batchlease_fence('{uid}', {token}, {d})"),
@@ -151,7 +143,7 @@ async fn the_recorded_deadline_refuses_late_writes_until_a_renewal_extends_it() 
     // A renewal (a new kill clock for the same token) extends it: the
     // store's `extend` moves the recorded deadline forward.
     let renewed = fence(1, Duration::from_secs(60));
-    let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+    let mut store = FencedStore::new(pg::connect().await.unwrap(), WorkerMetrics::default());
     store.extend(&renewed, &uid).await.unwrap();
     fenced_write(&uid, 1, None).await.unwrap();
     assert_eq!(effects(&db, &uid).await, [1, 1]);
@@ -177,7 +169,7 @@ async fn a_commit_that_arrives_after_the_deadline_is_refused_at_commit() {
     register(&uid, &fence(1, Duration::from_secs(60))).await;
     // The client passes a deadline of its own (what an SDK that put its
     // kill instant on the server's clock does): 300 ms from now.
-    let c = client().await;
+    let c = pg::connect().await.unwrap();
     c.batch_execute(&format!(
         "BEGIN; SELECT batchlease_fence('{uid}', 1, clock_timestamp() + interval '300 ms');
          INSERT INTO sql_effects VALUES ('{uid}', 1)"
@@ -260,7 +252,7 @@ async fn a_successor_registers_after_the_zombies_open_transaction_ends() {
     let ttl = Duration::from_secs(60);
     register(&uid, &fence(1, ttl)).await;
     // The zombie's fenced transaction holds the task's row.
-    let zombie = client().await;
+    let zombie = pg::connect().await.unwrap();
     zombie
         .batch_execute(&format!(
             "BEGIN; SELECT batchlease_fence('{uid}', 1); INSERT INTO sql_effects VALUES ('{uid}', 1)"
@@ -271,7 +263,8 @@ async fn a_successor_registers_after_the_zombies_open_transaction_ends() {
     let successor = {
         let uid = uid.clone();
         tokio::spawn(async move {
-            let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+            let mut store =
+                FencedStore::new(pg::connect().await.unwrap(), WorkerMetrics::default());
             store.register(&fence(2, ttl), &uid).await
         })
     };
@@ -309,11 +302,11 @@ async fn extend_does_not_queue_behind_the_attempts_own_open_transaction() {
     let ttl = Duration::from_secs(6);
     let f = fence(1, ttl);
     register(&uid, &f).await;
-    let own = client().await;
+    let own = pg::connect().await.unwrap();
     own.batch_execute(&format!("BEGIN; SELECT batchlease_fence('{uid}', 1)"))
         .await
         .unwrap();
-    let mut store = FencedStore::new(client().await, WorkerMetrics::default());
+    let mut store = FencedStore::new(pg::connect().await.unwrap(), WorkerMetrics::default());
     // A short lock wait (TTL/12, at most 1 s), then an error to retry —
     // not a connection pinned for the TTL/3 of a registration's wait.
     let started = Instant::now();
@@ -332,7 +325,7 @@ async fn extend_does_not_queue_behind_the_attempts_own_open_transaction() {
 async fn the_fence_never_loosens_a_limit_the_client_set() {
     let (_db, uid) = setup().await;
     register(&uid, &fence(1, Duration::from_secs(60))).await;
-    let c = client().await;
+    let c = pg::connect().await.unwrap();
     c.batch_execute(&format!(
         "SET statement_timeout = 1234; SET lock_timeout = 0;
          BEGIN; SELECT batchlease_fence('{uid}', 1)"
