@@ -257,11 +257,14 @@ struct CheckpointWatch {
 }
 
 impl CheckpointWatch {
+    /// Nothing counts as seen: the first poll reads the file. The child
+    /// may have written it before the watch began (a stamp taken then
+    /// would already include that write, and a checkpoint written in the
+    /// first milliseconds would wait for the child's end to be noticed).
     fn new(path: PathBuf, previous: Option<&str>) -> Self {
-        let seen = stamp(&path);
         Self {
             path,
-            seen,
+            seen: None,
             last: previous.unwrap_or("").as_bytes().to_vec(),
         }
     }
