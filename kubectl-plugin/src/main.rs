@@ -11,10 +11,14 @@
 //!   kubectl batchlease pause QUEUE            spec.paused=true on the queue's TaskQueue
 //!   kubectl batchlease resume QUEUE           spec.paused=false
 //!
+//!   kubectl batchlease dashboard [-A] [--address 127.0.0.1:8470]
+//!                                             a live web view (queues, tasks, timelines, locks)
+//!
 //! `-o json` everywhere; `-n`, `--context`, `--kubeconfig` as in kubectl.
 
 mod age;
 mod cancel;
+mod dashboard;
 #[cfg(test)]
 mod fixtures;
 mod pause;
@@ -22,6 +26,7 @@ mod redrive;
 mod render;
 mod status;
 mod tree;
+mod writes;
 
 use anyhow::{Context, bail};
 use batchlease_api::{BatchTask, TaskLease, TaskQueue};
@@ -101,6 +106,15 @@ enum Command {
     Pause { queue: String },
     /// Issue leases for a paused queue again (spec.paused=false).
     Resume { queue: String },
+    /// Serve a live web view on this machine, with your credentials:
+    /// queues, tasks, each task's graph and attempt timeline, resource
+    /// locks and dead letters; cancel and redrive (confirmed, as you).
+    Dashboard {
+        /// Where to listen. Port 0 picks a free port (the URL printed
+        /// says which). Keep it on loopback: the page acts as you.
+        #[arg(long, default_value = "127.0.0.1:8470")]
+        address: String,
+    },
 }
 
 #[tokio::main]
@@ -220,17 +234,8 @@ async fn main() -> anyhow::Result<()> {
             let mut done = Vec::new();
             let mut failed = Vec::new();
             for t in targets {
-                // The UID makes the patch conditional: a task deleted and
-                // created again under this name meanwhile is not touched.
-                let patch = serde_json::json!({
-                    "metadata": {"uid": t.uid},
-                    "spec": {"redrive": t.redrive},
-                });
                 let name = &t.name;
-                match tasks_api
-                    .patch(name, &patch_params(), &Patch::Merge(&patch))
-                    .await
-                {
+                match writes::redrive(&tasks_api, name, &t.uid, t.redrive).await {
                     Ok(_) => {
                         done.push(serde_json::json!({"task": name, "redrive": t.redrive}));
                         if !json {
@@ -268,15 +273,7 @@ async fn main() -> anyhow::Result<()> {
             for d in decisions {
                 let name = &d.name;
                 if d.needs_patch() {
-                    // Conditional on the UID, like redrive.
-                    let patch = serde_json::json!({
-                        "metadata": {"uid": d.uid},
-                        "spec": {"cancel": true},
-                    });
-                    match tasks_api
-                        .patch(name, &patch_params(), &Patch::Merge(&patch))
-                        .await
-                    {
+                    match writes::cancel(&tasks_api, name, &d.uid).await {
                         Ok(_) => {}
                         // Gone since the list: nothing left to cancel.
                         Err(kube::Error::Api(s)) if s.code == 404 => {
@@ -308,6 +305,12 @@ async fn main() -> anyhow::Result<()> {
             pause::check_queue(&queue).map_err(anyhow::Error::msg)?;
             let outcome = set_paused(&queues_api, &namespace, &queue, true).await?;
             report(&outcome, json)?;
+        }
+        Command::Dashboard { address } => {
+            let scope = dashboard::Scope {
+                namespace: (!args.all_namespaces).then(|| namespace.clone()),
+            };
+            dashboard::serve(client, scope, &address).await?;
         }
         Command::Resume { queue } => {
             one_namespace("resume")?;

@@ -1,0 +1,223 @@
+//! The dashboard's watches: BatchTasks, TaskLeases and TaskQueues of the
+//! namespace (or of all, with `-A`), each kept in a reflector store with
+//! the user's credentials, the lease events fed to the [`Journal`], and a
+//! change counter the pages' event stream follows.
+//!
+//! A watch that fails (the API server restarting, a network cut, an
+//! expired token) is retried with the operator's quick backoff; until it
+//! is back the pages show a banner naming the error, and the stores keep
+//! their last contents (stale, and said to be).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use batchlease_api::{BatchTask, TaskLease, TaskQueue, WatchBackoff};
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+
+use super::journal::Journal;
+use super::snapshot::Snapshot;
+
+/// How a watch is doing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WatchHealth {
+    /// Its first list has arrived.
+    pub synced: bool,
+    /// The last error, while the watch has not recovered from it.
+    pub error: Option<String>,
+    pub error_since: Option<Timestamp>,
+}
+
+/// Where the dashboard looks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Scope {
+    /// `None`: every namespace.
+    pub namespace: Option<String>,
+}
+
+/// The watched objects and what was seen of the leases.
+#[derive(Debug)]
+pub struct Cache {
+    tasks: Store<BatchTask>,
+    leases: Store<TaskLease>,
+    queues: Store<TaskQueue>,
+    journal: Mutex<Journal>,
+    health: Mutex<BTreeMap<&'static str, WatchHealth>>,
+    changes: watch::Sender<u64>,
+    pub scope: Scope,
+}
+
+fn api<K>(client: &Client, scope: &Scope) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match &scope.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+impl Cache {
+    /// Starts the three watches (they run until the process ends).
+    pub fn start(client: &Client, scope: Scope) -> Arc<Self> {
+        let (tasks, tasks_w) = reflector::store();
+        let (leases, leases_w) = reflector::store();
+        let (queues, queues_w) = reflector::store();
+        let (changes, _) = watch::channel(0);
+        let cache = Arc::new(Self {
+            tasks,
+            leases,
+            queues,
+            journal: Mutex::new(Journal::default()),
+            health: Mutex::new(BTreeMap::new()),
+            changes,
+            scope,
+        });
+        spawn_watch(
+            cache.clone(),
+            "batchtasks",
+            api::<BatchTask>(client, &cache.scope),
+            tasks_w,
+            |_, _| {},
+        );
+        spawn_watch(
+            cache.clone(),
+            "taskleases",
+            api::<TaskLease>(client, &cache.scope),
+            leases_w,
+            |c: &Cache, ev: &watcher::Event<TaskLease>| {
+                let now = Timestamp::now();
+                let mut j = c.journal.lock().unwrap_or_else(PoisonError::into_inner);
+                match ev {
+                    watcher::Event::Apply(l) | watcher::Event::InitApply(l) => j.observe(l, now),
+                    watcher::Event::Delete(l) => {
+                        j.forget(&l.namespace().unwrap_or_default(), &l.name_any())
+                    }
+                    watcher::Event::Init | watcher::Event::InitDone => {}
+                }
+            },
+        );
+        spawn_watch(
+            cache.clone(),
+            "taskqueues",
+            api::<TaskQueue>(client, &cache.scope),
+            queues_w,
+            |_, _| {},
+        );
+        cache
+    }
+
+    /// The objects as the watches hold them now.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            tasks: self.tasks.state(),
+            leases: self.leases.state(),
+            queues: self.queues.state(),
+        }
+    }
+
+    /// Runs `f` with the journal.
+    pub fn with_journal<T>(&self, f: impl FnOnce(&Journal) -> T) -> T {
+        f(&self.journal.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Each watch's health.
+    pub fn health(&self) -> BTreeMap<&'static str, WatchHealth> {
+        self.health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A receiver that sees the change counter move.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn set_health(&self, kind: &'static str, f: impl FnOnce(&mut WatchHealth)) {
+        let mut h = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        f(h.entry(kind).or_default());
+    }
+
+    fn bump(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+fn spawn_watch<K>(
+    cache: Arc<Cache>,
+    kind: &'static str,
+    api: Api<K>,
+    writer: reflector::store::Writer<K>,
+    on_event: fn(&Cache, &watcher::Event<K>),
+) where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    cache.set_health(kind, |_| {});
+    tokio::spawn(async move {
+        let stream = watcher(api, watcher::Config::default())
+            .backoff(WatchBackoff::new(rand::random))
+            .reflect(writer);
+        futures::pin_mut!(stream);
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(ev) => {
+                    on_event(&cache, &ev);
+                    let synced = matches!(ev, watcher::Event::InitDone);
+                    let recovered = cache.health().get(kind).is_some_and(|h| h.error.is_some());
+                    cache.set_health(kind, |h| {
+                        h.error = None;
+                        h.error_since = None;
+                        h.synced |= synced;
+                    });
+                    // Objects of a (re)list reach the store at InitDone:
+                    // a page refreshed on an InitApply would not see them.
+                    if !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_))
+                        || recovered
+                    {
+                        cache.bump();
+                    }
+                }
+                Err(e) => {
+                    let msg = describe(&e);
+                    eprintln!("watch of {kind} failed, retrying: {msg}");
+                    let fresh = cache.health().get(kind).is_none_or(|h| h.error.is_none());
+                    cache.set_health(kind, |h| {
+                        h.error = Some(msg);
+                        if h.error_since.is_none() {
+                            h.error_since = Some(Timestamp::now());
+                        }
+                    });
+                    if fresh {
+                        cache.bump();
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A watch error as a user can act on it: the API server's own words for
+/// a refusal (403 names the missing permission), else the causes.
+fn describe(e: &watcher::Error) -> String {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => {
+            format!("{} ({})", s.message, s.code)
+        }
+        watcher::Error::WatchError(s) => format!("{} ({})", s.message, s.code),
+        e => batchlease_api::Chain(e).to_string(),
+    }
+}
