@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks for the tests: Debian packages
-# (PostgreSQL server, openssl, curl, gcc, libseccomp-dev), the Rust
-# components (rustfmt, clippy), and builds the control plane binaries, the
-# OCI tools (runc, crane) and the node's (containerd, the pause image) into
-# the cache (a no-op when cached).
+# (PostgreSQL server, openssl, curl, gcc, libseccomp-dev, chromium and
+# chromedriver), the Rust components (rustfmt, clippy), and builds the
+# control plane binaries, the OCI tools (runc, crane) and the node's
+# (containerd, the pause image) into the cache (a no-op when cached).
 # Needs root (or sudo) only when a Debian package is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,6 +31,10 @@ command -v dpkg-deb >/dev/null || missing+=(dpkg)
 # Workers whose wall clock is off (e2e/tests/clock_skew.rs) run under
 # libfaketime; the control plane's certificates are backdated with it.
 command -v faketime >/dev/null || missing+=(faketime)
+# The dashboard's browser tests (e2e/src/browser.rs) drive a headless
+# Chromium through chromedriver (Debian packages it separately).
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if ((${#missing[@]})); then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   log "installing Debian packages: ${missing[*]}"

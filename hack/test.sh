@@ -84,6 +84,9 @@ e2e/node/import.sh "$run_dir/node" "$run_dir"/images/*.oci.tar
 # wheel for the Python worker's image: this build is a no-op.)
 BATCHLEASE_PYTHON_BIN=$(python/test.sh --build-only)
 export BATCHLEASE_PYTHON_BIN
+# hack/deps.sh installed Chromium and chromedriver: a browser test that
+# cannot find them fails here instead of skipping (e2e/src/browser.rs).
+export BATCHLEASE_REQUIRE_BROWSER=1
 # --no-fail-fast: every test binary runs, and the summary counts them all.
 cargo_test --locked --no-fail-fast -p batchlease-e2e -- --test-threads=4
 

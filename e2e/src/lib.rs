@@ -11,6 +11,7 @@
 
 pub mod api_requests;
 pub mod audit;
+pub mod browser;
 pub mod chart;
 pub mod cluster;
 pub mod conformance;
