@@ -27,6 +27,9 @@
 #                         kill switch for each worker kind (Rust SDK, batchlease-run)
 #   --kinds=N             no-op tasks end to end per worker kind, side by side
 #                         (500 / 40)
+#   --dashboard=N         the dashboard in headless Chromium with 100 and N
+#                         tasks: time to first render, next page, memory
+#                         (10000 / 200)
 #   --concurrency=N       client concurrency of bulk writes (16)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

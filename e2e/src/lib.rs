@@ -16,6 +16,7 @@ pub mod chart;
 pub mod cluster;
 pub mod conformance;
 pub mod controlplane;
+pub mod dashboard;
 pub mod helm;
 pub mod history;
 pub mod history_controls;

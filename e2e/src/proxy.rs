@@ -16,6 +16,9 @@ pub enum Mode {
     Cut,
     /// Keep them, in order, until the mode is `Pass` again.
     Hold,
+    /// Close every connection, and each new one at once (a server gone:
+    /// the client sees errors at once, not silence).
+    Refuse,
 }
 
 /// A running proxy to `upstream`.
@@ -34,6 +37,10 @@ impl Proxy {
         let m = mode.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *m.borrow() == Mode::Refuse {
+                    drop(client);
+                    continue;
+                }
                 let (upstream, m) = (upstream.clone(), m.clone());
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(&upstream).await {
@@ -58,6 +65,11 @@ impl Proxy {
         self.mode.send_replace(Mode::Hold);
     }
 
+    /// From now on connections are closed (see [`Mode::Refuse`]).
+    pub fn refuse(&self) {
+        self.mode.send_replace(Mode::Refuse);
+    }
+
     /// Forward again; bytes held so far are delivered first, in order.
     pub fn restore(&self) {
         self.mode.send_replace(Mode::Pass);
@@ -73,6 +85,9 @@ async fn pump(
     let mut held: Vec<u8> = Vec::new();
     loop {
         let current = *mode.borrow_and_update();
+        if current == Mode::Refuse {
+            return;
+        }
         if current == Mode::Pass && !held.is_empty() {
             if to.write_all(&held).await.is_err() {
                 return;
@@ -86,6 +101,7 @@ async fn pump(
                     let now = *mode.borrow();
                     match now {
                     Mode::Cut => {} // black hole
+                    Mode::Refuse => return,
                     Mode::Hold => held.extend_from_slice(&buf[..n]),
                     Mode::Pass => {
                         if !held.is_empty() {

@@ -26,6 +26,8 @@
 // `#[path]`: files under `src/bin/` would be binaries of their own.
 #[path = "bench/common.rs"]
 mod common;
+#[path = "bench/dashboard.rs"]
+mod dashboard;
 #[path = "bench/failover.rs"]
 mod failover;
 #[path = "bench/heartbeat.rs"]
@@ -90,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
     let failover_n = arg("failover", 20, 2);
     let killswitch_n = arg("killswitch", 20, 2);
     let kinds_n = arg("kinds", 500, 40);
+    let dashboard_n = arg("dashboard", 10_000, 200);
     // A quick run follows the e2e tests on their control plane: a test's
     // namespace that will not go soon must not hold it up.
     let quiet = Duration::from_secs(arg("quiet-seconds", 600, 30) as u64);
@@ -228,6 +231,10 @@ async fn main() -> anyhow::Result<()> {
                 Some(("2/3·TTL", two_thirds)),
             ),
         )?;
+    }
+    if dashboard_n > 0 {
+        eprintln!("== dashboard: 100 and {dashboard_n} tasks in a headless browser");
+        dashboard::run(&cluster, dashboard_n, conc, &mut report).await?;
     }
     println!("\n--- results ---\n{report}");
     Ok(())

@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use batchlease_api::{BatchTask, TaskLease, TaskQueue, WatchBackoff};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::Api;
+use std::time::Duration;
+
+use kube::api::{Api, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -34,6 +36,10 @@ pub struct WatchHealth {
     /// The last error, while the watch has not recovered from it.
     pub error: Option<String>,
     pub error_since: Option<Timestamp>,
+    /// When the watch last reported an error (it retries at least every
+    /// 2 s while failing).
+    #[serde(skip)]
+    last_error: Option<std::time::Instant>,
 }
 
 /// Where the dashboard looks.
@@ -166,11 +172,20 @@ fn spawn_watch<K>(
 {
     cache.set_health(kind, |_| {});
     tokio::spawn(async move {
-        let stream = watcher(api, watcher::Config::default())
+        let stream = watcher(api.clone(), watcher::Config::default())
             .backoff(WatchBackoff::new(rand::random))
             .reflect(writer);
         futures::pin_mut!(stream);
-        while let Some(ev) = stream.next().await {
+        let mut probe = tokio::time::interval(PROBE_EVERY);
+        loop {
+            let ev = tokio::select! {
+                ev = stream.next() => ev,
+                _ = probe.tick() => {
+                    probe_recovery(&cache, kind, &api).await;
+                    continue;
+                }
+            };
+            let Some(ev) = ev else { return };
             match ev {
                 Ok(ev) => {
                     on_event(&cache, &ev);
@@ -179,6 +194,7 @@ fn spawn_watch<K>(
                     cache.set_health(kind, |h| {
                         h.error = None;
                         h.error_since = None;
+                        h.last_error = None;
                         h.synced |= synced;
                     });
                     // Objects of a (re)list reach the store at InitDone:
@@ -195,6 +211,7 @@ fn spawn_watch<K>(
                     let fresh = cache.health().get(kind).is_none_or(|h| h.error.is_none());
                     cache.set_health(kind, |h| {
                         h.error = Some(msg);
+                        h.last_error = Some(std::time::Instant::now());
                         if h.error_since.is_none() {
                             h.error_since = Some(Timestamp::now());
                         }
@@ -206,6 +223,44 @@ fn spawn_watch<K>(
             }
         }
     });
+}
+
+/// How often a failing watch's recovery is probed.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// A failing watch retries at least this often (the backoff's cap and
+/// its jitter): this long without an error, it is no longer failing.
+const QUIET_AFTER_ERROR: Duration = Duration::from_secs(3);
+
+/// A watch that failed to *restart* and then restarts fine produces no
+/// event (kube's watcher resumes from its resource version; nothing
+/// changed, nothing to say), so the banner would stay up for good. While
+/// a watch is marked failing, once it has been quiet for longer than its
+/// retry period a one-object list tells whether the API server answers
+/// again; then the error is cleared and the pages reload.
+async fn probe_recovery<K>(cache: &Cache, kind: &'static str, api: &Api<K>)
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let quiet = cache
+        .health()
+        .get(kind)
+        .and_then(|h| h.last_error)
+        .is_some_and(|at| at.elapsed() > QUIET_AFTER_ERROR);
+    if !quiet {
+        return;
+    }
+    if api
+        .list_metadata(&ListParams::default().limit(1))
+        .await
+        .is_ok()
+    {
+        cache.set_health(kind, |h| {
+            h.error = None;
+            h.error_since = None;
+            h.last_error = None;
+        });
+        cache.bump();
+    }
 }
 
 /// A watch error as a user can act on it: the API server's own words for
