@@ -72,6 +72,16 @@ impl WorkerMetrics {
     /// Registers every metric under the `batchlease_worker` prefix.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("batchlease_worker");
+        // Which SDK version a worker runs: `batchlease_worker_build_info{version} 1`.
+        let build_info = Family::<Vec<(&'static str, &'static str)>, Gauge>::default();
+        build_info
+            .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION"))])
+            .set(1);
+        r.register(
+            "build_info",
+            "Always 1; the batchlease worker SDK's version as a label",
+            build_info,
+        );
         r.register(
             "renewal_latency_seconds",
             "Round trip of a lease renewal",
@@ -138,5 +148,27 @@ impl WorkerMetrics {
             "Times the worker stopped claiming because its attempts kept ending before their handler ran",
             self.claim_pauses.clone(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposition() -> String {
+        let mut r = Registry::default();
+        WorkerMetrics::default().register(&mut r);
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &r).unwrap();
+        s
+    }
+
+    #[test]
+    fn build_info_carries_the_sdk_version() {
+        let line = format!(
+            "\nbatchlease_worker_build_info{{version=\"{}\"}} 1\n",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(exposition().contains(&line), "{line} in\n{}", exposition());
     }
 }
