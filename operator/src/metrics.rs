@@ -914,6 +914,71 @@ mod tests {
         assert_eq!(value("other"), -1.0, "t3 is not waiting\n{t}");
     }
 
+    /// The metric names `text` (a file of the chart) uses that start with
+    /// one of `prefixes`: the words of letters, digits and `_` that do.
+    fn names_used(text: &str, prefixes: &[&str]) -> BTreeSet<String> {
+        text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .filter(|w| prefixes.iter().any(|p| w.starts_with(p)))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The sample names an exposition can have: from its `# TYPE` lines,
+    /// with the suffixes each type adds.
+    fn sample_names(exposition: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for l in exposition.lines() {
+            let mut w = l.split_whitespace();
+            let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+                (w.next(), w.next(), w.next(), w.next())
+            else {
+                continue;
+            };
+            let suffixes: &[&str] = match kind {
+                "counter" => &["_total"],
+                "histogram" => &["_bucket", "_sum", "_count"],
+                "info" => &["_info"],
+                _ => &[""],
+            };
+            out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        }
+        out
+    }
+
+    #[test]
+    fn every_operator_metric_the_chart_uses_is_exported() {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(crate::process::ProcessCollector));
+        let m = Metrics::new(&mut r);
+        // A family shows in the exposition once it has a series.
+        every_series_of(&m, "a");
+        m.reconcile_errors
+            .get_or_create(&ErrorLabels { kind: "kube" })
+            .inc();
+        let exported = sample_names(&text(&r));
+        assert!(
+            exported.contains("process_start_time_seconds"),
+            "{exported:?}"
+        );
+        let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../charts/batchlease-operator/files");
+        for file in ["alerts.yaml", "dashboard.json"] {
+            let text = std::fs::read_to_string(chart.join(file)).unwrap();
+            let used = names_used(&text, &["batchlease_", "process_"]);
+            // The SDK's are checked by the SDK's own test.
+            let ours: Vec<&String> = used
+                .iter()
+                .filter(|n| !n.starts_with("batchlease_worker_"))
+                .collect();
+            assert!(ours.len() >= 5, "{file} uses operator metrics: {ours:?}");
+            let missing: Vec<&&String> = ours.iter().filter(|n| !exported.contains(**n)).collect();
+            assert!(
+                missing.is_empty(),
+                "{file} uses metrics the operator does not export: {missing:?}\nexported: {exported:?}"
+            );
+        }
+    }
+
     #[test]
     fn reason_labels_stay_low_cardinality() {
         for (reason, want) in [
