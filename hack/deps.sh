@@ -2,8 +2,9 @@
 # Installs what a fresh machine lacks for the tests: Debian packages
 # (PostgreSQL server, openssl, curl, gcc, libseccomp-dev, chromium and
 # chromedriver), the Rust components (rustfmt, clippy), and builds the
-# control plane binaries, the OCI tools (runc, crane) and the node's
-# (containerd, the pause image) into the cache (a no-op when cached).
+# control plane binaries, the OCI tools (runc, crane), the node's
+# (containerd, the pause image) and promtool into the cache (a no-op when
+# cached).
 # Needs root (or sudo) only when a Debian package is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -56,3 +57,4 @@ fi
 "$root/e2e/controlplane/build.sh" >/dev/null
 "$root/e2e/oci/build.sh" >/dev/null
 "$root/e2e/node/build.sh" >/dev/null
+"$root/e2e/promtool/build.sh" >/dev/null

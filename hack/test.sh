@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check and test of batchlease. This is the README's test command
 # and what CI (.ci/run) calls:
-#   deps → fmt → clippy → unit tests → CRD drift → control plane, PostgreSQL
+#   deps → fmt → clippy → unit tests → CRD drift → alerting rules (promtool)
+#   → control plane, PostgreSQL
 #   and a node (kubelet, containerd) → e2e tests (with the Python package
 #   built) → the Python package's pytest → oldest Kubernetes → benchmark
 #   smoke run → stop everything (always, via trap).
@@ -48,6 +49,13 @@ cargo_test --locked --release -p batchlease-model -- --nocapture
 
 step "CRD drift check"
 cargo run -q --locked -p batchlease-operator --bin crdgen -- --check
+
+# The chart's alerting rules: valid, and each alert fires where it must and
+# only there (e2e/promtool/alerts_test.yaml). No cluster needed.
+step "alerting rules (promtool check rules, promtool test rules)"
+promtool=$(e2e/promtool/build.sh)/promtool
+"$promtool" check rules charts/batchlease-operator/files/alerts.yaml
+(cd e2e/promtool && "$promtool" test rules alerts_test.yaml)
 
 step "start control plane, PostgreSQL and a node"
 run_dir=$(mktemp -d /tmp/batchlease-test.XXXXXX)

@@ -133,7 +133,10 @@ async fn forty_tasks_over_six_resources_never_share_one_and_all_finish() {
         );
     }
     let acquired = op
-        .metric("batchlease_lock_acquisition_duration_seconds_count")
+        .metric(&format!(
+            "batchlease_lock_acquisition_duration_seconds_count{{namespace=\"{}\",queue=\"demo\"}}",
+            ns.name
+        ))
         .await
         .unwrap()
         .unwrap_or(0.0);

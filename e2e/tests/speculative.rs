@@ -253,7 +253,7 @@ async fn two_hundred_transfers_over_five_hot_accounts_lose_nothing() {
         .unwrap_or(0.0);
     let rate = op
         .metric(&format!(
-            "batchlease_speculative_abort_rate{{namespace=\"{}\",queue=\"demo\"}}",
+            "batchlease_speculative_abort_ratio{{namespace=\"{}\",queue=\"demo\"}}",
             ns.name
         ))
         .await

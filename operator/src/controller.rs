@@ -69,6 +69,8 @@ pub struct Running {
     pub tasks: Store<BatchTask>,
     pub leases: Store<TaskLease>,
     pub queues: Store<TaskQueue>,
+    /// Its lock waits, for `batchlease_lock_oldest_wait_seconds`.
+    pub index: Arc<GraphIndex>,
     pub done: tokio::task::JoinHandle<()>,
 }
 
@@ -223,7 +225,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         reporter: shared.reporter.clone(),
         leadership: shared.leadership.clone(),
         tasks: task_store.clone(),
-        index,
+        index: index.clone(),
         lock_namespace: shared.lock_namespace.clone(),
         events: shared.events,
         running_after: shared.running_after,
@@ -317,6 +319,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         tasks,
         leases: lease_store,
         queues: queue_store,
+        index,
         done,
     }
 }

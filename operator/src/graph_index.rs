@@ -202,6 +202,17 @@ impl GraphIndex {
         sc.lock_wait_since.take()
     }
 
+    /// The tasks waiting for their locks, and since when: `(namespace,
+    /// name, since)`. For a gauge of the longest wait, which (unlike the
+    /// histogram, observed when a wait ends) shows a wait that never ends.
+    pub fn lock_waits(&self) -> Vec<(String, String, Instant)> {
+        self.lock()
+            .scratch
+            .iter()
+            .filter_map(|((ns, name), s)| Some((ns.clone(), name.clone(), s.lock_wait_since?)))
+            .collect()
+    }
+
     /// Records the task's blocker; true when it differs from the last one.
     pub fn new_blocker(&self, ns: &str, name: &str, blocker: &str) -> bool {
         let mut new = false;
@@ -645,9 +656,13 @@ mod tests {
             "the first start counts"
         );
         assert_eq!(idx.lock_wait_done("ns", "a"), None);
+        assert!(idx.lock_waits().is_empty());
+        idx.lock_wait_started("ns", "a", t0);
+        assert_eq!(idx.lock_waits(), vec![("ns".into(), "a".into(), t0)]);
         // Leaving Pending starts a new story.
         assert!(idx.new_blocker("ns", "a", "x"));
         idx.apply(&task("a", &[], &["r"], Some(TaskPhase::Ready)));
+        assert!(idx.lock_waits().is_empty(), "a wait ends with Pending");
         idx.apply(&task("a", &[], &["r"], Some(TaskPhase::Pending)));
         assert!(idx.new_blocker("ns", "a", "x"));
     }

@@ -13,6 +13,7 @@ mod leader;
 mod leader_fake;
 mod metrics;
 mod presence;
+mod process;
 mod queue_status;
 mod queues;
 mod reconcile;
@@ -58,6 +59,9 @@ async fn main() -> anyhow::Result<()> {
         leader::Campaign::none()
     };
     let mut registry = Registry::default();
+    // Unprefixed, as every Prometheus client names them: the restart alert
+    // and the dashboard's memory and CPU panels read them.
+    registry.register_collector(Box::new(process::ProcessCollector));
     let metrics = metrics::Metrics::new(&mut registry);
     let health = Arc::new(http::Health {
         registry,
@@ -128,15 +132,23 @@ async fn main() -> anyhow::Result<()> {
         let mut stores = Vec::new();
         let mut lease_stores = Vec::new();
         let mut queue_stores = Vec::new();
+        let mut indexes = Vec::new();
         for ns in &namespaces {
             let running = controller::start(&shared, ns.as_deref(), stop.clone());
             stores.push(running.tasks);
             lease_stores.push(running.leases);
             queue_stores.push(running.queues);
+            indexes.push(running.index);
             let scope = ns.as_deref().unwrap_or("*");
             tasks.adopt(format!("controller for namespace {scope}"), running.done);
         }
-        metrics.watch_tasks(stores, lease_stores, queue_stores, Some(synced.clone()));
+        metrics.watch_tasks(
+            stores,
+            lease_stores,
+            queue_stores,
+            indexes,
+            Some(synced.clone()),
+        );
         // Not a term task: it only reads the caches, and ends with `stop`.
         tokio::spawn(metrics::forget_gone_queues(metrics.clone(), stop.clone()));
         let ready = {
@@ -173,7 +185,7 @@ async fn main() -> anyhow::Result<()> {
         health.running.store(false, Ordering::Release);
         stop.cancel();
         metrics.is_leader.set(0);
-        metrics.watch_tasks(Vec::new(), Vec::new(), Vec::new(), None);
+        metrics.watch_tasks(Vec::new(), Vec::new(), Vec::new(), Vec::new(), None);
         let drain = tasks.drain();
         // The old term's writes are refused by their generation and bounded
         // by its end; still, let in-flight reconciles finish (bounded)

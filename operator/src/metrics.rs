@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, TaskQueue};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -22,6 +22,7 @@ use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
 use crate::controller::SyncCounter;
+use crate::graph_index::GraphIndex;
 use crate::speculation::{AbortWindow, Band, band};
 
 /// `namespace`, `queue`.
@@ -67,6 +68,17 @@ pub enum QueueCounter {
     LockLeaseExpiredBeforeRelease,
 }
 
+impl QueueCounter {
+    /// Every one: what a gone queue's series are removed from.
+    pub const ALL: [Self; 5] = [
+        Self::LeasesIssued,
+        Self::Reassignments,
+        Self::GraphCycleDetected,
+        Self::LockContention,
+        Self::LockLeaseExpiredBeforeRelease,
+    ];
+}
+
 /// The per-queue counters with a reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReasonCounter {
@@ -74,6 +86,25 @@ pub enum ReasonCounter {
     TasksDeadLettered,
     Retries,
     QueueIssuesThrottled,
+}
+
+impl ReasonCounter {
+    /// Every one: what a gone queue's series are removed from.
+    pub const ALL: [Self; 4] = [
+        Self::LeaseExpiredBeforeRelease,
+        Self::TasksDeadLettered,
+        Self::Retries,
+        Self::QueueIssuesThrottled,
+    ];
+}
+
+/// A histogram family: each queue's histogram made with the same buckets.
+type Histograms = Family<QueueLabels, Histogram, fn() -> Histogram>;
+
+/// The buckets of `batchlease_lock_acquisition_duration_seconds`: 5 ms to
+/// about 3 min.
+fn lock_wait_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
 }
 
 /// `kind`: the error category of a failed reconcile.
@@ -95,12 +126,12 @@ pub struct Metrics {
     pub write_conflicts: Counter,
     pub is_leader: Gauge,
     graph_cycle_detected: Family<QueueLabels, Counter>,
-    pub lock_acquisition_duration: Histogram,
+    lock_acquisition_duration: Histograms,
     lock_contention: Family<QueueLabels, Counter>,
     lock_lease_expired_before_release: Family<QueueLabels, Counter>,
     speculative_attempts: Family<QueueLabels, Counter>,
     speculative_aborts: Family<QueueLabels, Counter>,
-    speculative_abort_rate: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    speculative_abort_ratio: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     queue_issues_throttled: Family<ReasonLabels, Counter>,
     abort_window: Mutex<AbortWindow>,
     /// The queues with series, and the reasons each was counted with (to
@@ -123,18 +154,30 @@ impl Metrics {
             write_conflicts: Counter::default(),
             is_leader: Gauge::default(),
             graph_cycle_detected: Family::default(),
-            lock_acquisition_duration: Histogram::new(exponential_buckets(0.005, 2.0, 16)),
+            lock_acquisition_duration: Family::new_with_constructor(lock_wait_histogram),
             lock_contention: Family::default(),
             lock_lease_expired_before_release: Family::default(),
             speculative_attempts: Family::default(),
             speculative_aborts: Family::default(),
-            speculative_abort_rate: Family::default(),
+            speculative_abort_ratio: Family::default(),
             queue_issues_throttled: Family::default(),
             abort_window: Mutex::new(AbortWindow::default()),
             series: Mutex::default(),
             tasks: TaskPhases::default(),
         };
         let r = registry.sub_registry_with_prefix("batchlease");
+        // Which version runs where: `batchlease_build_info{version} 1`, the
+        // usual info gauge (a dashboard's version column, an alert's join
+        // to tell the operator's processes from others).
+        let build_info = Family::<Vec<(&'static str, &'static str)>, Gauge>::default();
+        build_info
+            .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION"))])
+            .set(1);
+        r.register(
+            "build_info",
+            "Always 1; the operator's version as a label",
+            build_info,
+        );
         r.register(
             "leases_issued",
             "TaskLeases offered",
@@ -187,7 +230,7 @@ impl Metrics {
         );
         r.register(
             "lock_acquisition_duration_seconds",
-            "Time from a task's first attempt to take its resource locks until it held them all",
+            "Time from a task's first attempt to take its resource locks (a lock taken, or the first block) until it held them all",
             m.lock_acquisition_duration.clone(),
         );
         r.register(
@@ -211,9 +254,9 @@ impl Metrics {
             m.speculative_aborts.clone(),
         );
         r.register(
-            "speculative_abort_rate",
-            "Aborted share of the queue's last 100 speculative attempts (over 0.3: livelock)",
-            m.speculative_abort_rate.clone(),
+            "speculative_abort_ratio",
+            "Aborted share (0 to 1) of the queue's last 100 speculative attempts (over 0.3: livelock)",
+            m.speculative_abort_ratio.clone(),
         );
         r.register(
             "queue_issues_throttled",
@@ -268,6 +311,14 @@ impl Metrics {
             .inc();
     }
 
+    /// A task of `queue` held all its locks after waiting `waited`.
+    pub fn observe_lock_wait(&self, queue: &QueueLabels, waited: std::time::Duration) {
+        self.note(queue, None);
+        self.lock_acquisition_duration
+            .get_or_create(queue)
+            .observe(waited.as_secs_f64());
+    }
+
     /// The abort rate and sample count `queue` would have with this
     /// outcome: for the condition written with the settling status.
     pub fn abort_rate_with(&self, queue: &QueueLabels, aborted: bool) -> (f64, usize) {
@@ -288,25 +339,28 @@ impl Metrics {
         let mut w = self.abort_window.lock().unwrap_or_else(|e| e.into_inner());
         let (was, n_was) = w.rate(&queue.namespace, &queue.queue);
         let (rate, n) = w.record(&queue.namespace, &queue.queue, aborted);
-        self.speculative_abort_rate.get_or_create(queue).set(rate);
+        self.speculative_abort_ratio.get_or_create(queue).set(rate);
         (band(was, n_was), band(rate, n))
     }
 
     /// Lets `batchlease_tasks{namespace,queue,phase}` count the tasks in
     /// these caches (the current term's; a standby counts none),
-    /// `batchlease_cache_objects{kind}` their sizes, and
-    /// [`Metrics::forget_gone_queues`] tell which queues exist once
+    /// `batchlease_cache_objects{kind}` their sizes,
+    /// `batchlease_lock_oldest_wait_seconds` the lock waits of `indexes`,
+    /// and [`Metrics::forget_gone_queues`] tell which queues exist once
     /// `synced` says every cache listed.
     pub fn watch_tasks(
         &self,
         stores: Vec<Store<BatchTask>>,
         leases: Vec<Store<TaskLease>>,
         queues: Vec<Store<TaskQueue>>,
+        indexes: Vec<Arc<GraphIndex>>,
         synced: Option<Arc<SyncCounter>>,
     ) {
         *self.tasks.stores.lock().unwrap_or_else(|e| e.into_inner()) = stores;
         *self.tasks.leases.lock().unwrap_or_else(|e| e.into_inner()) = leases;
         *self.tasks.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues;
+        *self.tasks.indexes.lock().unwrap_or_else(|e| e.into_inner()) = indexes;
         *self.tasks.synced.lock().unwrap_or_else(|e| e.into_inner()) = synced;
     }
 
@@ -355,26 +409,16 @@ impl Metrics {
                 .collect()
         };
         for (q, reasons) in &gone {
-            for c in [
-                QueueCounter::LeasesIssued,
-                QueueCounter::Reassignments,
-                QueueCounter::GraphCycleDetected,
-                QueueCounter::LockContention,
-                QueueCounter::LockLeaseExpiredBeforeRelease,
-            ] {
+            for c in QueueCounter::ALL {
                 self.queue_family(c).remove(q);
             }
             self.speculative_attempts.remove(q);
             self.speculative_aborts.remove(q);
-            self.speculative_abort_rate.remove(q);
+            self.speculative_abort_ratio.remove(q);
+            self.lock_acquisition_duration.remove(q);
             for r in reasons {
                 let labels = q.with_reason(r);
-                for c in [
-                    ReasonCounter::LeaseExpiredBeforeRelease,
-                    ReasonCounter::TasksDeadLettered,
-                    ReasonCounter::Retries,
-                    ReasonCounter::QueueIssuesThrottled,
-                ] {
+                for c in ReasonCounter::ALL {
                     self.reason_family(c).remove(&labels);
                 }
             }
@@ -415,6 +459,7 @@ struct TaskPhases {
     stores: Arc<Mutex<Vec<Store<BatchTask>>>>,
     leases: Arc<Mutex<Vec<Store<TaskLease>>>>,
     queues: Arc<Mutex<Vec<Store<TaskQueue>>>>,
+    indexes: Arc<Mutex<Vec<Arc<GraphIndex>>>>,
     synced: Arc<Mutex<Option<Arc<SyncCounter>>>>,
 }
 
@@ -433,6 +478,32 @@ where
         .map(Store::len)
         .sum();
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl TaskPhases {
+    /// The longest lock wait of each queue, in seconds. The indexes know
+    /// tasks by name; the caches tell their queue (a task no longer cached
+    /// is not waiting).
+    fn lock_waits(&self) -> BTreeMap<Key, f64> {
+        let indexes = self
+            .indexes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let stores = self.stores.lock().unwrap_or_else(|e| e.into_inner());
+        let now = tokio::time::Instant::now();
+        let mut oldest: BTreeMap<Key, f64> = BTreeMap::new();
+        for (ns, name, since) in indexes.iter().flat_map(|i| i.lock_waits()) {
+            let key = ObjectRef::new(&name).within(&ns);
+            let Some(task) = stores.iter().find_map(|s| s.get(&key)) else {
+                continue;
+            };
+            let secs = now.saturating_duration_since(since).as_secs_f64();
+            let o = oldest.entry((ns, task.spec.queue.clone())).or_default();
+            *o = o.max(secs);
+        }
+        oldest
+    }
 }
 
 impl prometheus_client::collector::Collector for TaskPhases {
@@ -520,6 +591,16 @@ impl prometheus_client::collector::Collector for TaskPhases {
         )?;
         for ((namespace, queue), since) in oldest {
             let secs = now.duration_since(since).as_secs_f64().max(0.0);
+            let labels = [("namespace", namespace), ("queue", queue)];
+            ConstGauge::new(secs).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "lock_oldest_wait_seconds",
+            "How long the longest-waiting task has been waiting for its resource locks, by namespace and queue",
+            None,
+            age.metric_type(),
+        )?;
+        for ((namespace, queue), secs) in self.lock_waits() {
             let labels = [("namespace", namespace), ("queue", queue)];
             ConstGauge::new(secs).encode(family.encode_family(&labels)?)?;
         }
@@ -677,7 +758,7 @@ mod tests {
             cache::<TaskQueue>(vec![object("TaskQueue", "a", "demo")]),
             cache::<TaskQueue>(Vec::new()),
         ];
-        m.watch_tasks(tasks, leases, queues, None);
+        m.watch_tasks(tasks, leases, queues, Vec::new(), None);
         let t = text(&r);
         for line in [
             "\n# TYPE batchlease_cache_objects gauge\n",
@@ -693,8 +774,209 @@ mod tests {
         }
         assert!(!t.contains("batchlease_batchlease"), "{t}");
         // The term ends: its caches are dropped.
-        m.watch_tasks(Vec::new(), Vec::new(), Vec::new(), None);
+        m.watch_tasks(Vec::new(), Vec::new(), Vec::new(), Vec::new(), None);
         assert!(text(&r).contains("\nbatchlease_cache_objects{kind=\"BatchTask\"} 0\n"));
+    }
+
+    /// Every series of `queue` in namespace `ns`, one of each family.
+    fn every_series_of(m: &Metrics, ns: &str) {
+        let queue = q(ns, "demo");
+        for c in QueueCounter::ALL {
+            m.count(c, &queue, 1);
+        }
+        for c in ReasonCounter::ALL {
+            m.count_reason(c, &queue, "Boom");
+        }
+        m.record_speculative(&queue, true);
+        m.observe_lock_wait(&queue, std::time::Duration::from_millis(20));
+    }
+
+    /// The metric families with a series carrying `namespace="<ns>"`.
+    fn families_with(text: &str, ns: &str) -> BTreeSet<String> {
+        let label = format!("namespace=\"{ns}\"");
+        text.lines()
+            .filter(|l| !l.starts_with('#') && l.contains(&label))
+            .filter_map(|l| l.split('{').next())
+            .map(|n| n.trim_end_matches("_bucket").trim_end_matches("_count"))
+            .map(|n| n.trim_end_matches("_sum").to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_deleted_queues_series_disappear_from_every_family() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        every_series_of(&m, "a");
+        every_series_of(&m, "b");
+        let before = families_with(&text(&r), "b");
+        // Every per-queue family the operator counts in, so a family added
+        // without being forgotten fails here.
+        let want: BTreeSet<String> = [
+            "batchlease_leases_issued_total",
+            "batchlease_reassignments_total",
+            "batchlease_graph_cycle_detected_total",
+            "batchlease_lock_contention_total",
+            "batchlease_lock_lease_expired_before_release_total",
+            "batchlease_lease_expired_before_release_total",
+            "batchlease_tasks_dead_lettered_total",
+            "batchlease_retries_total",
+            "batchlease_queue_issues_throttled_total",
+            "batchlease_speculative_attempts_total",
+            "batchlease_speculative_aborts_total",
+            "batchlease_speculative_abort_ratio",
+            "batchlease_lock_acquisition_duration_seconds",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        assert_eq!(before, want);
+        let live: HashSet<(String, String)> = [("a".to_owned(), "demo".to_owned())].into();
+        assert_eq!(m.forget_queues_not_in(&live), 1);
+        let t = text(&r);
+        assert_eq!(families_with(&t, "b"), BTreeSet::new(), "{t}");
+        assert_eq!(
+            families_with(&t, "a"),
+            want,
+            "the live queue keeps its series"
+        );
+    }
+
+    #[test]
+    fn the_abort_ratio_is_a_share_between_0_and_1() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        m.record_speculative(&q("a", "demo"), true);
+        m.record_speculative(&q("a", "demo"), false);
+        let t = text(&r);
+        assert!(
+            t.contains(
+                "\nbatchlease_speculative_abort_ratio{namespace=\"a\",queue=\"demo\"} 0.5\n"
+            ),
+            "{t}"
+        );
+        assert!(!t.contains("abort_rate"), "{t}");
+    }
+
+    #[test]
+    fn build_info_carries_the_version() {
+        let mut r = Registry::default();
+        let _m = Metrics::new(&mut r);
+        let line = format!(
+            "\nbatchlease_build_info{{version=\"{}\"}} 1\n",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text(&r).contains(&line), "{line} in\n{}", text(&r));
+    }
+
+    #[test]
+    fn the_longest_lock_wait_of_each_queue_is_exported() {
+        let mut r = Registry::default();
+        let m = Metrics::new(&mut r);
+        let pending = |name: &str, queue: &str| {
+            let mut o = object("BatchTask", "a", name);
+            o["spec"]["queue"] = queue.into();
+            o["spec"]["resources"] = serde_json::json!(["db"]);
+            o["status"] = serde_json::json!({"phase": "Pending"});
+            o
+        };
+        let tasks = cache::<BatchTask>(vec![
+            pending("t1", "demo"),
+            pending("t2", "demo"),
+            pending("t3", "other"),
+        ]);
+        let (tx, _rx) = futures::channel::mpsc::unbounded();
+        let index = Arc::new(GraphIndex::new(tx));
+        for t in tasks.state() {
+            index.apply(&t);
+        }
+        let now = tokio::time::Instant::now();
+        let ago = |s| now.checked_sub(std::time::Duration::from_secs(s)).unwrap();
+        index.lock_wait_started("a", "t1", ago(100));
+        index.lock_wait_started("a", "t2", ago(300));
+        // A wait of a task gone from the cache is no wait.
+        index.apply(&serde_json::from_value(pending("gone", "other")).unwrap());
+        index.lock_wait_started("a", "gone", ago(900));
+        m.watch_tasks(vec![tasks], Vec::new(), Vec::new(), vec![index], None);
+        let t = text(&r);
+        let value = |queue: &str| -> f64 {
+            let prefix = format!(
+                "batchlease_lock_oldest_wait_seconds{{namespace=\"a\",queue=\"{queue}\"}} "
+            );
+            t.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .map_or(-1.0, |v| v.parse().unwrap())
+        };
+        let demo = value("demo");
+        assert!(
+            (300.0..400.0).contains(&demo),
+            "the oldest of two: {demo}\n{t}"
+        );
+        assert_eq!(value("other"), -1.0, "t3 is not waiting\n{t}");
+    }
+
+    /// The metric names `text` (a file of the chart) uses that start with
+    /// one of `prefixes`: the words of letters, digits and `_` that do.
+    fn names_used(text: &str, prefixes: &[&str]) -> BTreeSet<String> {
+        text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .filter(|w| prefixes.iter().any(|p| w.starts_with(p)))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The sample names an exposition can have: from its `# TYPE` lines,
+    /// with the suffixes each type adds.
+    fn sample_names(exposition: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for l in exposition.lines() {
+            let mut w = l.split_whitespace();
+            let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+                (w.next(), w.next(), w.next(), w.next())
+            else {
+                continue;
+            };
+            let suffixes: &[&str] = match kind {
+                "counter" => &["_total"],
+                "histogram" => &["_bucket", "_sum", "_count"],
+                "info" => &["_info"],
+                _ => &[""],
+            };
+            out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        }
+        out
+    }
+
+    #[test]
+    fn every_operator_metric_the_chart_uses_is_exported() {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(crate::process::ProcessCollector));
+        let m = Metrics::new(&mut r);
+        // A family shows in the exposition once it has a series.
+        every_series_of(&m, "a");
+        m.reconcile_errors
+            .get_or_create(&ErrorLabels { kind: "kube" })
+            .inc();
+        let exported = sample_names(&text(&r));
+        assert!(
+            exported.contains("process_start_time_seconds"),
+            "{exported:?}"
+        );
+        let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../charts/batchlease-operator/files");
+        for file in ["alerts.yaml", "dashboard.json"] {
+            let text = std::fs::read_to_string(chart.join(file)).unwrap();
+            let used = names_used(&text, &["batchlease_", "process_"]);
+            // The SDK's are checked by the SDK's own test.
+            let ours: Vec<&String> = used
+                .iter()
+                .filter(|n| !n.starts_with("batchlease_worker_"))
+                .collect();
+            assert!(ours.len() >= 5, "{file} uses operator metrics: {ours:?}");
+            let missing: Vec<&&String> = ours.iter().filter(|n| !exported.contains(**n)).collect();
+            assert!(
+                missing.is_empty(),
+                "{file} uses metrics the operator does not export: {missing:?}\nexported: {exported:?}"
+            );
+        }
     }
 
     #[test]

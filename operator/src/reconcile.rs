@@ -414,9 +414,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
                 return Err(e);
             }
             if let Some(since) = lock_wait {
-                ctx.metrics
-                    .lock_acquisition_duration
-                    .observe(since.elapsed().as_secs_f64());
+                ctx.metrics.observe_lock_wait(&queue, since.elapsed());
             }
             ctx.metrics.count(QueueCounter::LeasesIssued, &queue, 1);
             if cause != IssueCause::New {
@@ -723,11 +721,12 @@ fn update_slots(
 /// new for this task.
 async fn blocked(ctx: &Ctx, task: &BatchTask, resource: &str, holder: &str) {
     let note = format!("waiting for resource {resource}: held by or promised to {holder}");
-    let new = ctx.index.new_blocker(
-        &task.namespace().unwrap_or_default(),
-        &task.name_any(),
-        &note,
-    );
+    let (ns, name) = (task.namespace().unwrap_or_default(), task.name_any());
+    let new = ctx.index.new_blocker(&ns, &name, &note);
+    // The wait starts at the first block, even before any lock was taken:
+    // a task blocked on its first resource is waiting too, and
+    // `batchlease_lock_oldest_wait_seconds` must show it.
+    ctx.index.lock_wait_started(&ns, &name, Instant::now());
     debug!(task = %task.name_any(), resource, holder, "lock contention");
     if new {
         // Counted once per task and blocker, like the Event: a task looked

@@ -72,6 +72,16 @@ impl WorkerMetrics {
     /// Registers every metric under the `batchlease_worker` prefix.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("batchlease_worker");
+        // Which SDK version a worker runs: `batchlease_worker_build_info{version} 1`.
+        let build_info = Family::<Vec<(&'static str, &'static str)>, Gauge>::default();
+        build_info
+            .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION"))])
+            .set(1);
+        r.register(
+            "build_info",
+            "Always 1; the batchlease worker SDK's version as a label",
+            build_info,
+        );
         r.register(
             "renewal_latency_seconds",
             "Round trip of a lease renewal",
@@ -137,6 +147,87 @@ impl WorkerMetrics {
             "claim_pauses",
             "Times the worker stopped claiming because its attempts kept ending before their handler ran",
             self.claim_pauses.clone(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// The exposition with a series in every family (a family shows in it
+    /// only once it has one).
+    fn exposition() -> String {
+        let mut r = Registry::default();
+        let m = WorkerMetrics::default();
+        m.register(&mut r);
+        for f in [&m.kill_switch, &m.not_started] {
+            f.get_or_create(&ReasonLabels { reason: "x" }).inc();
+        }
+        for f in [&m.completions, &m.speculative_rounds, &m.compensations] {
+            f.get_or_create(&OutcomeLabels { outcome: "x" }).inc();
+        }
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &r).unwrap();
+        s
+    }
+
+    /// The sample names an exposition can have: from its `# TYPE` lines,
+    /// with the suffixes each type adds.
+    fn sample_names(exposition: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for l in exposition.lines() {
+            let mut w = l.split_whitespace();
+            let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+                (w.next(), w.next(), w.next(), w.next())
+            else {
+                continue;
+            };
+            let suffixes: &[&str] = match kind {
+                "counter" => &["_total"],
+                "histogram" => &["_bucket", "_sum", "_count"],
+                _ => &[""],
+            };
+            out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        }
+        out
+    }
+
+    #[test]
+    fn build_info_carries_the_sdk_version() {
+        let line = format!(
+            "\nbatchlease_worker_build_info{{version=\"{}\"}} 1\n",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(exposition().contains(&line), "{line} in\n{}", exposition());
+    }
+
+    /// The operator chart's dashboard and alerts name SDK metrics too: a
+    /// rename here must fail until they follow.
+    #[test]
+    fn every_worker_metric_the_chart_uses_is_exported() {
+        let exported = sample_names(&exposition());
+        assert!(
+            exported.contains("batchlease_worker_claims_total"),
+            "{exported:?}"
+        );
+        let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../charts/batchlease-operator/files");
+        let mut used = BTreeSet::new();
+        for file in ["alerts.yaml", "dashboard.json"] {
+            let text = std::fs::read_to_string(chart.join(file)).unwrap();
+            used.extend(
+                text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| w.starts_with("batchlease_worker_"))
+                    .map(str::to_owned),
+            );
+        }
+        assert!(used.len() >= 5, "the dashboard shows the workers: {used:?}");
+        let missing: Vec<&String> = used.iter().filter(|n| !exported.contains(*n)).collect();
+        assert!(
+            missing.is_empty(),
+            "the chart uses worker metrics the SDK does not export: {missing:?}\nexported: {exported:?}"
         );
     }
 }

@@ -442,7 +442,7 @@ async fn run_transfers(
         (Some(attempts), aborts) => Some((
             attempts,
             aborts.unwrap_or(0.0),
-            op.metric(&sample("abort_rate")).await?,
+            op.metric(&sample("abort_ratio")).await?,
         )),
         (None, _) => None,
     };
