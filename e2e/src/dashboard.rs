@@ -1,7 +1,7 @@
 //! `kubectl batchlease dashboard` as a user starts it: the plugin binary
 //! on a free loopback port, with the test's kubeconfig (or another, e.g.
-//! one that goes through a [`crate::proxy::Proxy`]), its URL read from the
-//! first line it prints.
+//! one that goes through a [`crate::proxy::Proxy`]), its URL (with the
+//! session's token) read from the first line it prints.
 
 use std::path::Path;
 use std::time::Duration;
@@ -17,6 +17,8 @@ pub struct Dashboard {
     pub process: Process,
     /// `http://127.0.0.1:<port>` (no trailing slash).
     pub url: String,
+    /// The session's secret from the printed URL.
+    pub token: String,
 }
 
 impl Dashboard {
@@ -39,7 +41,7 @@ impl Dashboard {
         args.extend(["dashboard".into(), "--address".into(), "127.0.0.1:0".into()]);
         let process = Process::start(bin, group, "dashboard", args, vec![])?;
         let log = process.log.clone();
-        let url = wait_for(
+        let (url, token) = wait_for(
             "the dashboard to print its URL",
             Duration::from_secs(30),
             || process.logs(),
@@ -48,19 +50,26 @@ impl Dashboard {
                 async move {
                     Ok(text.lines().find_map(|l| {
                         let rest = l.strip_prefix("Dashboard: ")?;
-                        let url = rest.split_whitespace().next()?;
-                        Some(url.trim_end_matches('/').to_owned())
+                        let printed = rest.split_whitespace().next()?;
+                        let (base, token) = printed.split_once("/?token=")?;
+                        Some((base.to_owned(), token.to_owned()))
                     }))
                 }
             },
         )
         .await?;
-        Ok(Self { process, url })
+        Ok(Self {
+            process,
+            url,
+            token,
+        })
     }
 
-    /// The URL of a page (`#/tasks`, …).
+    /// The URL of a page (`#/tasks`, …), as printed: with the token,
+    /// which the dashboard trades for its cookie and redirects to `/`
+    /// (the route after `#` stays).
     pub fn page(&self, route: &str) -> String {
-        format!("{}/{route}", self.url)
+        format!("{}/?token={}{route}", self.url, self.token)
     }
 
     /// The last lines of its log.

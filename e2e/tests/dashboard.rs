@@ -91,9 +91,35 @@ async fn pages_load_and_a_running_timeline_gains_renewals_live() {
     )
     .await
     .unwrap();
-    b.click(&format!("tr[data-task=\"{n}/job\"] a"))
+    // Keyboard focus on the task's link survives the live re-renders (the
+    // renewals change the row's data every 2 s).
+    let link = format!("tr[data-task=\"{n}/job\"] a");
+    let renders = b
+        .exec(
+            "document.querySelector(arguments[0]).focus(); return window.__renders",
+            &[json!(link)],
+        )
         .await
+        .unwrap()
+        .as_u64()
         .unwrap();
+    wait_for(
+        "the tasks table to re-render",
+        WAIT,
+        || dash.logs(),
+        || async {
+            let now = b.exec("return window.__renders", &[]).await?;
+            Ok((now.as_u64().unwrap_or(0) > renders).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        b.active_element_matches(&link).await.unwrap(),
+        "focus lost on re-render: {}",
+        b.active_element().await.unwrap()
+    );
+    b.click(&link).await.unwrap();
     let renewals = "#attempts tr[data-token=\"1\"] td.renewals";
     let first = b
         .wait_text(renewals, "a renewal count", |t| !t.is_empty(), WAIT)
@@ -262,6 +288,18 @@ async fn cancel_and_redrive_from_the_page_with_confirmation() {
     b.wait_text("#queues", "the queues table", |t| t.contains("demo"), WAIT)
         .await
         .unwrap();
+    // The first stop is "Skip to content": it moves the focus to the
+    // content and leaves the page as it is.
+    b.press_key(keys::TAB).await.unwrap();
+    assert!(b.active_element_matches(".skip").await.unwrap());
+    b.press_key(keys::ENTER).await.unwrap();
+    assert!(b.active_element_matches("#main").await.unwrap());
+    assert!(b.text("#queues").await.unwrap().contains("demo"));
+    // Back to the top: Tab walks the header's links in order.
+    b.goto(&dash.page("#/queues")).await.unwrap();
+    b.wait_text("#queues", "the queues table", |t| t.contains("demo"), WAIT)
+        .await
+        .unwrap();
     let mut reached = false;
     for _ in 0..10 {
         b.press_key(keys::TAB).await.unwrap();
@@ -300,8 +338,18 @@ async fn cancel_and_redrive_from_the_page_with_confirmation() {
     // The safe choice has the focus; Escape closes the dialog too.
     assert!(b.active_element_matches("#confirm-no").await.unwrap());
     b.press_key(keys::ESCAPE).await.unwrap();
+    let open = b
+        .exec("return document.getElementById('confirm').open", &[])
+        .await
+        .unwrap();
+    assert_eq!(open, json!(false), "Escape closes the dialog");
     let t: BatchTask = ns.api::<BatchTask>().get("long").await.unwrap();
     assert!(!t.spec.cancel, "declined: spec.cancel not written");
+    assert_eq!(
+        b.text("#action-result").await.unwrap(),
+        "",
+        "no write answered"
+    );
     b.click("#cancel").await.unwrap();
     b.click("#confirm-yes").await.unwrap();
     b.wait_text(
@@ -388,6 +436,9 @@ async fn a_watch_error_is_shown_and_the_page_recovers() {
         .await
         .unwrap();
     proxy.refuse();
+    tasks::create(&ns, "during", json!({"queue": "demo"}))
+        .await
+        .unwrap();
     b.wait_text(
         "#banner",
         "the watch error banner",
@@ -397,11 +448,9 @@ async fn a_watch_error_is_shown_and_the_page_recovers() {
     .await
     .unwrap();
     b.screenshot_named("watch-error").await.unwrap();
-    // The last known rows stay.
+    // The last known rows stay, and the task created behind the failing
+    // watch is not (yet) among them.
     assert!(b.text("#total").await.unwrap().starts_with("1 task"));
-    tasks::create(&ns, "during", json!({"queue": "demo"}))
-        .await
-        .unwrap();
     proxy.restore();
     b.wait_text(
         "#total",
@@ -430,9 +479,12 @@ async fn a_watch_error_is_shown_and_the_page_recovers() {
     ns.cleanup().await.unwrap();
 }
 
-/// What another web page could try with the user's credentials: a write
-/// without the page's token is refused, and so is any request whose Host
-/// is not the dashboard's (DNS rebinding); bad filters get a clear error.
+/// What another user of the machine or another web page could try with
+/// the user's credentials: a request without the session's cookie, a
+/// wrong token in the URL, a write without the page's token, a `Host`
+/// that is not the dashboard's (DNS rebinding) — each refused, nothing
+/// written; the printed URL's token is traded for an HttpOnly, SameSite
+/// cookie; bad filters get a clear error.
 #[tokio::test]
 async fn foreign_requests_are_refused_and_bad_filters_explained() {
     let cluster = batchlease_e2e::Cluster::with_crds().await.unwrap();
@@ -442,44 +494,89 @@ async fn foreign_requests_are_refused_and_bad_filters_explained() {
         .await
         .unwrap();
     let dash = Dashboard::start(&n, Some(&n), None).await.unwrap();
+    // (status code, response headers in lower case, body)
     let curl = |args: &[&str]| {
         let out = Command::new("curl")
-            .args(["-s", "-o", "-", "-w", "\n%{http_code}"])
+            .args(["-s", "-D", "/dev/stderr", "-o", "-", "-w", "\n%{http_code}"])
             .args(args)
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let (body, code) = text.rsplit_once('\n').unwrap_or((&text, ""));
-        (code.to_owned(), body.to_owned())
+        (
+            code.to_owned(),
+            String::from_utf8_lossy(&out.stderr).to_lowercase(),
+            body.to_owned(),
+        )
     };
+    let cookie = format!("Cookie: batchlease_dashboard={}", dash.token);
+    let tasks_url = format!("{}/api/tasks", dash.url);
     let cancel = format!("{}/api/task/{n}/t/cancel", dash.url);
-    let (code, body) = curl(&["-X", "POST", &cancel]);
+
+    // Another user of the machine, without the printed URL.
+    let (code, _, body) = curl(&[&tasks_url]);
+    assert_eq!(code, "401", "{body}");
+    assert!(body.contains("open the URL"), "{body}");
+    let (code, _, _) = curl(&[&format!("{}/?token=guessed", dash.url)]);
+    assert_eq!(code, "401");
+    let (code, _, _) = curl(&["-X", "POST", &cancel]);
+    assert_eq!(code, "401");
+    // The printed URL: its token becomes an HttpOnly, SameSite cookie.
+    let (code, headers, _) = curl(&[&format!("{}/?token={}", dash.url, dash.token)]);
+    assert_eq!(code, "303", "{headers}");
+    assert!(headers.contains("location: /"), "{headers}");
+    assert!(
+        headers.contains("set-cookie: batchlease_dashboard=")
+            && headers.contains("httponly")
+            && headers.contains("samesite=strict"),
+        "{headers}"
+    );
+    // With the cookie: reads work, with the protective headers.
+    let (code, headers, body) = curl(&["-H", &cookie, &tasks_url]);
+    assert_eq!(code, "200", "{body}");
+    for h in [
+        "x-frame-options: deny",
+        "x-content-type-options: nosniff",
+        "cache-control: no-store",
+        "content-security-policy: default-src 'self'",
+    ] {
+        assert!(headers.contains(h), "{h} missing: {headers}");
+    }
+    // A write without the page's token, even with the cookie.
+    let (code, _, body) = curl(&["-X", "POST", "-H", &cookie, &cancel]);
     assert_eq!(code, "403", "{body}");
     assert!(body.contains("token"), "{body}");
-    let (code, _) = curl(&["-X", "POST", "-H", "X-Batchlease-Token: guessed", &cancel]);
-    assert_eq!(code, "403");
-    let (code, body) = curl(&[
+    let (code, _, _) = curl(&[
+        "-X",
+        "POST",
         "-H",
-        "Host: evil.example:80",
-        &format!("{}/api/tasks", dash.url),
+        &cookie,
+        "-H",
+        "X-Batchlease-Token: guessed",
+        &cancel,
     ]);
+    assert_eq!(code, "403");
+    // DNS rebinding: a foreign Host is refused whatever it carries.
+    let (code, _, body) = curl(&["-H", &cookie, "-H", "Host: evil.example", &tasks_url]);
     assert_eq!(code, "421", "{body}");
-    let (code, body) = curl(&[&format!("{}/api/tasks?phase=Done", dash.url)]);
+    let (code, _, body) = curl(&["-H", &cookie, &format!("{tasks_url}?phase=Done")]);
     assert_eq!(code, "400");
     assert!(body.contains("unknown phase"), "{body}");
     let t: BatchTask = ns.api::<BatchTask>().get("t").await.unwrap();
     assert!(!t.spec.cancel, "nothing was written");
-    // With the token from the page itself, the same write goes through.
-    let (_, page) = curl(&[&format!("{}/", dash.url)]);
+    // The page carries the token for its own writes: they go through.
+    let (_, _, page) = curl(&["-H", &cookie, &format!("{}/", dash.url)]);
     let token = page
         .split("name=\"batchlease-token\" content=\"")
         .nth(1)
         .and_then(|r| r.split('"').next())
         .unwrap()
         .to_owned();
-    let (code, body) = curl(&[
+    let (code, _, body) = curl(&[
         "-X",
         "POST",
+        "-H",
+        &cookie,
         "-H",
         &format!("X-Batchlease-Token: {token}"),
         &cancel,

@@ -114,6 +114,11 @@ enum Command {
         /// says which). Keep it on loopback: the page acts as you.
         #[arg(long, default_value = "127.0.0.1:8470")]
         address: String,
+        /// Also answer to this `Host` (name or name:port; repeatable): the
+        /// name the dashboard is reached by when it listens elsewhere than
+        /// loopback. Other names are refused (DNS rebinding).
+        #[arg(long = "allow-host")]
+        allow_host: Vec<String>,
     },
 }
 
@@ -306,11 +311,14 @@ async fn main() -> anyhow::Result<()> {
             let outcome = set_paused(&queues_api, &namespace, &queue, true).await?;
             report(&outcome, json)?;
         }
-        Command::Dashboard { address } => {
+        Command::Dashboard {
+            address,
+            allow_host,
+        } => {
             let scope = dashboard::Scope {
                 namespace: (!args.all_namespaces).then(|| namespace.clone()),
             };
-            dashboard::serve(client, scope, &address).await?;
+            dashboard::serve(client, scope, &address, &allow_host).await?;
         }
         Command::Resume { queue } => {
             one_namespace("resume")?;

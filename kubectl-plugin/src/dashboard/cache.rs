@@ -16,7 +16,7 @@ use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use std::time::Duration;
 
-use kube::api::{Api, ListParams};
+use kube::api::{Api, WatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -227,6 +227,8 @@ fn spawn_watch<K>(
 
 /// How often a failing watch's recovery is probed.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// How long a probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A failing watch retries at least this often (the backoff's cap and
 /// its jitter): this long without an error, it is no longer failing.
 const QUIET_AFTER_ERROR: Duration = Duration::from_secs(3);
@@ -235,8 +237,9 @@ const QUIET_AFTER_ERROR: Duration = Duration::from_secs(3);
 /// event (kube's watcher resumes from its resource version; nothing
 /// changed, nothing to say), so the banner would stay up for good. While
 /// a watch is marked failing, once it has been quiet for longer than its
-/// retry period a one-object list tells whether the API server answers
-/// again; then the error is cleared and the pages reload.
+/// retry period a short watch of its own tells whether the API server
+/// answers (and allows the watch) again; then the error is cleared and the
+/// pages reload.
 async fn probe_recovery<K>(cache: &Cache, kind: &'static str, api: &Api<K>)
 where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
@@ -249,11 +252,15 @@ where
     if !quiet {
         return;
     }
-    if api
-        .list_metadata(&ListParams::default().limit(1))
-        .await
-        .is_ok()
-    {
+    // A watch, not a list: a user allowed to list but not to watch must
+    // keep the banner. Bounded, so a silent network does not stall the
+    // watch stream this runs beside.
+    let started = tokio::time::timeout(
+        PROBE_TIMEOUT,
+        api.watch_metadata(&WatchParams::default().timeout(1), "0"),
+    )
+    .await;
+    if matches!(started, Ok(Ok(_))) {
         cache.set_health(kind, |h| {
             h.error = None;
             h.error_since = None;

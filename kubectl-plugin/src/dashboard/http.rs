@@ -1,12 +1,15 @@
 //! The dashboard's HTTP side: the page, its JSON, its event stream, and
 //! the two writes (cancel, redrive), made with the user's credentials.
 //!
-//! It listens on loopback and holds the user's credentials, so it guards
-//! against the two ways another web page could use them: a request whose
-//! `Host` is not this server's address is refused (DNS rebinding), and a
-//! write must carry a random token that only the dashboard's own page can
-//! read (a cross-site form or `fetch` cannot set the header without a CORS
-//! preflight, which this server never grants).
+//! It holds the user's credentials, so every request must show the
+//! session's secret: the URL the dashboard prints carries it
+//! (`/?token=…`), and the first visit trades it for an `HttpOnly`,
+//! `SameSite=Strict` cookie. That keeps out other users of the machine
+//! (loopback is reachable by all of them) and other web sites (the cookie
+//! is never sent cross-site). A request whose `Host` is not one this
+//! server answers to is refused first (DNS rebinding), and a write must
+//! also carry the token in a header that only the dashboard's own page
+//! can set (a cross-site form cannot, and this server grants no CORS).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -46,6 +49,8 @@ pub struct App {
     /// `localhost` (empty: any).
     pub hosts: Vec<String>,
     pub started: Timestamp,
+    /// Becomes `true` when the server shuts down: the event streams end.
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for App {
@@ -75,18 +80,80 @@ pub fn router(app: App) -> Router {
         .with_state(app)
 }
 
-/// Refuses foreign `Host`s and tokenless writes; adds the headers that
-/// keep the page out of frames and its data out of caches.
+/// The cookie that carries the session's secret.
+const COOKIE: &str = "batchlease_dashboard";
+
+/// `Host` as compared: with the port HTTP leaves out when it is 80.
+fn normalized_host(h: &str) -> String {
+    let has_port = h.rsplit_once(':').is_some_and(|(_, p)| !p.contains(']'));
+    if has_port {
+        h.to_owned()
+    } else {
+        format!("{h}:80")
+    }
+}
+
+/// Equal, in time independent of where they differ.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+fn cookie_secret(headers: &axum::http::HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| {
+            let (k, v) = c.trim().split_once('=')?;
+            (k == COOKIE).then(|| v.to_owned())
+        })
+}
+
+/// Refuses foreign `Host`s, requests without the session's cookie and
+/// writes without the page's token; trades the URL's token for the
+/// cookie; adds the headers that keep the page out of frames, its data
+/// out of caches and its types unsniffed.
 async fn guard(State(app): State<App>, req: Request, next: Next) -> Response {
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
+        .map(normalized_host)
         .unwrap_or_default();
-    if !app.hosts.is_empty() && !app.hosts.iter().any(|h| h == host) {
+    if !app.hosts.iter().any(|h| *h == host) {
         return error(
             StatusCode::MISDIRECTED_REQUEST,
-            format!("this dashboard answers to {} only", app.hosts.join(", ")),
+            format!(
+                "this dashboard answers to {} only (--allow-host adds a name)",
+                app.hosts.join(", ")
+            ),
+        );
+    }
+    let offered = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("token=")));
+    if let Some(t) = offered {
+        if !same_secret(t, &app.token) {
+            return error(StatusCode::UNAUTHORIZED, "wrong token in the URL");
+        }
+        // Into the cookie, and out of the address bar and history.
+        let cookie = format!("{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", app.token);
+        let mut res = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
+        if let Ok(v) = HeaderValue::from_str(&cookie) {
+            res.headers_mut().insert(header::SET_COOKIE, v);
+        }
+        return res;
+    }
+    if !cookie_secret(req.headers()).is_some_and(|c| same_secret(&c, &app.token)) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "open the URL `kubectl batchlease dashboard` printed: it carries this session's token",
         );
     }
     let safe = matches!(
@@ -98,7 +165,7 @@ async fn guard(State(app): State<App>, req: Request, next: Next) -> Response {
             .headers()
             .get(TOKEN_HEADER)
             .and_then(|h| h.to_str().ok())
-            .is_some_and(|t| t == app.token);
+            .is_some_and(|t| same_secret(t, &app.token));
         if !ok {
             return error(
                 StatusCode::FORBIDDEN,
@@ -111,8 +178,14 @@ async fn guard(State(app): State<App>, req: Request, next: Next) -> Response {
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
         header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static("default-src 'self'; frame-ancestors 'none'"),
+        HeaderValue::from_static(
+            "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+        ),
     );
     res
 }
@@ -174,10 +247,9 @@ async fn tasks(State(app): State<App>, Query(q): Query<view_tasks::TaskQuery>) -
 
 async fn task(State(app): State<App>, Path((ns, name)): Path<(String, String)>) -> Response {
     let snap = app.cache.snapshot();
-    match app
-        .cache
-        .with_journal(|j| view_task::detail(&snap, j, &ns, &name))
-    {
+    let keys = view_task::lease_keys(&snap, &ns, &name);
+    let journal = app.cache.with_journal(|j| j.subset(keys));
+    match view_task::detail(&snap, &journal, &ns, &name) {
         Some(d) => Json(d).into_response(),
         None => not_found(&ns, &name),
     }
@@ -190,11 +262,6 @@ async fn locks(State(app): State<App>) -> Json<Vec<view_locks::LockRow>> {
 #[derive(Debug, Serialize)]
 struct Done {
     message: String,
-}
-
-/// The task as the cache has it, if it is in the dashboard's scope.
-fn cached(app: &App, ns: &str, name: &str) -> Option<Arc<BatchTask>> {
-    app.cache.snapshot().task(ns, name).cloned()
 }
 
 fn not_found(ns: &str, name: &str) -> Response {
@@ -216,9 +283,30 @@ fn api_error(e: &kube::Error) -> Response {
     }
 }
 
+/// The task as the API server has it now: a write is decided on fresh
+/// data, not on a cache that may lag (or be stale behind a failing watch).
+async fn fresh(app: &App, ns: &str, name: &str) -> Result<BatchTask, Box<Response>> {
+    if app
+        .cache
+        .scope
+        .namespace
+        .as_deref()
+        .is_some_and(|s| s != ns)
+    {
+        return Err(Box::new(not_found(ns, name)));
+    }
+    let api: Api<BatchTask> = Api::namespaced(app.client.clone(), ns);
+    match api.get_opt(name).await {
+        Ok(Some(t)) => Ok(t),
+        Ok(None) => Err(Box::new(not_found(ns, name))),
+        Err(e) => Err(Box::new(api_error(&e))),
+    }
+}
+
 async fn cancel_task(State(app): State<App>, Path((ns, name)): Path<(String, String)>) -> Response {
-    let Some(t) = cached(&app, &ns, &name) else {
-        return not_found(&ns, &name);
+    let t = match fresh(&app, &ns, &name).await {
+        Ok(t) => t,
+        Err(r) => return *r,
     };
     let d = cancel::decide(&t);
     if d.needs_patch() {
@@ -237,11 +325,12 @@ async fn redrive_task(
     State(app): State<App>,
     Path((ns, name)): Path<(String, String)>,
 ) -> Response {
-    let Some(t) = cached(&app, &ns, &name) else {
-        return not_found(&ns, &name);
+    let t = match fresh(&app, &ns, &name).await {
+        Ok(t) => t,
+        Err(r) => return *r,
     };
     let targets = match redrive::targets(
-        std::slice::from_ref(&*t),
+        std::slice::from_ref(&t),
         &redrive::Selection::Task(name.clone()),
     ) {
         Ok(t) => t,
@@ -268,12 +357,19 @@ async fn events(State(app): State<App>) -> Sse<impl Stream<Item = Result<Event, 
         let app = app.clone();
         async move { Ok(change_event(&app)) }
     });
-    let rest = futures::stream::unfold((app, rx), |(app, mut rx)| async move {
-        rx.changed().await.ok()?;
+    let stop = app.stopping.clone();
+    let rest = futures::stream::unfold((app, rx, stop), |(app, mut rx, mut stop)| async move {
+        if *stop.borrow() {
+            return None;
+        }
+        tokio::select! {
+            r = rx.changed() => r.ok()?,
+            _ = stop.changed() => return None,
+        }
         tokio::time::sleep(COALESCE).await;
         rx.borrow_and_update();
         let ev = change_event(&app);
-        Some((Ok(ev), (app, rx)))
+        Some((Ok(ev), (app, rx, stop)))
     });
     Sse::new(futures::StreamExt::chain(first, rest)).keep_alive(KeepAlive::default())
 }

@@ -32,8 +32,14 @@ pub enum Mark {
     /// A new `status.checkpoint`, seen at `seen` (the checkpoint carries
     /// no time of its own); `bytes` is its size.
     Checkpoint { seen: Timestamp, bytes: usize },
-    /// The lease's phase became `phase`, seen at `seen`.
-    Phase { seen: Timestamp, phase: String },
+    /// The lease's phase became `phase`, seen at `seen`; `initial`: the
+    /// phase it had when the dashboard first saw it (so `seen` is not when
+    /// it became that).
+    Phase {
+        seen: Timestamp,
+        phase: String,
+        initial: bool,
+    },
 }
 
 /// The marks of one lease and what the last observation was.
@@ -45,8 +51,10 @@ pub struct LeaseMarks {
     pub dropped: usize,
     #[serde(skip)]
     last_renew: Option<Timestamp>,
+    /// A hash of the last checkpoint: a checkpoint may be 128 KiB, and
+    /// 20,000 of them are not worth keeping to tell a new one.
     #[serde(skip)]
-    last_checkpoint: Option<String>,
+    last_checkpoint: Option<u64>,
     #[serde(skip)]
     last_phase: Option<LeasePhase>,
     #[serde(skip)]
@@ -72,6 +80,7 @@ impl Journal {
         let clock = self.clock;
         let e = self.leases.entry(key.clone()).or_default();
         let before = e.marks.len() + e.dropped;
+        let first_sight = e.touched == 0 && e.marks.is_empty();
         if let Some(r) = lease.spec.renew_time.as_ref().map(|t| t.0)
             && e.last_renew != Some(r)
         {
@@ -79,12 +88,17 @@ impl Journal {
             push(e, Mark::Renewal { at: r });
         }
         let status = lease.status.clone().unwrap_or_default();
-        if let Some(cp) = status.checkpoint.as_ref().map(|c| c.as_str().to_owned())
-            && e.last_checkpoint.as_deref() != Some(cp.as_str())
+        if let Some(cp) = status.checkpoint.as_ref().map(|c| c.as_str())
+            && e.last_checkpoint != Some(hash(cp))
         {
-            let bytes = cp.len();
-            e.last_checkpoint = Some(cp);
-            push(e, Mark::Checkpoint { seen: now, bytes });
+            e.last_checkpoint = Some(hash(cp));
+            push(
+                e,
+                Mark::Checkpoint {
+                    seen: now,
+                    bytes: cp.len(),
+                },
+            );
         }
         if let Some(p) = status.phase
             && e.last_phase != Some(p)
@@ -95,6 +109,7 @@ impl Journal {
                 Mark::Phase {
                     seen: now,
                     phase: format!("{p:?}"),
+                    initial: first_sight,
                 },
             );
         }
@@ -108,6 +123,19 @@ impl Journal {
     /// Forgets a deleted lease.
     pub fn forget(&mut self, namespace: &str, name: &str) {
         self.leases.remove(&(namespace.to_owned(), name.to_owned()));
+    }
+
+    /// A journal of only the given leases' marks: what one page needs,
+    /// copied out so the lock over the whole journal is held briefly.
+    pub fn subset<'a>(&self, keys: impl IntoIterator<Item = (&'a str, &'a str)>) -> Journal {
+        let mut out = Journal::default();
+        for (ns, name) in keys {
+            if let Some(m) = self.marks(ns, name) {
+                out.leases
+                    .insert((ns.to_owned(), name.to_owned()), m.clone());
+            }
+        }
+        out
     }
 
     /// The marks of a lease, if any were seen.
@@ -131,6 +159,13 @@ impl Journal {
                 .retain(|(k, at)| leases.get(k).is_some_and(|e| e.touched == *at));
         }
     }
+}
+
+fn hash(s: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    s.hash(&mut h);
+    h.finish()
 }
 
 fn push(e: &mut LeaseMarks, m: Mark) {
@@ -181,7 +216,8 @@ mod tests {
                 Mark::Renewal { at: ts(10) },
                 Mark::Phase {
                     seen: ts(11),
-                    phase: "Held".into()
+                    phase: "Held".into(),
+                    initial: true,
                 },
                 Mark::Renewal { at: ts(20) },
                 Mark::Checkpoint {
@@ -190,7 +226,8 @@ mod tests {
                 },
                 Mark::Phase {
                     seen: ts(40),
-                    phase: "Expired".into()
+                    phase: "Expired".into(),
+                    initial: false,
                 },
             ]
         );

@@ -23,8 +23,15 @@ use rand::Rng;
 
 pub use cache::Scope;
 
-/// Serves the dashboard on `address` until Ctrl-C (or SIGTERM).
-pub async fn serve(client: kube::Client, scope: Scope, address: &str) -> anyhow::Result<()> {
+/// Serves the dashboard on `address` until Ctrl-C or SIGTERM. `allow`
+/// adds `Host` values it answers to (a name it is reached by when it does
+/// not listen on loopback).
+pub async fn serve(
+    client: kube::Client,
+    scope: Scope,
+    address: &str,
+    allow: &[String],
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("listening on {address}"))?;
@@ -35,44 +42,95 @@ pub async fn serve(client: kube::Client, scope: Scope, address: &str) -> anyhow:
             .map(|_| char::from(b"0123456789abcdef"[rng.random_range(0..16)]))
             .collect()
     };
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     let cache = cache::Cache::start(&client, scope.clone());
     let app = http::App {
         cache,
         client,
-        token,
-        hosts: hosts(local),
+        token: token.clone(),
+        hosts: hosts(local, allow),
         started: Timestamp::now(),
+        stopping: stopping.clone(),
     };
     let place = match &scope.namespace {
         Some(ns) => format!("namespace {ns}"),
         None => "all namespaces".to_owned(),
     };
-    // The first line a script (or a test) reads: the URL.
-    println!("Dashboard: http://{local}/ ({place}; Ctrl-C to stop)");
+    // The first line a script (or a test) reads: the URL, with the
+    // session's secret (exchanged for a cookie on first use).
+    let shown = if local.ip().is_unspecified() {
+        format!("localhost:{}", local.port())
+    } else {
+        local.to_string()
+    };
+    println!("Dashboard: http://{shown}/?token={token} ({place}; Ctrl-C to stop)");
     if !local.ip().is_loopback() {
         eprintln!(
-            "warning: {local} is not a loopback address: anyone who can reach it can read what your credentials can, and cancel or redrive tasks as you"
+            "warning: {local} is not a loopback address: whoever has the URL above reads what your credentials can read, and cancels or redrives tasks as you"
         );
     }
-    axum::serve(listener, http::router(app))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .context("serving the dashboard")
+    let serve = axum::serve(listener, http::router(app)).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        // Ends the pages' event streams, which would otherwise keep
+        // graceful shutdown waiting for as long as a tab is open.
+        let _ = stop.send(true);
+    });
+    serve.await.context("serving the dashboard")
 }
 
-/// The `Host` values this server answers to: its address, and
-/// `localhost` with its port when it listens on loopback; any (empty) on
-/// an unspecified address (`0.0.0.0`), where the user chose to be reached
-/// by whatever name.
-fn hosts(local: SocketAddr) -> Vec<String> {
-    if local.ip().is_unspecified() {
-        return vec![];
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
     }
-    let mut h = vec![local.to_string()];
-    if local.ip().is_loopback() {
-        h.push(format!("localhost:{}", local.port()));
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The `Host` values this server answers to: its address (unless it is
+/// `0.0.0.0`), `localhost`, `127.0.0.1` and `[::1]` with its port, and
+/// those the user allowed. Never "any": a web site can point a name of its
+/// own at this machine (DNS rebinding) and would then be same-origin with
+/// the dashboard.
+fn hosts(local: SocketAddr, allow: &[String]) -> Vec<String> {
+    let port = local.port();
+    let mut h = vec![];
+    if !local.ip().is_unspecified() {
+        h.push(local.to_string());
+    }
+    for name in [
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::1]:{port}"),
+    ] {
+        if !h.contains(&name) {
+            h.push(name);
+        }
+    }
+    for a in allow {
+        // A name without a port is taken at the dashboard's port.
+        let a = if a.contains(':') && !a.ends_with(']') {
+            a.clone()
+        } else {
+            format!("{a}:{port}")
+        };
+        if !h.contains(&a) {
+            h.push(a);
+        }
     }
     h
 }
@@ -82,11 +140,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn loopback_answers_to_localhost_too_and_other_addresses_to_themselves() {
-        let h = hosts(SocketAddr::from(([127, 0, 0, 1], 8470)));
-        assert_eq!(h, vec!["127.0.0.1:8470", "localhost:8470"]);
-        let h = hosts(SocketAddr::from(([10, 1, 2, 3], 80)));
-        assert_eq!(h, vec!["10.1.2.3:80"]);
-        assert!(hosts(SocketAddr::from(([0, 0, 0, 0], 80))).is_empty());
+    fn the_hosts_answered_to_are_never_any() {
+        let h = hosts(SocketAddr::from(([127, 0, 0, 1], 8470)), &[]);
+        assert_eq!(h, vec!["127.0.0.1:8470", "localhost:8470", "[::1]:8470"]);
+        let h = hosts(SocketAddr::from(([10, 1, 2, 3], 80)), &[]);
+        assert_eq!(
+            h,
+            vec!["10.1.2.3:80", "localhost:80", "127.0.0.1:80", "[::1]:80"]
+        );
+        // 0.0.0.0: loopback names and what the user allowed, no wildcard.
+        let h = hosts(
+            SocketAddr::from(([0, 0, 0, 0], 8470)),
+            &["box.example".into(), "box.example:9000".into()],
+        );
+        assert_eq!(
+            h,
+            vec![
+                "localhost:8470",
+                "127.0.0.1:8470",
+                "[::1]:8470",
+                "box.example:8470",
+                "box.example:9000"
+            ]
+        );
     }
 }

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use batchlease_api::{BatchTask, TaskLease, TaskPhase, TaskQueue};
-use kube::ResourceExt;
 
 /// The objects the dashboard's watches hold.
 #[derive(Debug, Clone, Default)]
@@ -18,9 +17,10 @@ pub struct Snapshot {
 impl Snapshot {
     /// The task `name` of `namespace`.
     pub fn task(&self, namespace: &str, name: &str) -> Option<&Arc<BatchTask>> {
-        self.tasks
-            .iter()
-            .find(|t| t.name_any() == name && t.namespace().as_deref() == Some(namespace))
+        self.tasks.iter().find(|t| {
+            t.metadata.name.as_deref() == Some(name)
+                && t.metadata.namespace.as_deref() == Some(namespace)
+        })
     }
 }
 

@@ -6,10 +6,11 @@
 //! TaskLease (Offered or Held) carries the lock tokens of its attempt in
 //! `spec.resourceTokens`, so its task holds those resources, and an
 //! unfinished Exclusive task that needs a resource it does not hold waits
-//! for it. (While the operator is still taking a task's locks, before its
-//! lease exists, the task shows as waiting.)
+//! for it — unless it waits for a dependency or a retry's backoff. (While
+//! the operator is still taking a task's locks, before its lease exists,
+//! the task shows as waiting.)
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use batchlease_api::{BatchTask, LeasePhase, TaskMode, TaskPhase};
 use k8s_openapi::jiff::Timestamp;
@@ -93,29 +94,57 @@ pub fn locks(snap: &Snapshot, now: Timestamp) -> Vec<LockRow> {
         }
     }
     let mut tasks: Vec<&BatchTask> = snap.tasks.iter().map(|t| &**t).collect();
-    tasks.sort_by_key(|t| {
-        (
-            t.metadata.creation_timestamp.as_ref().map(|c| c.0),
-            t.name_any(),
-        )
+    tasks.sort_by(|a, b| {
+        let created = |t: &BatchTask| t.metadata.creation_timestamp.as_ref().map(|c| c.0);
+        created(a)
+            .cmp(&created(b))
+            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
     });
+    let succeeded: BTreeSet<(&str, &str)> = snap
+        .tasks
+        .iter()
+        .filter(|t| phase(t) == TaskPhase::Succeeded)
+        .filter_map(|t| {
+            Some((
+                t.metadata.namespace.as_deref()?,
+                t.metadata.name.as_deref()?,
+            ))
+        })
+        .collect();
     for t in tasks {
         let ns = t.namespace().unwrap_or_default();
+        let name = t.name_any();
         let mode = t
             .status
             .as_ref()
             .and_then(|s| s.effective_mode)
             .unwrap_or(t.spec.mode);
-        for r in &t.spec.resources {
+        // Pending for another reason than a lock: a dependency not yet
+        // Succeeded, or a retry's backoff still running.
+        let deps_done = t
+            .spec
+            .depends_on
+            .iter()
+            .all(|d| succeeded.contains(&(ns.as_str(), d.as_str())));
+        let backing_off = t
+            .status
+            .as_ref()
+            .and_then(|s| s.next_attempt_after.as_ref())
+            .is_some_and(|a| a.0 > now);
+        let may_wait = mode == TaskMode::Exclusive
+            && phase(t) == TaskPhase::Pending
+            && !t.spec.cancel
+            && deps_done
+            && !backing_off;
+        let mut resources: Vec<&String> = t.spec.resources.iter().collect();
+        resources.sort();
+        resources.dedup();
+        for r in resources {
             let row = row(&mut rows, &ns, r);
-            let holds = row.holder.as_ref().is_some_and(|h| h.task == t.name_any());
-            let waits = !holds
-                && mode == TaskMode::Exclusive
-                && matches!(phase(t), TaskPhase::Pending)
-                && !t.spec.cancel;
-            if waits && !row.waiters.iter().any(|w| w.task == t.name_any()) {
+            let holds = row.holder.as_ref().is_some_and(|h| h.task == name);
+            if may_wait && !holds {
                 row.waiters.push(Waiter {
-                    task: t.name_any(),
+                    task: name.clone(),
                     waiting_seconds: waiting_since(t).map(|s| age::seconds(s, now)),
                 });
             }
@@ -144,6 +173,12 @@ mod tests {
         spec.spec.mode = TaskMode::Speculative;
         let mut cancelled = mk("gone", TaskPhase::Pending, 0, &["db"]);
         cancelled.spec.cancel = true;
+        let mut after = mk("after", TaskPhase::Pending, 0, &["db", "db"]);
+        after.spec.depends_on = vec!["late".into()];
+        let mut backoff = mk("backoff", TaskPhase::Pending, 0, &["db"]);
+        if let Some(s) = backoff.status.as_mut() {
+            s.next_attempt_after = Some(Time(ts(500)));
+        }
         let mut held = lease("a-4", "q", LeasePhase::Held, Some("w/1"), ts(1));
         held.spec.resource_tokens = BTreeMap::from([("db".into(), 9)]);
         let mut old = lease("z-1", "q", LeasePhase::Completed, Some("w/2"), ts(1));
@@ -155,6 +190,8 @@ mod tests {
                 Arc::new(mk("early", TaskPhase::Pending, 20, &["db"])),
                 Arc::new(spec),
                 Arc::new(cancelled),
+                Arc::new(after),
+                Arc::new(backoff),
                 Arc::new(mk("done", TaskPhase::Succeeded, 0, &["gpu"])),
             ],
             leases: vec![Arc::new(held), Arc::new(old)],

@@ -101,13 +101,14 @@ pub struct TaskDetail {
     pub can_redrive: bool,
 }
 
-fn node(tasks: &[&BatchTask], name: &str) -> Node {
+/// Phases by name, built once per page (a task with 1,000 children must
+/// not scan the namespace 1,000 times).
+type Phases<'a> = BTreeMap<&'a str, &'static str>;
+
+fn node(phases: &Phases<'_>, name: &str) -> Node {
     Node {
         name: name.to_owned(),
-        phase: tasks
-            .iter()
-            .find(|t| t.name_any() == name)
-            .map(|t| phase(t).as_str()),
+        phase: phases.get(name).copied(),
     }
 }
 
@@ -116,6 +117,27 @@ fn is_live(l: &TaskLease) -> bool {
         l.status.as_ref().and_then(|s| s.phase),
         Some(LeasePhase::Offered | LeasePhase::Held)
     )
+}
+
+/// The leases of task `namespace/name` as `(namespace, name)`: the
+/// journal entries its page needs.
+pub fn lease_keys<'a>(snap: &'a Snapshot, namespace: &str, name: &str) -> Vec<(&'a str, &'a str)> {
+    let Some(uid) = snap
+        .task(namespace, name)
+        .and_then(|t| t.metadata.uid.clone())
+    else {
+        return vec![];
+    };
+    snap.leases
+        .iter()
+        .filter(|l| l.spec.task_uid == uid)
+        .filter_map(|l| {
+            Some((
+                l.metadata.namespace.as_deref()?,
+                l.metadata.name.as_deref()?,
+            ))
+        })
+        .collect()
 }
 
 /// The task page of `namespace/name`, or `None` if there is no such task.
@@ -132,7 +154,11 @@ pub fn detail(
         .tasks
         .iter()
         .map(|t| &**t)
-        .filter(|x| x.namespace().as_deref() == Some(namespace))
+        .filter(|x| x.metadata.namespace.as_deref() == Some(namespace))
+        .collect();
+    let phases: Phases<'_> = same_ns
+        .iter()
+        .filter_map(|x| Some((x.metadata.name.as_deref()?, phase(x).as_str())))
         .collect();
     let controller_of = |x: &BatchTask| {
         x.owner_references()
@@ -140,24 +166,24 @@ pub fn detail(
             .find(|o| o.controller == Some(true) && o.kind == "BatchTask")
             .cloned()
     };
-    let parent = controller_of(t).map(|o| node(&same_ns, &o.name));
+    let parent = controller_of(t).map(|o| node(&phases, &o.name));
     let mut children: Vec<Node> = same_ns
         .iter()
         .filter(|x| controller_of(x).is_some_and(|o| o.uid == uid))
-        .map(|x| node(&same_ns, &x.name_any()))
+        .map(|x| node(&phases, &x.name_any()))
         .collect();
     children.sort_by(|a, b| a.name.cmp(&b.name));
     let mut dependents: Vec<Node> = same_ns
         .iter()
         .filter(|x| x.spec.depends_on.iter().any(|d| d == name))
-        .map(|x| node(&same_ns, &x.name_any()))
+        .map(|x| node(&phases, &x.name_any()))
         .collect();
     dependents.sort_by(|a, b| a.name.cmp(&b.name));
     let leases: Vec<&TaskLease> = snap
         .leases
         .iter()
         .map(|l| &**l)
-        .filter(|l| l.namespace().as_deref() == Some(namespace))
+        .filter(|l| l.metadata.namespace.as_deref() == Some(namespace))
         .collect();
     let attempts = attempts(t, &leases, journal);
     let current = st
@@ -200,12 +226,7 @@ pub fn detail(
             .as_ref()
             .map(|f| format!("{}: {}", f.reason, f.message)),
         parent,
-        depends_on: t
-            .spec
-            .depends_on
-            .iter()
-            .map(|d| node(&same_ns, d))
-            .collect(),
+        depends_on: t.spec.depends_on.iter().map(|d| node(&phases, d)).collect(),
         dependents,
         children,
         attempts,
@@ -247,8 +268,15 @@ fn attempts(t: &BatchTask, leases: &[&TaskLease], journal: &Journal) -> Vec<Atte
                     match mark {
                         Mark::Renewal { at } => a.renewals.push(*at),
                         Mark::Checkpoint { seen, .. } => a.checkpoints.push(*seen),
-                        Mark::Phase { seen, phase } => {
-                            if matches!(phase.as_str(), "Completed" | "Expired" | "Released") {
+                        Mark::Phase {
+                            seen,
+                            phase,
+                            initial,
+                        } => {
+                            // Seen already ended: when it ended is not known.
+                            if !initial
+                                && matches!(phase.as_str(), "Completed" | "Expired" | "Released")
+                            {
                                 a.ended = Some(*seen);
                             }
                         }

@@ -182,11 +182,14 @@ pub fn tasks(snap: &Snapshot, query: &TaskQuery, now: Timestamp) -> Result<TaskP
         let created = |t: &BatchTask| t.metadata.creation_timestamp.as_ref().map(|c| c.0);
         created(b)
             .cmp(&created(a))
-            .then_with(|| a.namespace().cmp(&b.namespace()))
-            .then_with(|| a.name_any().cmp(&b.name_any()))
+            .then_with(|| a.metadata.namespace.cmp(&b.metadata.namespace))
+            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
     });
     let limit = query.limit.unwrap_or(DEFAULT_LIMIT).clamp(1, MAX_LIMIT);
-    let offset = query.offset.unwrap_or(0).min(hits.len());
+    // Past the end (tasks deleted while a late page was shown): the last
+    // page, not an empty one without a way back.
+    let last_page = hits.len().saturating_sub(1) / limit * limit;
+    let offset = query.offset.unwrap_or(0).min(last_page);
     Ok(TaskPage {
         total: hits.len(),
         offset,
@@ -323,7 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn pages_are_bounded_and_an_offset_past_the_end_is_an_empty_page() {
+    fn pages_are_bounded_and_an_offset_past_the_end_is_the_last_page() {
         let p = tasks(
             &snap(),
             &TaskQuery {
@@ -348,8 +351,17 @@ mod tests {
         let p = p.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             (p.total, p.offset, p.limit, p.rows.len()),
-            (5, 5, MAX_LIMIT, 0)
+            (5, 0, MAX_LIMIT, 5)
         );
+        let q = |offset, limit| TaskQuery {
+            offset: Some(offset),
+            limit: Some(limit),
+            ..Default::default()
+        };
+        let p = tasks(&snap(), &q(9, 2), ts(9)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.offset, p.rows.len()), (4, 1), "the last page");
+        let p = tasks(&Snapshot::default(), &q(9, 2), ts(9)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.total, p.offset, p.rows.len()), (0, 0, 0));
     }
 
     #[test]

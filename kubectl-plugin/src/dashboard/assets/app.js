@@ -41,7 +41,8 @@ async function post(url) {
 // ---- routing ---------------------------------------------------------------
 
 function route() {
-  const h = location.hash.replace(/^#/, "") || "/queues";
+  // Only "#/…" is a route ("#main" is the skip link's target).
+  const h = location.hash.startsWith("#/") ? location.hash.slice(1) : "/queues";
   const [path, query] = h.split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
   return { page: parts[0] || "queues", parts, params: new URLSearchParams(query || "") };
@@ -55,14 +56,24 @@ function setCurrentNav(page) {
 }
 
 // Re-renders a region only when its HTML changed, and keeps the keyboard
-// focus on the element (by id) that had it.
+// focus where it was: on the element with the same id, or the link with
+// the same target, or the button for the same task.
+function focusKey(a) {
+  if (!a || a === document.body) return null;
+  if (a.id) return `#${CSS.escape(a.id)}`;
+  if (a.getAttribute("href")) return `[href="${CSS.escape(a.getAttribute("href"))}"]`;
+  if (a.dataset && a.dataset.task) return `${a.tagName.toLowerCase()}[data-task="${CSS.escape(a.dataset.task)}"]`;
+  return null;
+}
+window.__renders = 0;
 function put(el, html) {
   if (el.dataset.html === html) return;
-  const focused = document.activeElement && document.activeElement.id;
+  const key = el.contains(document.activeElement) ? focusKey(document.activeElement) : null;
   el.innerHTML = html;
   el.dataset.html = html;
-  if (focused) {
-    const f = document.getElementById(focused);
+  window.__renders += 1;
+  if (key) {
+    const f = el.querySelector(key);
     if (f) f.focus();
   }
 }
@@ -90,8 +101,12 @@ async function refresh() {
     else if (r.page === "locks") await locksPage();
     else { frame("404", `<p>No such page.</p>`); }
   } catch (e) {
-    frame("error", `<div class="problem" id="load-error"></div>`);
-    document.getElementById("load-error").textContent = `Could not load: ${e.message}`;
+    // In the page's data region when it has one: the filter form above
+    // stays, so a bad filter can be corrected.
+    const region = main.querySelector(".data");
+    const msg = `<div class="problem" id="load-error">Could not load: ${esc(e.message)}</div>`;
+    if (region) put(region, msg);
+    else { frameFor = null; main.innerHTML = msg; }
   } finally {
     refreshing = false;
     if (again) { again = false; refresh(); }
@@ -101,7 +116,7 @@ async function refresh() {
 // ---- queues ----------------------------------------------------------------
 
 async function queuesPage() {
-  frame("queues", `<h2>Queues</h2><div id="queues-data"></div>`);
+  frame("queues", `<h2>Queues</h2><div id="queues-data" class="data"></div>`);
   const rows = await getJSON("/api/queues");
   const all = !info || !info.namespace;
   let h = `<table id="queues"><thead><tr>${all ? "<th>Namespace</th>" : ""}<th>Queue</th><th>Paused</th>` +
@@ -144,7 +159,7 @@ function filterForm(params, dead) {
 
 async function tasksPage(params, dead) {
   const key = (dead ? "dead?" : "tasks?") + params.toString();
-  frame(key, `<h2>${dead ? "Dead letters" : "Tasks"}</h2>${filterForm(params, dead)}<div id="tasks-data"></div>`);
+  frame(key, `<h2>${dead ? "Dead letters" : "Tasks"}</h2>${filterForm(params, dead)}<div id="action-result" role="status"></div><div id="tasks-data" class="data"></div>`);
   const form = document.getElementById("filters");
   form.onsubmit = (e) => {
     e.preventDefault();
@@ -157,7 +172,7 @@ async function tasksPage(params, dead) {
   const page = await getJSON(`/api/tasks?${q}`);
   const all = !info || !info.namespace;
   let h = `<div class="pager"><span id="total">${page.total} task${page.total === 1 ? "" : "s"}</span>`;
-  if (page.total > page.limit) {
+  if (page.total > page.limit || page.offset > 0) {
     h += `<button class="secondary" id="prev"${page.offset === 0 ? " disabled" : ""}>Previous</button>` +
       `<span>${page.offset + 1}–${page.offset + page.rows.length}</span>` +
       `<button class="secondary" id="next"${page.offset + page.limit >= page.total ? " disabled" : ""}>Next</button>`;
@@ -171,7 +186,7 @@ async function tasksPage(params, dead) {
       `<td>${esc(t.queue)}</td><td>${phase(t.phase)}</td><td class="num">${t.token}</td><td class="num">${t.attempts}</td>` +
       `<td>${esc(t.holder || "—")}</td><td>${age(t.ageSeconds)}</td>` +
       `<td>${esc(t.lastFailure || "—")}${dead && t.lastFailureMessage ? `<br><span class="muted">${esc(t.lastFailureMessage)}</span>` : ""}</td>` +
-      (dead ? `<td><button class="redrive" data-task="${esc(id)}" id="redrive-${esc(t.namespace)}-${esc(t.name)}">Redrive</button></td>` : "") + `</tr>`;
+      (dead ? `<td><button class="redrive" data-task="${esc(id)}">Redrive</button></td>` : "") + `</tr>`;
   }
   h += `</tbody></table>`;
   put(document.getElementById("tasks-data"), h);
@@ -200,7 +215,7 @@ async function taskPage(ns, name) {
     <h2><span id="task-name">${esc(name)}</span> <span id="task-phase"></span></h2>
     <div class="actions"><button id="cancel" class="danger" hidden>Cancel task</button>
     <button id="redrive" hidden>Redrive</button></div><div id="action-result" role="status"></div>
-    <div id="task-data"></div>`);
+    <div id="task-data" class="data"></div>`);
   const d = await getJSON(`/api/task/${encodeURIComponent(ns)}/${encodeURIComponent(name)}`);
   put(document.getElementById("task-phase"), phase(d.phase));
   const cancel = document.getElementById("cancel");
@@ -323,7 +338,7 @@ function graph(d) {
 // ---- locks -------------------------------------------------------------------------
 
 async function locksPage() {
-  frame("locks", `<h2>Resource locks</h2><p class="muted">Holders as their tasks' live leases show them; waiters oldest first (the order they are served in).</p><div id="locks-data"></div>`);
+  frame("locks", `<h2>Resource locks</h2><p class="muted">Holders as their tasks' live leases show them; waiters oldest first (the order they are served in).</p><div id="locks-data" class="data"></div>`);
   const rows = await getJSON("/api/locks");
   const link = (ns, t) => `<a href="#/task/${encodeURIComponent(ns)}/${encodeURIComponent(t)}">${esc(t)}</a>`;
   let h = `<table id="locks"><thead><tr><th>Namespace</th><th>Resource</th><th>Holder</th><th>Lock token</th><th>Waiting</th></tr></thead><tbody>`;
@@ -347,7 +362,7 @@ function act(what, ns, name, text) {
   document.getElementById("confirm-yes").textContent = what === "cancel" ? "Cancel task" : "Redrive";
   dlg.onclose = async () => {
     if (dlg.returnValue !== "ok") return;
-    const out = document.getElementById("action-result") || document.getElementById("banner");
+    const out = document.getElementById("action-result");
     try {
       const r = await post(`/api/task/${encodeURIComponent(ns)}/${encodeURIComponent(name)}/${what}`);
       show(out, "notice", r.message);
@@ -362,10 +377,10 @@ function act(what, ns, name, text) {
 }
 
 function show(el, cls, text) {
+  if (!el) return;
   el.hidden = false;
   el.className = cls;
   el.textContent = text;
-  el.id === "banner" && setTimeout(() => { el.hidden = true; }, 8000);
 }
 
 // ---- live ----------------------------------------------------------------------------
@@ -400,6 +415,14 @@ function connect() {
   };
 }
 
-window.addEventListener("hashchange", () => { frameFor = null; refresh().then(() => main.focus()); });
+window.addEventListener("hashchange", () => {
+  if (!location.hash.startsWith("#/")) return;
+  frameFor = null;
+  refresh();
+});
+document.querySelector(".skip").addEventListener("click", (e) => {
+  e.preventDefault();
+  main.focus();
+});
 connect();
 refresh();
