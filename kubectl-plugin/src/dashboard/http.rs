@@ -125,7 +125,7 @@ async fn guard(State(app): State<App>, req: Request, next: Next) -> Response {
         .and_then(|h| h.to_str().ok())
         .map(normalized_host)
         .unwrap_or_default();
-    if !app.hosts.iter().any(|h| *h == host) {
+    if !app.hosts.contains(&host) {
         return error(
             StatusCode::MISDIRECTED_REQUEST,
             format!(
