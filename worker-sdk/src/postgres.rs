@@ -92,6 +92,7 @@ use crate::metrics::WorkerMetrics;
 
 mod connect;
 mod extender;
+mod io_runtime;
 mod pool;
 mod resource_fence;
 mod versioned;

@@ -263,21 +263,41 @@ impl ConnectOptions {
     }
 
     /// Opens a connection and spawns its task (which logs how the
-    /// connection ended, if with an error) on the current Tokio runtime.
-    /// The future owns what it needs: pass `move || options.connect()` to
+    /// connection ended, if with an error) on the SDK's PostgreSQL
+    /// runtime, where a handler that computes without awaiting cannot
+    /// starve it (see `io_runtime.rs`). The future owns what it needs:
+    /// pass `move || options.connect()` to
     /// [`FencedPool::new`](super::FencedPool::new).
     pub fn connect(&self) -> BoxFuture<'static, Result<Client, tokio_postgres::Error>> {
         let (config, tls) = (self.config.clone(), self.tls.clone());
         Box::pin(async move {
-            let (client, connection) = config.connect(tls).await?;
-            tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::warn!(error = %e, "PostgreSQL connection ended");
+            if let Some(io) = super::io_runtime::handle() {
+                let (c, t) = (config.clone(), tls.clone());
+                // The socket is registered with the reactor of the runtime
+                // that opens it: open it there too.
+                if let Ok(opened) = io.spawn(open_and_drive(c, t)).await {
+                    return opened;
                 }
-            });
-            Ok(client)
+                // The runtime is shutting down (the process is ending):
+                // fall back to the caller's.
+            }
+            open_and_drive(config, tls).await
         })
     }
+}
+
+/// Opens a connection and spawns its task on the current runtime.
+async fn open_and_drive(
+    config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+) -> Result<Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(tls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
 }
 
 /// `user@host:port/dbname` of a `tokio-postgres` configuration.
