@@ -29,7 +29,6 @@ while [ "$api_port" = "$etcd_port" ] || [ "$api_port" = "$peer_port" ]; do api_p
 # (e2e/tests/clock_skew.rs runs workers minutes behind the server) must
 # still trust the server's certificate.
 command -v faketime >/dev/null || die "faketime is required (Debian package faketime; hack/deps.sh installs it)"
-gen() { faketime -f -1d openssl "$@" >/dev/null 2>&1; }
 gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/ca.key"
 gen req -x509 -new -key "$pki/ca.key" -subj "/CN=batchlease-e2e-ca" -days 3 -out "$pki/ca.crt" \
   -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"

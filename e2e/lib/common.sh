@@ -3,6 +3,21 @@
 log() { echo "[$(date +%H:%M:%S)] ${LOG_TAG:-e2e} $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
+# openssl with the wall clock a day back (certificates valid from
+# yesterday, so a process whose clock runs a little behind trusts them),
+# through libfaketime directly. Not the `faketime` wrapper: it keeps a
+# semaphore per pid in /dev/shm, and one left behind by a wrapper that was
+# killed makes a later wrapper given the same pid fail ("sem_open: File
+# exists") — which, with the output hidden, failed CI's TLS PostgreSQL
+# start without a word. openssl's own output is shown when it fails.
+gen() {
+  local lib out
+  lib=$(ls /usr/lib/*/faketime/libfaketime.so.1 2>/dev/null | head -1)
+  [ -n "$lib" ] || die "libfaketime not found (Debian package faketime; hack/deps.sh installs it)"
+  out=$(LD_PRELOAD=$lib FAKETIME=-1d FAKETIME_DONT_FAKE_MONOTONIC=1 openssl "$@" 2>&1) \
+    || { echo "$out" >&2; die "openssl $1 failed"; }
+}
+
 # free_port: a TCP port on 127.0.0.1 nobody listens on right now.
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'

@@ -70,7 +70,6 @@ trap 'rc=$?; [ "$rc" = 0 ] || "$here/down.sh" "$state" >&2 || true' EXIT
 # certificate (the API server checks it when it fetches logs) ---
 pki=$state/pki
 ca=$cp_dir/pki/ca.crt
-gen() { faketime -f -1d openssl "$@" >/dev/null 2>&1; }
 leaf() { # name subject extensions...
   local name=$1 subj=$2; shift 2
   gen genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$pki/$name.key"

@@ -32,7 +32,6 @@ if [ "$tls" = 1 ]; then
   command -v faketime >/dev/null || die "faketime is required for --tls (hack/deps.sh installs it)"
   pki=$state/tls
   mkdir -p "$pki"
-  gen() { faketime -f -1d openssl "$@" >/dev/null 2>&1; }
   gen genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$pki/ca.key"
   gen req -x509 -new -key "$pki/ca.key" -subj "/CN=batchlease-e2e-pg-ca" -days 3 -out "$pki/ca.crt" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"

@@ -38,9 +38,49 @@ fn count(text: &str) -> usize {
         .unwrap_or_else(|_| panic!("not a count: {text:?}"))
 }
 
+/// WCAG contrast of every visible piece of text on the page against its
+/// effective background (the first opaque one up the tree): the lowest
+/// ratio and the elements below 4.5:1 (the AA level for normal text).
+const CONTRAST_JS: &str = r#"
+const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
+const lum = ([r, g, b]) => {
+  const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
+  return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+};
+const bg = (el) => {
+  for (let e = el; e; e = e.parentElement) {
+    const c = rgb(getComputedStyle(e).backgroundColor);
+    if (c.length >= 3 && (c.length < 4 || c[3] > 0.5)) return c;
+  }
+  return [255, 255, 255];
+};
+let min = 99; const bad = [];
+for (const el of document.querySelectorAll("body *")) {
+  const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+  const r = el.getBoundingClientRect();
+  if (!own || r.width === 0 || r.height === 0 || el.closest("[hidden], dialog:not([open]), .skip")) continue;
+  const style = getComputedStyle(el);
+  const fg = rgb(style.color);
+  const l1 = lum(fg), l2 = lum(bg(el));
+  const ratio = (Math.max(l1, l2) + 0.05) / (Math.min(l1, l2) + 0.05);
+  min = Math.min(min, ratio);
+  if (ratio < 4.5) bad.push(`${el.tagName}.${el.className}: ${ratio.toFixed(2)} "${el.textContent.trim().slice(0, 30)}"`);
+}
+return { min, bad };
+"#;
+
+async fn assert_readable(b: &Browser, page: &str) {
+    let v = b.exec(CONTRAST_JS, &[]).await.unwrap();
+    assert!(
+        v["bad"].as_array().is_some_and(|a| a.is_empty()),
+        "text below 4.5:1 contrast on {page}: {v}"
+    );
+}
+
 /// The queues, tasks and task pages load; the running task's attempt row
 /// counts more renewals while the page stays open (no reload), and its
-/// timeline draws them.
+/// timeline draws them; every text on the pages has a contrast of at
+/// least 4.5:1 against its background.
 #[tokio::test]
 async fn pages_load_and_a_running_timeline_gains_renewals_live() {
     if browser::skip("pages_load_and_a_running_timeline_gains_renewals_live") {
@@ -81,6 +121,7 @@ async fn pages_load_and_a_running_timeline_gains_renewals_live() {
     .unwrap();
     assert!(b.text(&row).await.unwrap().contains("w1"), "holder shown");
     b.screenshot_named("queues").await.unwrap();
+    assert_readable(&b, "the queues page").await;
 
     b.goto(&dash.page("#/tasks")).await.unwrap();
     b.wait_text(
@@ -145,6 +186,7 @@ async fn pages_load_and_a_running_timeline_gains_renewals_live() {
         .unwrap();
     assert!(ticks.as_u64().unwrap_or(0) >= 3, "timeline ticks: {ticks}");
     b.screenshot_named("task-live").await.unwrap();
+    assert_readable(&b, "the task page").await;
     wait_phase(&ns, "job", TaskPhase::Succeeded, WAIT, || {
         op.logs_with(&[&w])
     })
