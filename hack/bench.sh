@@ -56,17 +56,19 @@ hack/deps.sh
 if $quick; then
   profile=debug
   # Two builds: `--bin bench` would filter the other packages' binaries out.
-  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-run
+  cargo build -q --locked -p batchlease-operator -p batchlease-demo-worker -p batchlease-run -p kubectl-batchlease
   cargo build -q --locked -p batchlease-e2e --bin bench
 else
   profile=release
-  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-run
+  cargo build -q --locked --release -p batchlease-operator -p batchlease-demo-worker -p batchlease-run -p kubectl-batchlease
   cargo build -q --locked --release -p batchlease-e2e --bin bench
   args+=("--out=$root/e2e/bench/plots")
 fi
 export BATCHLEASE_OPERATOR_BIN=$CARGO_TARGET_DIR/$profile/batchlease-operator
 export BATCHLEASE_DEMO_WORKER_BIN=$CARGO_TARGET_DIR/$profile/batchlease-demo-worker
 export BATCHLEASE_RUN_BIN=$CARGO_TARGET_DIR/$profile/batchlease-run
+# The dashboard phase serves `kubectl batchlease dashboard`.
+export BATCHLEASE_PLUGIN_BIN=$CARGO_TARGET_DIR/$profile/kubectl-batchlease
 # The Python package, for the worker-kind phases (a release extension
 # beside the release binaries of the full run).
 if [ "$profile" = release ]; then
