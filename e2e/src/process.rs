@@ -6,6 +6,14 @@ use std::process::{Child, Command, Stdio};
 
 use anyhow::Context;
 
+/// `<tmp>/batchlease-e2e-<group>/`, created: where a test (a namespace's
+/// group) keeps its processes' logs and its other output (screenshots).
+pub fn out_dir(group: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("batchlease-e2e-{group}"));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 /// A started binary whose output goes to `log`.
 #[derive(Debug)]
 pub struct Process {
@@ -50,9 +58,7 @@ impl Process {
         env: Vec<(String, String)>,
         clean_env: bool,
     ) -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!("batchlease-e2e-{group}"));
-        std::fs::create_dir_all(&dir)?;
-        let log = dir.join(format!("{name}.log"));
+        let log = out_dir(group)?.join(format!("{name}.log"));
         let mut p = Self {
             child: None,
             bin,

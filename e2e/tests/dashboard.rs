@@ -16,6 +16,7 @@ use batchlease_api::{BatchTask, TaskPhase};
 use batchlease_e2e::browser::{self, Browser, keys};
 use batchlease_e2e::dashboard::Dashboard;
 use batchlease_e2e::operator::Operator;
+use batchlease_e2e::process::Process;
 use batchlease_e2e::proxy::{Proxy, apiserver_addr, proxied_kubeconfig};
 use batchlease_e2e::secrets::PrivateDir;
 use batchlease_e2e::tasks::{self, wait_holder, wait_phase, wait_task};
@@ -26,9 +27,36 @@ use serde_json::json;
 const WAIT: Duration = Duration::from_secs(60);
 
 fn out_dir(ns: &TestNamespace) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    batchlease_e2e::process::out_dir(&ns.name).unwrap()
+}
+
+/// An operator in a new namespace, worker `w1`, task `job` of `payload`
+/// with lease TTL `ttl`, held by `w1`; the dashboard of the namespace and
+/// a browser.
+async fn running_job(
+    prefix: &str,
+    ttl: i32,
+    payload: serde_json::Value,
+) -> (TestNamespace, Operator, Process, Dashboard, Browser) {
+    let (ns, op) = Operator::in_new_namespace(prefix, "op", WAIT)
+        .await
+        .unwrap();
+    let w = workers::start(&ns.name, "w1", &WorkerOpts::default()).unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": ttl, "payload": payload}),
+    )
+    .await
+    .unwrap();
+    wait_holder(&ns, "job", "w1", WAIT, || op.logs_with(&[&w]))
+        .await
+        .unwrap();
+    let dash = Dashboard::start(&ns.name, Some(&ns.name), None)
+        .await
+        .unwrap();
+    let b = Browser::start(&out_dir(&ns)).await.unwrap();
+    (ns, op, w, dash, b)
 }
 
 fn count(text: &str) -> usize {
@@ -86,25 +114,10 @@ async fn pages_load_and_a_running_timeline_gains_renewals_live() {
     if browser::skip("pages_load_and_a_running_timeline_gains_renewals_live") {
         return;
     }
-    let (ns, op) = Operator::in_new_namespace("dash-live", "op", WAIT)
-        .await
-        .unwrap();
-    let n = ns.name.clone();
-    let w = workers::start(&n, "w1", &WorkerOpts::default()).unwrap();
     // TTL 6 s: a renewal every 2 s; 20 s of work.
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 6,
-               "payload": {"steps": 100, "stepMillis": 200}}),
-    )
-    .await
-    .unwrap();
-    wait_holder(&ns, "job", "w1", WAIT, || op.logs_with(&[&w]))
-        .await
-        .unwrap();
-    let dash = Dashboard::start(&n, Some(&n), None).await.unwrap();
-    let b = Browser::start(&out_dir(&ns)).await.unwrap();
+    let (ns, op, w, dash, b) =
+        running_job("dash-live", 6, json!({"steps": 100, "stepMillis": 200})).await;
+    let n = ns.name.clone();
 
     b.goto(&dash.page("#/queues")).await.unwrap();
     let row = format!("#queues tr[data-queue=\"{n}/demo\"]");
@@ -207,24 +220,9 @@ async fn a_stopped_workers_attempt_shows_expired_and_the_next_token_held() {
     if browser::skip("a_stopped_workers_attempt_shows_expired_and_the_next_token_held") {
         return;
     }
-    let (ns, op) = Operator::in_new_namespace("dash-zombie", "op", WAIT)
-        .await
-        .unwrap();
+    let (ns, op, w1, dash, b) =
+        running_job("dash-zombie", 5, json!({"steps": 100, "stepMillis": 100})).await;
     let n = ns.name.clone();
-    let w1 = workers::start(&n, "w1", &WorkerOpts::default()).unwrap();
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 5,
-               "payload": {"steps": 100, "stepMillis": 100}}),
-    )
-    .await
-    .unwrap();
-    wait_holder(&ns, "job", "w1", WAIT, || op.logs_with(&[&w1]))
-        .await
-        .unwrap();
-    let dash = Dashboard::start(&n, Some(&n), None).await.unwrap();
-    let b = Browser::start(&out_dir(&ns)).await.unwrap();
     b.goto(&dash.page(&format!("#/task/{n}/job")))
         .await
         .unwrap();

@@ -31,9 +31,7 @@ async fn measure(cluster: &Cluster, n: usize, conc: usize) -> anyhow::Result<Siz
     let ns = cluster.namespace("bench-dash").await?;
     create_tasks(&ns, "t", n, "demo", conc).await?;
     let dash = Dashboard::start(&ns.name, Some(&ns.name), None).await?;
-    let out = std::env::temp_dir().join(format!("batchlease-e2e-{}", ns.name));
-    std::fs::create_dir_all(&out)?;
-    let b = Browser::start(&out).await?;
+    let b = Browser::start(&batchlease_e2e::process::out_dir(&ns.name)?).await?;
     let total = format!("{n} task");
     // Warm: the dashboard's first list of n tasks is not the page's cost.
     b.goto(&dash.page("#/tasks")).await?;
