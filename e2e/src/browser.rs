@@ -47,6 +47,12 @@ use crate::process::Process;
 use crate::secrets::PrivateDir;
 use crate::wait::wait_for;
 
+mod measure;
+mod procs;
+
+pub use procs::RendererMemory;
+use procs::kill_descendants;
+
 /// Keys for [`Browser::press_key`], [`Browser::press_chord`] and
 /// [`Browser::type_into`]: WebDriver's code points for the keys that are
 /// not characters.
@@ -191,20 +197,6 @@ impl fmt::Display for ActiveElement {
         }
         write!(f, "> {:?}", self.text)
     }
-}
-
-/// Memory of one Chromium renderer process, from `/proc`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RendererMemory {
-    pub pid: u32,
-    /// Resident set size (`VmRSS`): counts pages shared with other Chromium
-    /// processes in full.
-    pub rss_bytes: u64,
-    /// Proportional set size (`Pss` of `smaps_rollup`): shared pages split
-    /// among their sharers; `None` when the kernel does not say.
-    pub pss_bytes: Option<u64>,
-    /// Chromium's own WebUI renderer (`--top-chrome-webui`), not a page's.
-    pub webui: bool,
 }
 
 /// The JSON-over-HTTP side: requests to chromedriver, each with a deadline.
@@ -805,141 +797,6 @@ impl Browser {
             .await
             .with_context(|| format!("DevTools command {cmd}"))
     }
-
-    /// Loads `url` and returns how long after navigation started the
-    /// `innerText` of `css` first satisfied `predicate`, by the page's own
-    /// clock (`performance.now()`, whose origin is the navigation start).
-    ///
-    /// A script registered before the page's own (DevTools'
-    /// `Page.addScriptToEvaluateOnNewDocument`) records the text with a
-    /// MutationObserver on every change from the first byte on, so the time
-    /// is the change's, not when a poll from here happened to see it. The
-    /// price: the page reads `innerText` (a layout) after each batch of DOM
-    /// changes while this runs.
-    pub async fn time_to_text(
-        &self,
-        url: &str,
-        css: &str,
-        predicate: impl FnMut(&str) -> bool,
-        timeout: Duration,
-    ) -> anyhow::Result<Duration> {
-        let predicate = RefCell::new(predicate);
-        let source = format!(
-            "(() => {{
-               const sel = {sel};
-               const log = window.__batchleaseTexts = [];
-               const record = () => {{
-                 const e = document.querySelector(sel);
-                 log.push([performance.now(), e === null ? null : e.innerText]);
-               }};
-               new MutationObserver(record).observe(document,
-                 {{ subtree: true, childList: true, characterData: true }});
-             }})();",
-            sel = json!(css)
-        );
-        let added = self
-            .cdp(
-                "Page.addScriptToEvaluateOnNewDocument",
-                json!({ "source": source }),
-            )
-            .await?;
-        let id = added
-            .get("identifier")
-            .cloned()
-            .context("addScriptToEvaluateOnNewDocument: no identifier")?;
-        let timed = async {
-            self.goto(url).await?;
-            // The recorded changes so far, taken out of the page.
-            const DRAIN: &str = "const l = window.__batchleaseTexts;\
-                                 return l === undefined ? null : l.splice(0);";
-            wait_for(
-                &format!("the text of `{css}` on {url}"),
-                timeout,
-                String::new,
-                || {
-                    let drained = self.exec(DRAIN, &[]);
-                    let predicate = &predicate;
-                    async move {
-                        let v = drained.await?;
-                        anyhow::ensure!(!v.is_null(), "the observer is not in the page");
-                        let log: Vec<(f64, Option<String>)> = serde_json::from_value(v)?;
-                        Ok(log.into_iter().find_map(|(at, text)| {
-                            text.filter(|t| (predicate.borrow_mut())(t))
-                                .map(|_| Duration::from_secs_f64(at / 1000.0))
-                        }))
-                    }
-                },
-            )
-            .await
-        };
-        let result = timed.await;
-        // The script would otherwise run on every page loaded after this.
-        let removed = self
-            .cdp(
-                "Page.removeScriptToEvaluateOnNewDocument",
-                json!({ "identifier": id }),
-            )
-            .await;
-        match result {
-            Ok(d) => removed.map(|_| d),
-            Err(e) => {
-                let diag = self.diagnostics(css, "time-to-text").await;
-                Err(anyhow::anyhow!("{e:#}\n{diag}"))
-            }
-        }
-    }
-
-    /// The page's JavaScript heap in use (`performance.memory.usedJSHeapSize`,
-    /// exact thanks to `--enable-precise-memory-info`). Garbage not yet
-    /// collected counts: [`Browser::collect_garbage`] first for a steadier
-    /// number.
-    pub async fn js_heap_bytes(&self) -> anyhow::Result<u64> {
-        let v = self
-            .exec("return performance.memory.usedJSHeapSize;", &[])
-            .await?;
-        v.as_u64()
-            .with_context(|| format!("usedJSHeapSize is not a number: {v}"))
-    }
-
-    /// A full garbage collection in the page (DevTools'
-    /// `HeapProfiler.collectGarbage`).
-    pub async fn collect_garbage(&self) -> anyhow::Result<()> {
-        self.cdp("HeapProfiler.collectGarbage", json!({}))
-            .await
-            .map(drop)
-    }
-
-    /// The memory of the Chromium renderer processes under our
-    /// chromedriver, read from `/proc` (Linux only, best effort: a process
-    /// that ends while being read is left out). Which renderer shows which
-    /// page is not known from there: with one page open, the largest
-    /// non-WebUI renderer is normally it, the others being spare ones
-    /// Chromium starts ahead of need.
-    pub fn renderer_memory(&self) -> Vec<RendererMemory> {
-        let Some(root) = self.process.pid() else {
-            return Vec::new();
-        };
-        descendants(root)
-            .into_iter()
-            .filter_map(|pid| {
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-                // Chromium rewrites its title: the arguments end up one
-                // string, separated by spaces rather than NULs.
-                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0 || *b == b' ').collect();
-                if !args.contains(&&b"--type=renderer"[..]) {
-                    return None;
-                }
-                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-                let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok();
-                Some(RendererMemory {
-                    pid,
-                    rss_bytes: kb_field(&status, "VmRSS:")?,
-                    pss_bytes: rollup.as_deref().and_then(|r| kb_field(r, "Pss:")),
-                    webui: args.contains(&&b"--top-chrome-webui"[..]),
-                })
-            })
-            .collect()
-    }
 }
 
 impl Drop for Browser {
@@ -954,19 +811,6 @@ impl Drop for Browser {
         if let Some(root) = self.process.pid() {
             kill_descendants(root);
         }
-    }
-}
-
-/// SIGKILLs every process below `root` (with the `kill` command, as
-/// [`Process::signal`] does: this crate forbids `unsafe`, so no libc).
-fn kill_descendants(root: u32) {
-    let pids: Vec<String> = descendants(root).iter().map(u32::to_string).collect();
-    if !pids.is_empty() {
-        let _ = std::process::Command::new("kill")
-            .arg("-KILL")
-            .args(&pids)
-            .stderr(std::process::Stdio::null())
-            .status();
     }
 }
 
@@ -989,53 +833,6 @@ fn delete_session_blocking(port: u16, session: &str) {
         // the timeout).
         let _ = stream.read(&mut [0; 1024]);
     }
-}
-
-/// The processes below `root`, from `/proc` (children before theirs).
-fn descendants(root: u32) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let parents: Vec<(u32, u32)> = dir
-        .filter_map(|e| {
-            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // "pid (comm) state ppid …": comm may hold spaces and parens.
-            let ppid = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            Some((pid, ppid))
-        })
-        .collect();
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let parent = found[i];
-        found.extend(
-            parents
-                .iter()
-                .filter(|(_, pp)| *pp == parent)
-                .map(|(p, _)| *p),
-        );
-        i += 1;
-    }
-    found.remove(0);
-    found
-}
-
-/// `field` of a `/proc` file in kB ("VmRSS:   1234 kB"), in bytes.
-fn kb_field(text: &str, field: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with(field))?;
-    let kb: u64 = line[field.len()..]
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
 }
 
 /// `<n>-<name>.png`, the name reduced to what any file system and shell
@@ -1067,25 +864,6 @@ fn element(v: &Value) -> anyhow::Result<Element> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kb_fields_are_read_in_bytes() {
-        let status = "Name:\tchromium\nVmRSS:\t  123 kB\n";
-        assert_eq!(kb_field(status, "VmRSS:"), Some(123 * 1024));
-        assert_eq!(kb_field(status, "VmHWM:"), None);
-    }
-
-    #[test]
-    fn descendants_of_this_process_include_a_child() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let found = descendants(std::process::id());
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(found.contains(&child.id()), "{found:?}");
-    }
 
     #[test]
     fn screenshot_names_are_numbered_and_tame() {
