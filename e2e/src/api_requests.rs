@@ -48,6 +48,38 @@ pub fn parse(text: &str) -> Counts {
     out
 }
 
+/// Watch events the API server has sent so far, per resource
+/// (`apiserver_watch_events_total`: one per event per watcher, so a change
+/// seen by W watches counts W times).
+pub fn watch_events() -> anyhow::Result<BTreeMap<String, f64>> {
+    let text = crate::kubectl::ok(&["get", "--raw", "/metrics"])?;
+    Ok(parse_watch_events(&text))
+}
+
+/// `apiserver_watch_events_total` samples of Prometheus text, summed per
+/// resource.
+pub fn parse_watch_events(text: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_watch_events_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let resource = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("resource=\""))
+            .map(|v| v.trim_end_matches('"').to_owned())
+            .unwrap_or_default();
+        *out.entry(resource).or_default() += v;
+    }
+    out
+}
+
 /// The API server's own CPU time so far (`process_cpu_seconds_total`).
 pub fn cpu_seconds() -> anyhow::Result<f64> {
     let text = crate::kubectl::ok(&["get", "--raw", "/metrics"])?;
@@ -181,5 +213,20 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
         let (rates, total) = per_second(&d, 10.0);
         assert!(rates.contains("| pods | LIST | 0.90 |"), "{rates}");
         assert_eq!(total, (10.0 + 4.0 + 20.0 + 9.0 + 30.0) / 10.0);
+    }
+
+    #[test]
+    fn sums_watch_events_per_resource() {
+        let w = parse_watch_events(
+            r#"# HELP apiserver_watch_events_total [BETA] Number of events sent in watch clients
+apiserver_watch_events_total{group="batchlease.dev",resource="taskleases",version="v1alpha1"} 120
+apiserver_watch_events_total{group="batchlease.dev",resource="taskleases",version="v1"} 3
+apiserver_watch_events_total{group="coordination.k8s.io",resource="leases",version="v1"} 7
+apiserver_request_total{code="200",resource="taskleases",verb="PUT"} 99
+"#,
+        );
+        assert_eq!(w.get("taskleases"), Some(&123.0));
+        assert_eq!(w.get("leases"), Some(&7.0));
+        assert_eq!(w.len(), 2, "{w:?}");
     }
 }

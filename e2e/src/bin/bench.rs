@@ -30,8 +30,12 @@ mod common;
 mod dashboard;
 #[path = "bench/failover.rs"]
 mod failover;
+#[path = "bench/fleet.rs"]
+mod fleet;
 #[path = "bench/heartbeat.rs"]
 mod heartbeat;
+#[path = "bench/hollow.rs"]
+mod hollow;
 #[path = "bench/killswitch.rs"]
 mod killswitch;
 #[path = "bench/plot.rs"]
@@ -64,6 +68,28 @@ fn arg(name: &str, full: usize, quick: usize) -> usize {
         .unwrap_or(if is_quick { quick } else { full })
 }
 
+/// `--name=A,B,C`, else the full run's list, or with `--quick` the smoke
+/// run's (`--name=0`: none).
+fn list_arg(name: &str, full: &[usize], quick: &[usize]) -> Vec<usize> {
+    let flag = format!("--{name}=");
+    let is_quick = std::env::args().any(|a| a == "--quick");
+    std::env::args()
+        .find_map(|a| {
+            a.strip_prefix(&flag)
+                .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        })
+        .unwrap_or_else(|| {
+            if is_quick {
+                quick.to_vec()
+            } else {
+                full.to_vec()
+            }
+        })
+        .into_iter()
+        .filter(|n| *n > 0)
+        .collect()
+}
+
 fn out_dir() -> Option<PathBuf> {
     std::env::args().find_map(|a| a.strip_prefix("--out=").map(PathBuf::from))
 }
@@ -93,6 +119,10 @@ async fn main() -> anyhow::Result<()> {
     let killswitch_n = arg("killswitch", 20, 2);
     let kinds_n = arg("kinds", 500, 40);
     let dashboard_n = arg("dashboard", 10_000, 200);
+    let fleet_workers = list_arg("fleet-workers", &[10, 100, 1000], &[10]);
+    let fleet_leases = arg("fleet-leases", 1000, 40);
+    let fleet_churn = arg("fleet-churn", 500, 20);
+    let fleet_ttl = arg("fleet-ttl", 30, 6) as u64;
     // A quick run follows the e2e tests on their control plane: a test's
     // namespace that will not go soon must not hold it up.
     let quiet = Duration::from_secs(arg("quiet-seconds", 600, 30) as u64);
@@ -232,10 +262,83 @@ async fn main() -> anyhow::Result<()> {
             ),
         )?;
     }
+    if fleet_leases > 0 && !fleet_workers.is_empty() {
+        let mut runs = Vec::new();
+        for &workers in &fleet_workers {
+            eprintln!(
+                "== fleet: {workers} hollow workers, {fleet_leases} held leases, {fleet_churn} churn tasks"
+            );
+            let o = fleet::Opts {
+                workers,
+                leases: fleet_leases,
+                churn: fleet_churn,
+                ttl_seconds: fleet_ttl,
+                window,
+                conc,
+            };
+            runs.push(fleet::run(&cluster, o, &mut report).await?);
+        }
+        fleet_summary(&runs, &out, &mut report)?;
+    }
     if dashboard_n > 0 {
         eprintln!("== dashboard: 100 and {dashboard_n} tasks in a headless browser");
         dashboard::run(&cluster, dashboard_n, conc, &mut report).await?;
     }
     println!("\n--- results ---\n{report}");
+    Ok(())
+}
+
+/// The fleet runs side by side: how each cost grows with the number of
+/// workers at the same number of held leases.
+fn fleet_summary(
+    runs: &[fleet::Measured],
+    out: &Option<PathBuf>,
+    report: &mut String,
+) -> anyhow::Result<()> {
+    let mut t = String::from(
+        "fleet, side by side (same held leases, TTL, churn):\n\
+         | workers | held leases | kube-apiserver millicores per held lease | etcd millicores per held lease | TaskLease watch events/s while held | churn tasks/s | writes per task | watch events per task | kube-apiserver ms per task | offer p95 | failover p95 |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in runs {
+        t.push_str(&format!(
+            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} ms | {:.0} ms |\n",
+            r.opts.workers,
+            r.opts.leases,
+            r.apiserver_millicores_per_lease,
+            r.etcd_millicores_per_lease,
+            r.lease_watch_events_per_s,
+            r.tasks_per_s,
+            r.writes_per_task,
+            r.watch_events_per_task,
+            r.apiserver_ms_per_task,
+            stats::ms(stats::quantile(&r.offer_latency, 0.95)),
+            stats::ms(stats::quantile(&r.failover, 0.95)),
+        ));
+    }
+    emit(report, &t);
+    let per = |f: fn(&fleet::Measured) -> f64| -> Vec<(f64, f64)> {
+        runs.iter().map(|r| (r.opts.workers as f64, f(r))).collect()
+    };
+    write_plot(
+        out,
+        "fleet-watch-events.svg",
+        plot::line(
+            "Watch events sent per task vs. workers",
+            "workers",
+            "watch events per task",
+            &per(|r| r.watch_events_per_task),
+        ),
+    )?;
+    write_plot(
+        out,
+        "fleet-apiserver-cpu.svg",
+        plot::line(
+            "kube-apiserver CPU per held lease vs. workers",
+            "workers",
+            "millicores per held lease",
+            &per(|r| r.apiserver_millicores_per_lease),
+        ),
+    )?;
     Ok(())
 }

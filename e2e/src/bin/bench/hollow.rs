@@ -1,0 +1,390 @@
+//! Hollow workers for the fleet simulator (issue 27), as kubemark's hollow
+//! nodes are for the kubelet: each speaks a worker's protocol to the real
+//! API server — its own identity, its own watch, its own slots, its own
+//! claims, renewals, completions and presence record — but runs no
+//! handler, so a thousand fit in one process. What the API server and etcd
+//! serve is the same requests an SDK worker makes: the watch with the
+//! SDK's selector (every TaskLease of the queue), the read of the task
+//! before a claim, the claim, a renewal per held lease every TTL/3 from
+//! when the last one was sent, the completion, and a presence Lease every
+//! 10 s.
+//!
+//! Cheaper than the SDK on the simulator's side only: a hollow worker
+//! keeps the offers of its watch, not a copy of every lease, so the
+//! process holding 1,000 watches stays small; the API server still sends
+//! each of them every event.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use batchlease_api::keys::{ANNOTATION_QUEUES, LABEL_QUEUE, LABEL_WORKER, presence_name};
+use batchlease_api::names::short_hash;
+use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease, WatchBackoff};
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use rand::Rng;
+use tokio::sync::{Mutex, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The queue the fleet serves.
+pub const QUEUE: &str = "fleet";
+/// How often the presence record is renewed (the SDK's `presence::PERIOD`).
+const PRESENCE_PERIOD: Duration = Duration::from_secs(10);
+
+/// What the fleet did, counted as it went.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub claims: AtomicU64,
+    pub lost_races: AtomicU64,
+    pub renewals: AtomicU64,
+    pub failed_writes: AtomicU64,
+    pub lost_leases: AtomicU64,
+    pub completions: AtomicU64,
+    /// task → (when the claim's answer came, holder, token), the latest claim.
+    pub claimed: Mutex<HashMap<String, (Instant, String, i64)>>,
+    /// task → (holder, token) while a worker holds its lease.
+    pub holding: Mutex<HashMap<String, (String, i64)>>,
+}
+
+impl Stats {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+    fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A running fleet: its workers stop when it is dropped.
+#[derive(Debug)]
+pub struct Fleet {
+    pub stats: Arc<Stats>,
+    stop: CancellationToken,
+    /// Per worker: a token that freezes it (as SIGSTOP would: no more
+    /// writes, no more reads) and its identity.
+    workers: Vec<(CancellationToken, String)>,
+    /// Slots per worker, grown by [`Fleet::add_slots`].
+    slots: Vec<Arc<Semaphore>>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Fleet {
+    /// Starts `n` hollow workers in `ns` with `slots` slots each, sharing
+    /// `client` (each watch is a connection of its own).
+    pub fn start(client: &Client, ns: &str, n: usize, slots: usize) -> Fleet {
+        let stats = Arc::new(Stats::default());
+        let stop = CancellationToken::new();
+        let mut workers = Vec::with_capacity(n);
+        let mut sems = Vec::with_capacity(n);
+        for i in 0..n {
+            let identity = format!(
+                "fleet-w{i:04}/{:06x}",
+                rand::rng().random_range(0..0xff_ffff)
+            );
+            let freeze = stop.child_token();
+            let sem = Arc::new(Semaphore::new(slots));
+            let w = Hollow {
+                leases: Api::namespaced(client.clone(), ns),
+                tasks: Api::namespaced(client.clone(), ns),
+                presence: Api::namespaced(client.clone(), ns),
+                identity: identity.clone(),
+                slots: sem.clone(),
+                stats: stats.clone(),
+                freeze: freeze.clone(),
+            };
+            tokio::spawn(w.run());
+            workers.push((freeze, identity));
+            sems.push(sem);
+        }
+        Fleet {
+            stats,
+            stop,
+            workers,
+            slots: sems,
+        }
+    }
+
+    /// Gives every worker `n` more slots.
+    pub fn add_slots(&self, n: usize) {
+        for s in &self.slots {
+            s.add_permits(n);
+        }
+    }
+
+    /// Freezes the worker holding the most leases (as a SIGSTOP would);
+    /// the (task, token) pairs it held.
+    pub async fn freeze_busiest(&self) -> Vec<(String, i64)> {
+        let holding = self.stats.holding.lock().await;
+        let mut count: HashMap<&str, usize> = HashMap::new();
+        for (h, _) in holding.values() {
+            *count.entry(h.as_str()).or_default() += 1;
+        }
+        let Some(victim) = count
+            .into_iter()
+            .max_by_key(|(_, n)| *n)
+            .map(|(h, _)| h.to_owned())
+        else {
+            return Vec::new();
+        };
+        if let Some((token, _)) = self.workers.iter().find(|(_, id)| *id == victim) {
+            token.cancel();
+        }
+        holding
+            .iter()
+            .filter(|(_, (h, _))| *h == victim)
+            .map(|(t, (_, token))| (t.clone(), *token))
+            .collect()
+    }
+}
+
+/// One hollow worker.
+struct Hollow {
+    leases: Api<TaskLease>,
+    tasks: Api<BatchTask>,
+    presence: Api<Lease>,
+    identity: String,
+    slots: Arc<Semaphore>,
+    stats: Arc<Stats>,
+    freeze: CancellationToken,
+}
+
+impl Hollow {
+    async fn run(self) {
+        let me = Arc::new(self);
+        tokio::spawn(me.clone().presence());
+        let selector = format!("{LABEL_QUEUE} in ({QUEUE})");
+        let stream = watcher(
+            me.leases.clone(),
+            watcher::Config::default().labels(&selector),
+        )
+        .backoff(WatchBackoff::new(rand::random));
+        futures::pin_mut!(stream);
+        let mut offers: HashMap<String, TaskLease> = HashMap::new();
+        loop {
+            let ev = tokio::select! {
+                () = me.freeze.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            match ev {
+                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
+                    if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
+                        offers.insert(l.name_any(), l);
+                    } else {
+                        offers.remove(&l.name_any());
+                    }
+                }
+                Some(Ok(watcher::Event::Delete(l))) => {
+                    offers.remove(&l.name_any());
+                }
+                Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) => {}
+                Some(Err(_)) => continue,
+                None => return,
+            }
+            if offers.is_empty() || me.slots.available_permits() == 0 {
+                continue;
+            }
+            // As the SDK: a small random delay against thundering herds,
+            // then the offers oldest second first and, within a second, in
+            // an order of this worker's own (a hash of identity and name).
+            let herd = Duration::from_millis(rand::rng().random_range(0..25));
+            tokio::select! {
+                () = me.freeze.cancelled() => return,
+                () = tokio::time::sleep(herd) => {}
+            }
+            let mut order: Vec<((Option<i64>, String), String)> = offers
+                .values()
+                .map(|l| {
+                    let second = l
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map(|t| t.0.as_second());
+                    let spread = short_hash(&format!("{}\0{}", me.identity, l.name_any()));
+                    ((second, spread), l.name_any())
+                })
+                .collect();
+            order.sort();
+            for (_, name) in order {
+                let Ok(permit) = me.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                let Some(offer) = offers.remove(&name) else {
+                    continue;
+                };
+                match me.claim(&offer).await {
+                    Some((held, hold)) => {
+                        let me = me.clone();
+                        tokio::spawn(async move {
+                            me.hold(held, hold).await;
+                            drop(permit);
+                        });
+                    }
+                    None => drop(permit),
+                }
+            }
+        }
+    }
+
+    /// Reads the task, checks the offer is its current lease, claims it.
+    /// The held lease and how long to hold it (the payload's `holdMillis`).
+    async fn claim(&self, offer: &TaskLease) -> Option<(TaskLease, Duration)> {
+        let task = self.tasks.get_opt(&offer.spec.task_name).await.ok()??;
+        let st = task.status.as_ref()?;
+        if st.current_lease.as_deref() != Some(offer.name_any().as_str())
+            || st.fencing_token != offer.spec.fencing_token
+        {
+            return None;
+        }
+        let hold = task
+            .spec
+            .payload
+            .as_ref()
+            .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
+            .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
+            .map_or(Duration::ZERO, Duration::from_millis);
+        let mut l = offer.clone();
+        let t = MicroTime(Timestamp::now());
+        l.spec.holder_identity = Some(self.identity.clone());
+        l.spec.acquire_time = Some(t.clone());
+        l.spec.renew_time = Some(t);
+        l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+        match self
+            .leases
+            .replace(&l.name_any(), &PostParams::default(), &l)
+            .await
+        {
+            Ok(held) => {
+                Stats::inc(&self.stats.claims);
+                self.stats.claimed.lock().await.insert(
+                    held.spec.task_name.clone(),
+                    (
+                        Instant::now(),
+                        self.identity.clone(),
+                        held.spec.fencing_token,
+                    ),
+                );
+                self.stats.holding.lock().await.insert(
+                    held.spec.task_name.clone(),
+                    (self.identity.clone(), held.spec.fencing_token),
+                );
+                Some((held, hold))
+            }
+            Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409 | 422) => {
+                Stats::inc(&self.stats.lost_races);
+                None
+            }
+            Err(_) => {
+                Stats::inc(&self.stats.failed_writes);
+                None
+            }
+        }
+    }
+
+    /// Renews `ours` every TTL/3 (from when the last renewal was sent)
+    /// until `hold` has passed, then completes it; stops at once when
+    /// frozen or when the lease is no longer ours.
+    async fn hold(&self, ours: TaskLease, hold: Duration) {
+        let task = ours.spec.task_name.clone();
+        let token = ours.spec.fencing_token;
+        self.hold_until_done(ours, hold).await;
+        let mut holding = self.stats.holding.lock().await;
+        if holding
+            .get(&task)
+            .is_some_and(|(h, t)| *h == self.identity && *t == token)
+        {
+            holding.remove(&task);
+        }
+    }
+
+    async fn hold_until_done(&self, mut ours: TaskLease, hold: Duration) {
+        let ttl =
+            Duration::from_secs(u64::try_from(ours.spec.lease_duration_seconds).unwrap_or(30));
+        let done = Instant::now() + hold;
+        let mut next = Instant::now() + ttl / 3;
+        loop {
+            let complete = tokio::select! {
+                () = self.freeze.cancelled() => return,
+                () = tokio::time::sleep_until(done.min(next)) => done <= next,
+            };
+            if complete {
+                let st = ours.status.get_or_insert_with(Default::default);
+                st.phase = Some(LeasePhase::Completed);
+                st.outcome = Some(LeaseOutcome::Succeeded);
+                match self
+                    .leases
+                    .replace(&ours.name_any(), &PostParams::default(), &ours)
+                    .await
+                {
+                    Ok(_) => Stats::inc(&self.stats.completions),
+                    Err(_) => Stats::inc(&self.stats.failed_writes),
+                }
+                return;
+            }
+            next = Instant::now() + ttl / 3;
+            ours.spec.renew_time = Some(MicroTime(Timestamp::now()));
+            match self
+                .leases
+                .replace(&ours.name_any(), &PostParams::default(), &ours)
+                .await
+            {
+                Ok(stored) => {
+                    Stats::inc(&self.stats.renewals);
+                    ours = stored;
+                }
+                Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409 | 422) => {
+                    // Only the operator writes a held lease besides its
+                    // holder, and only to end it.
+                    Stats::inc(&self.stats.lost_leases);
+                    return;
+                }
+                Err(_) => Stats::inc(&self.stats.failed_writes),
+            }
+        }
+    }
+
+    /// The SDK's presence record: an apply every 10 s.
+    async fn presence(self: Arc<Self>) {
+        let params = PatchParams::apply("batchlease-worker").force();
+        let name = presence_name(&self.identity);
+        // Workers of a fleet do not start in step.
+        let spread = PRESENCE_PERIOD.mul_f64(rand::rng().random_range(0.0..1.0));
+        tokio::select! {
+            () = self.freeze.cancelled() => return,
+            () = tokio::time::sleep(spread) => {}
+        }
+        loop {
+            let rec = serde_json::json!({
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "labels": {LABEL_WORKER: "true"},
+                             "annotations": {ANNOTATION_QUEUES: QUEUE}},
+                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": 30,
+                         "renewTime": MicroTime(Timestamp::now())},
+            });
+            if self
+                .presence
+                .patch(&name, &params, &Patch::Apply(&rec))
+                .await
+                .is_err()
+            {
+                Stats::inc(&self.stats.failed_writes);
+            }
+            tokio::select! {
+                () = self.freeze.cancelled() => return,
+                () = tokio::time::sleep(PRESENCE_PERIOD) => {}
+            }
+        }
+    }
+}
