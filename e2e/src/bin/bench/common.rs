@@ -66,6 +66,32 @@ pub async fn count_phase(ns: &TestNamespace, phase: TaskPhase) -> anyhow::Result
         .count())
 }
 
+/// How many tasks of namespace `ns` the operator counts in `phase`
+/// (`batchlease_tasks`, from its cache, summed over queues): how the
+/// benchmark learns that a run is done without costing the API server
+/// anything — a LIST of every task each 100 ms cost it more CPU than the
+/// tasks themselves.
+pub async fn operator_count(op: &Operator, ns: &str, phase: TaskPhase) -> anyhow::Result<usize> {
+    let (_, body) = op.get("/metrics").await?;
+    Ok(sum_tasks(&body, ns, phase.as_str()))
+}
+
+/// Pure: `batchlease_tasks` samples of namespace `ns` and phase `phase` in
+/// Prometheus text, summed.
+pub fn sum_tasks(text: &str, ns: &str, phase: &str) -> usize {
+    let (want_ns, want_phase) = (format!("namespace=\"{ns}\""), format!("phase=\"{phase}\""));
+    text.lines()
+        .filter_map(|l| l.strip_prefix("batchlease_tasks{"))
+        .filter_map(|rest| rest.rsplit_once("} "))
+        .filter(|(labels, _)| {
+            let labels: Vec<&str> = labels.split(',').collect();
+            labels.contains(&want_ns.as_str()) && labels.contains(&want_phase.as_str())
+        })
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .map(|v| v as usize)
+        .sum()
+}
+
 pub fn rss_mib(pid: Option<u32>) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
     let kib: f64 = status
@@ -124,6 +150,7 @@ pub async fn run_tasks_counted(
         eprintln!("note:{note}");
     }
     let before = api_requests::snapshot()?;
+    let events0 = api_requests::watch_events()?;
     let pids = [
         component_pid("kube-apiserver"),
         component_pid("etcd"),
@@ -149,15 +176,21 @@ pub async fn run_tasks_counted(
         || format!("{}{}{}", op.logs(), w1.logs(), w2.logs()),
         || async {
             // A no-op task that dead-letters will not succeed: stop now.
-            let dead = count_phase(&ns, TaskPhase::DeadLettered).await?;
+            // Counted by the operator, not by LISTs (see `operator_count`).
+            let dead = operator_count(&op, &ns.name, TaskPhase::DeadLettered).await?;
             anyhow::ensure!(dead == 0, "{dead} tasks dead-lettered");
-            Ok((count_phase(&ns, TaskPhase::Succeeded).await? == n).then_some(()))
+            Ok((operator_count(&op, &ns.name, TaskPhase::Succeeded).await? == n).then_some(()))
         },
     )
     .await?;
     let secs = start.elapsed().as_secs_f64();
     let rate = n as f64 / secs;
     let requests = api_requests::delta(&before, &api_requests::snapshot()?);
+    let events1 = api_requests::watch_events()?;
+    let events_sent = ["batchtasks", "taskleases"]
+        .iter()
+        .map(|r| events1.get(*r).unwrap_or(&0.0) - events0.get(*r).unwrap_or(&0.0))
+        .sum();
     let cpu1 = cpu_of(&pids);
     let used: Vec<f64> = cpu0
         .iter()
@@ -173,7 +206,15 @@ pub async fn run_tasks_counted(
         workers: used[3] + used[4],
         postgres: pg,
         load: used[5],
+        events_sent,
     };
+    // Every task Succeeded as the API server has it, now that the
+    // measurement is over: the operator's count must not be trusted blind.
+    let done = count_phase(&ns, TaskPhase::Succeeded).await?;
+    anyhow::ensure!(
+        done == n,
+        "the operator counted {n} tasks Succeeded, the API server has {done}"
+    );
     drop((w1, w2, op));
     ns.cleanup().await?;
     Ok((rate, requests, cpu))
@@ -189,6 +230,9 @@ pub struct Cpu {
     pub postgres: f64,
     /// This process: the creates and the watches that time them.
     pub load: f64,
+    /// Watch events of BatchTasks and TaskLeases the API server sent
+    /// meanwhile (to every watcher: the operator, the workers).
+    pub events_sent: f64,
 }
 
 impl Cpu {
@@ -307,5 +351,24 @@ pub async fn quiet_cluster(cluster: &Cluster) -> anyhow::Result<String> {
             ));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_the_operators_task_counts_of_one_namespace_and_phase() {
+        let text = r#"# HELP batchlease_tasks BatchTasks by namespace, queue and phase
+batchlease_tasks{namespace="a",queue="q1",phase="Succeeded"} 3
+batchlease_tasks{namespace="a",queue="q2",phase="Succeeded"} 4
+batchlease_tasks{namespace="a",queue="q1",phase="Running"} 9
+batchlease_tasks{namespace="ab",queue="q1",phase="Succeeded"} 100
+batchlease_tasks_total{namespace="a",queue="q1",phase="Succeeded"} 50
+"#;
+        assert_eq!(sum_tasks(text, "a", "Succeeded"), 7);
+        assert_eq!(sum_tasks(text, "a", "Running"), 9);
+        assert_eq!(sum_tasks(text, "a", "DeadLettered"), 0);
     }
 }

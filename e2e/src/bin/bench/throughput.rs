@@ -18,10 +18,64 @@ use crate::common::{
     component_pid, cpu_seconds, create_all, create_tasks, emit, run_tasks_counted,
 };
 
-/// The raw rate the end-to-end phase is compared with.
+/// The raw rate the end-to-end phase is compared with, and what the API
+/// server's CPU costs per request of each kind, to decompose its CPU per
+/// task.
 pub struct Raw {
     /// BatchTask status updates per second.
     pub status_updates: f64,
+    /// kube-apiserver CPU per status update (ms).
+    pub write_ms: Option<f64>,
+    /// kube-apiserver CPU per GET of a BatchTask (ms).
+    pub read_ms: Option<f64>,
+    /// kube-apiserver CPU per watch event sent (ms), from status updates
+    /// with [`WATCHERS`] watches open, less the updates' own cost.
+    pub event_ms: Option<f64>,
+}
+
+/// The watches open during the calibration of a watch event's cost.
+const WATCHERS: usize = 8;
+
+/// One status update of each of `items`, `conc` at a time.
+async fn update_statuses(
+    tasks: &Api<BatchTask>,
+    items: Vec<BatchTask>,
+    conc: usize,
+    generation: i64,
+) -> anyhow::Result<()> {
+    futures::stream::iter(items)
+        .map(|mut t| {
+            let tasks = tasks.clone();
+            async move {
+                let name = t.metadata.name.clone().unwrap_or_default();
+                let mut status = t.status.take().unwrap_or_default();
+                status.observed_generation = Some(generation);
+                t.status = Some(status);
+                tasks
+                    .replace_status(&name, &PostParams::default(), &t)
+                    .await
+                    .with_context(|| format!("status update of {name}"))?;
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(conc)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+/// kube-apiserver CPU ms per unit of `n` over what `f` did.
+async fn apiserver_ms<F: std::future::Future<Output = anyhow::Result<()>>>(
+    n: usize,
+    f: F,
+) -> anyhow::Result<Option<f64>> {
+    let apiserver = component_pid("kube-apiserver");
+    let cpu0 = apiserver.and_then(cpu_seconds);
+    f.await?;
+    Ok(apiserver
+        .and_then(cpu_seconds)
+        .zip(cpu0)
+        .map(|(b, a)| (b - a) * 1000.0 / n.max(1) as f64))
 }
 
 /// `n` of each raw write, `conc` at a time, no operator anywhere.
@@ -51,51 +105,106 @@ pub async fn raw(
     // the status subresource carrying the resourceVersion just read.
     let tasks: Api<BatchTask> = ns.api();
     let list = tasks.list(&Default::default()).await?;
-    let apiserver = component_pid("kube-apiserver");
-    let cpu0 = apiserver.and_then(cpu_seconds);
     anyhow::ensure!(
         list.items.len() == n,
         "{} of {n} raw tasks listed",
         list.items.len()
     );
     let start = Instant::now();
-    futures::stream::iter(list.items)
-        .map(|mut t| {
-            let tasks = tasks.clone();
-            async move {
-                let name = t.metadata.name.clone().unwrap_or_default();
-                let mut status = t.status.take().unwrap_or_default();
-                status.observed_generation = Some(1);
-                t.status = Some(status);
-                tasks
-                    .replace_status(&name, &PostParams::default(), &t)
-                    .await
-                    .with_context(|| format!("status update of {name}"))?;
-                Ok::<_, anyhow::Error>(())
-            }
-        })
-        .buffer_unordered(conc)
-        .try_collect::<Vec<_>>()
-        .await?;
+    let status_update_cpu_ms =
+        apiserver_ms(n, update_statuses(&tasks, list.items, conc, 1)).await?;
     let status_updates = n as f64 / start.elapsed().as_secs_f64();
-    // The API server's CPU per raw status update, to set beside its CPU
-    // per task end to end.
-    let status_update_cpu_ms = apiserver
-        .and_then(cpu_seconds)
-        .zip(cpu0)
-        .map(|(b, a)| (b - a) * 1000.0 / n as f64);
+    // A GET of each task, as a worker reads its task before a claim.
+    let names: Vec<String> = (0..n).map(|i| format!("raw-{i:05}")).collect();
+    let read_ms = apiserver_ms(n, async {
+        futures::stream::iter(names)
+            .map(|name| {
+                let tasks = tasks.clone();
+                async move { tasks.get(&name).await.context("raw GET") }
+            })
+            .buffer_unordered(conc)
+            .try_collect::<Vec<_>>()
+            .await?;
+        Ok(())
+    })
+    .await?;
+    // The same updates again with WATCHERS watches open: the difference is
+    // what sending each event to each watcher costs.
+    let event_ms = {
+        let list = tasks.list(&Default::default()).await?;
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = tokio_util::sync::CancellationToken::new();
+        for _ in 0..WATCHERS {
+            let (tasks, seen, stop) = (tasks.clone(), seen.clone(), stop.clone());
+            let wp = kube::api::WatchParams::default();
+            let rv = list.metadata.resource_version.clone().unwrap_or_default();
+            let mut stream = tasks.watch(&wp, &rv).await?.boxed();
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        ev = stream.next() => match ev {
+                            Some(Ok(kube::api::WatchEvent::Modified(_))) => {
+                                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            Some(_) => {}
+                            None => return,
+                        },
+                    }
+                }
+            });
+        }
+        let watched = apiserver_ms(n, async {
+            update_statuses(&tasks, list.items, conc, 2).await?;
+            batchlease_e2e::wait_for(
+                "every watch to see every update",
+                std::time::Duration::from_secs(300),
+                || {
+                    format!(
+                        "{} of {} events seen",
+                        seen.load(std::sync::atomic::Ordering::Relaxed),
+                        n * WATCHERS
+                    )
+                },
+                || async {
+                    Ok(
+                        (seen.load(std::sync::atomic::Ordering::Relaxed) >= n * WATCHERS)
+                            .then_some(()),
+                    )
+                },
+            )
+            .await?;
+            Ok(())
+        })
+        .await?;
+        stop.cancel();
+        watched
+            .zip(status_update_cpu_ms)
+            .map(|(w, u)| ((w - u) / WATCHERS as f64).max(0.0))
+    };
     ns.cleanup().await?;
     emit(
         report,
         &format!(
             "raw API writes, {n} each, concurrency {conc}, no operator: ConfigMap creates {configmap_creates:.0}/s; \
-             BatchTask creates {task_creates:.0}/s ({:.2}× ConfigMap); BatchTask status updates (PUT with resourceVersion) {status_updates:.0}/s, \
-             kube-apiserver CPU {} per update\n",
+             BatchTask creates {task_creates:.0}/s ({:.2}× ConfigMap); BatchTask status updates (PUT with resourceVersion) {status_updates:.0}/s; \
+             kube-apiserver CPU per status update {}, per GET {}, per watch event sent {} (the updates again with {WATCHERS} watches open)\n",
             task_creates / configmap_creates,
-            status_update_cpu_ms.map_or_else(|| "n/a".into(), |m| format!("{m:.2} ms")),
+            ms(status_update_cpu_ms),
+            ms(read_ms),
+            ms(event_ms),
         ),
     );
-    Ok(Raw { status_updates })
+    Ok(Raw {
+        status_updates,
+        write_ms: status_update_cpu_ms,
+        read_ms,
+        event_ms,
+    })
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".into(), |m| format!("{m:.3} ms"))
 }
 
 /// `n` no-op tasks end to end; writes and 409s per task counted by the API
@@ -140,6 +249,32 @@ pub async fn end_to_end(
     );
     if let Some(raw) = raw {
         let limit = raw.status_updates / writes;
+        if let (Some(w), Some(r), Some(e)) = (raw.write_ms, raw.read_ms, raw.event_ms) {
+            let n = n.max(1) as f64;
+            let writes_all: f64 = requests
+                .iter()
+                .filter(|((verb, _, _), _)| api_requests::WRITES.contains(&verb.as_str()))
+                .map(|(_, v)| v)
+                .sum::<f64>()
+                / n;
+            let reads: f64 = requests
+                .iter()
+                .filter(|((verb, _, _), _)| matches!(verb.as_str(), "GET" | "LIST"))
+                .map(|(_, v)| v)
+                .sum::<f64>()
+                / n;
+            let events = cpu.events_sent / n;
+            let measured = cpu.apiserver * 1000.0 / n;
+            let (pw, pr, pe) = (writes_all * w, reads * r, events * e);
+            emit(
+                report,
+                &format!(
+                    "kube-apiserver CPU per task {measured:.1} ms, decomposed at the raw phase's costs: writes {writes_all:.2} × {w:.2} ms = {pw:.1} ms; \
+                     reads (GET, LIST) {reads:.2} × {r:.2} ms = {pr:.1} ms; watch events sent {events:.1} × {e:.3} ms = {pe:.1} ms; the rest {:.1} ms\n",
+                    measured - pw - pr - pe,
+                ),
+            );
+        }
         emit(
             report,
             &format!(
