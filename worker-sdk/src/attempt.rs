@@ -18,12 +18,13 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::context::{Output, Registry, TaskContext};
+use crate::context::{Output, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillReason};
 use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops::{self, Completion, Renewal};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
+use crate::registry::Registry;
 
 /// How an attempt ended, for the caller's bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
