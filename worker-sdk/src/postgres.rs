@@ -95,6 +95,7 @@ mod extender;
 mod io_runtime;
 mod pool;
 mod resource_fence;
+mod tls_verify;
 mod versioned;
 
 pub use connect::{ConnectError, ConnectOptions, SslMode};
