@@ -8,6 +8,8 @@
 //! (`batchlease_e2e::structure`). Run alone with
 //! `cargo test -p batchlease-e2e --test structure`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 
 use batchlease_e2e::structure::{
