@@ -34,6 +34,7 @@ pub mod proxy;
 pub mod runner;
 pub mod secrets;
 pub mod soak;
+pub mod structure;
 pub mod tasks;
 pub mod wait;
 pub mod worker;

@@ -8,22 +8,29 @@ use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use batchlease_api::{
-    BatchTask, JsonObject, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHARS, TaskLease,
-};
+use batchlease_api::{BatchTask, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHARS, TaskLease};
 use kube::ResourceExt;
 use kube::api::Api;
 use tokio::sync::oneshot;
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::context::{Output, Registry, TaskContext};
+use crate::context::{Output, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillReason};
 use crate::heartbeat_runtime::HeartbeatRuntime;
-use crate::lease_ops::{self, Completion, Renewal};
+use crate::lease_ops::{self, Completion};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
+use crate::registry::Registry;
+
+mod completion;
+mod heartbeat;
+
+#[cfg(test)]
+pub(crate) use completion::completion_for_tests;
+use completion::{clip, completion_of, interrupted, registration_failed};
+use heartbeat::{Heartbeat, Verdict};
 
 /// How an attempt ended, for the caller's bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -304,111 +311,12 @@ async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) 
 /// How long a give-back may take.
 const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
 
-fn interrupted() -> TaskError {
-    TaskError::Retryable {
-        reason: INTERRUPTED.into(),
-        message: "worker drained before the handler finished".into(),
-    }
-}
-
-const INTERRUPTED: &str = "WorkerDrained";
-
 /// What the handler's future gave: its result, or the registration error
 /// that kept it from running.
 enum Run {
     Handler(Result<Output, TaskError>),
     NotStarted(Error),
 }
-
-/// The completion of an attempt whose registration failed: given back
-/// (`Interrupted`, no retry spent) — the task is not at fault, this
-/// worker's storage is, and another worker may well run it.
-fn registration_failed(e: &Error) -> TaskError {
-    TaskError::Retryable {
-        reason: REGISTRATION_FAILED.into(),
-        message: format!(
-            "the attempt's token could not be registered in storage before its handler ran: {e}"
-        ),
-    }
-}
-
-const REGISTRATION_FAILED: &str = "RegistrationFailed";
-
-fn completion_of(result: Result<Output, TaskError>, checkpoint: Option<JsonObject>) -> Completion {
-    let failed = |reason: String, message: String, permanent: bool, checkpoint| Completion {
-        outcome: LeaseOutcome::Failed,
-        reason: Some(clip(reason, MAX_REASON_CHARS)),
-        message: Some(clip(message, MAX_MESSAGE_CHARS)),
-        permanent,
-        result: None,
-        checkpoint,
-    };
-    match result {
-        Ok(Output {
-            result: Some(Err(e)),
-        }) => failed(e.reason.into(), e.message, true, checkpoint),
-        Ok(out) => Completion {
-            outcome: LeaseOutcome::Succeeded,
-            reason: None,
-            message: None,
-            permanent: false,
-            result: out.result.and_then(Result::ok),
-            checkpoint,
-        },
-        Err(TaskError::Retryable { reason, message }) if reason == INTERRUPTED => Completion {
-            outcome: LeaseOutcome::Interrupted,
-            reason: Some(reason),
-            message: Some(message),
-            permanent: false,
-            result: None,
-            checkpoint,
-        },
-        Err(TaskError::Aborted { message }) => Completion {
-            outcome: LeaseOutcome::Aborted,
-            reason: Some(crate::speculate::ABORTED_REASON.into()),
-            message: Some(clip(message, MAX_MESSAGE_CHARS)),
-            permanent: false,
-            result: None,
-            checkpoint,
-        },
-        Err(TaskError::Retryable { reason, message }) => failed(reason, message, false, checkpoint),
-        Err(TaskError::Permanent { reason, message }) => failed(reason, message, true, checkpoint),
-    }
-}
-
-/// The lease completion a handler's result becomes.
-#[cfg(test)]
-pub(crate) fn completion_for_tests(result: Result<Output, TaskError>) -> Completion {
-    completion_of(result, None)
-}
-
-/// `s` cut to at most `max` characters (the CRDs' `maxLength` counts
-/// characters): an over-long message used to make the completion itself
-/// fail with 422, losing the real error.
-fn clip(mut s: String, max: usize) -> String {
-    if let Some((at, _)) = s.char_indices().nth(max) {
-        s.truncate(at);
-    }
-    s
-}
-
-/// What replaces a completion the API server refused as invalid: the
-/// attempt fails, retryably, with the server's own words.
-fn refused_completion(message: &str) -> Completion {
-    Completion {
-        outcome: LeaseOutcome::Failed,
-        reason: Some(COMPLETION_REFUSED.into()),
-        message: Some(clip(
-            format!("the API server refused the completion: {message}"),
-            MAX_MESSAGE_CHARS,
-        )),
-        permanent: false,
-        result: None,
-        checkpoint: None,
-    }
-}
-
-const COMPLETION_REFUSED: &str = "CompletionRefused";
 
 fn outcome_label(o: LeaseOutcome) -> &'static str {
     match o {
@@ -419,179 +327,13 @@ fn outcome_label(o: LeaseOutcome) -> &'static str {
     }
 }
 
-/// How the heartbeat ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
-    /// The completion was acknowledged.
-    Completed(LeaseOutcome),
-    /// The API server refused the completion: the lease is not ours.
-    Rejected,
-    /// The kill switch fired (or the attempt was dropped).
-    Killed,
-}
-
-/// The lease's only writer during an attempt.
-struct Heartbeat {
-    api: Api<TaskLease>,
-    identity: String,
-    /// Our latest copy of the lease.
-    lease: TaskLease,
-    checkpoint: Arc<Mutex<Option<JsonObject>>>,
-    fence: Fence,
-    metrics: WorkerMetrics,
-}
-
-impl Heartbeat {
-    /// Renews every TTL/3 from the claim's send time (retrying a failed
-    /// renewal quickly) and, once the handler is done, completes — retrying
-    /// transient errors while the fence holds. Fires the kill switch when no
-    /// renewal succeeded in time or the lease was found lost.
-    async fn run(
-        mut self,
-        done: CancellationToken,
-        finished: oneshot::Receiver<Completion>,
-    ) -> (Verdict, TaskLease) {
-        let verdict = self.beat(done, finished).await;
-        (verdict, self.lease)
-    }
-
-    async fn beat(
-        &mut self,
-        done: CancellationToken,
-        mut finished: oneshot::Receiver<Completion>,
-    ) -> Verdict {
-        let clock = self.fence.clock();
-        let every = clock.renew_every();
-        let retry = (every / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
-        let per_try = (every / 2).max(Duration::from_millis(500));
-        let mut next = clock.next_renewal();
-        let mut completion: Option<Completion> = None;
-        loop {
-            let (kill_at, reason) = self.fence.clock().kill_at();
-            tokio::select! {
-                // Past the deadline, the kill switch wins over a late write.
-                biased;
-                _ = done.cancelled() => return Verdict::Killed,
-                _ = sleep_until(kill_at) => {
-                    self.fence.kill(reason);
-                    return Verdict::Killed;
-                }
-                c = &mut finished, if completion.is_none() => match c {
-                    Ok(c) => {
-                        completion = Some(c);
-                        next = Instant::now();
-                    }
-                    // The handler was dropped without an outcome: the kill
-                    // switch fired.
-                    Err(_) => return Verdict::Killed,
-                },
-                _ = sleep_until(next) => {}
-            }
-            if Instant::now() < next {
-                continue;
-            }
-            let sent = Instant::now();
-            // A write that cannot finish before the kill switch is useless,
-            // and one stuck on a black-holed connection must not use up the
-            // whole budget: each try gets at most half a renewal period,
-            // then is dropped (with its connection) and retried afresh.
-            let budget = kill_at.saturating_duration_since(sent).min(per_try);
-            if let Some(c) = completion.clone() {
-                // The last word: never complete an attempt we cannot prove ours.
-                if let Err(e) = self.fence.check() {
-                    warn!(lease = %self.lease.name_any(), error = %e, "not completing: attempt revoked");
-                    return Verdict::Killed;
-                }
-                match timeout(
-                    budget,
-                    lease_ops::complete(&self.api, &self.lease, &self.identity, &c),
-                )
-                .await
-                {
-                    Ok(Ok(())) => return Verdict::Completed(c.outcome),
-                    Ok(Err(e @ Error::Rejected { .. })) => {
-                        error!(lease = %self.lease.name_any(), error = %e, kind = e.kind(), "completion rejected");
-                        return Verdict::Rejected;
-                    }
-                    // Our own completion is invalid (the lease is still
-                    // ours): report that instead, once; it carries nothing
-                    // of the handler's output that could be refused again.
-                    Ok(Err(Error::Invalid { message, .. }))
-                        if c.reason.as_deref() != Some(COMPLETION_REFUSED) =>
-                    {
-                        error!(lease = %self.lease.name_any(), %message, "completion refused as invalid; reporting the refusal");
-                        completion = Some(refused_completion(&message));
-                        next = Instant::now();
-                    }
-                    Ok(Err(e @ Error::Invalid { .. })) => {
-                        error!(lease = %self.lease.name_any(), error = %e, "completion refused as invalid");
-                        return Verdict::Rejected;
-                    }
-                    Ok(Err(e)) => {
-                        warn!(lease = %self.lease.name_any(), error = %batchlease_api::Chain(&e), "completion failed; retrying while the fence holds");
-                        next = Instant::now() + retry;
-                    }
-                    Err(_) => {
-                        warn!(lease = %self.lease.name_any(), "completion timed out");
-                        next = Instant::now();
-                    }
-                }
-                continue;
-            }
-            let cp = self
-                .checkpoint
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            match timeout(
-                budget,
-                lease_ops::renew(&self.api, &self.lease, &self.identity, cp),
-            )
-            .await
-            {
-                Ok(Ok(Renewal::Renewed(stored))) => {
-                    self.fence.renewed(sent);
-                    self.metrics
-                        .renewal_latency
-                        .observe(sent.elapsed().as_secs_f64());
-                    self.lease = *stored;
-                    next = sent + every;
-                    debug!(lease = %self.lease.name_any(), "renewed");
-                }
-                Ok(Ok(Renewal::Cancelled)) => {
-                    info!(lease = %self.lease.name_any(), "the task was cancelled: stopping the attempt");
-                    self.fence.kill(KillReason::Cancelled);
-                    return Verdict::Killed;
-                }
-                Ok(Ok(Renewal::Lost(why))) => {
-                    warn!(lease = %self.lease.name_any(), why, "renewal found the lease lost");
-                    self.fence.kill(KillReason::LeaseLost);
-                    return Verdict::Killed;
-                }
-                Ok(Err(e @ Error::Invalid { .. })) => {
-                    error!(lease = %self.lease.name_any(), error = %e, "renewal refused as invalid: ending the attempt");
-                    self.fence.kill(KillReason::WriteRefused);
-                    return Verdict::Killed;
-                }
-                Ok(Err(e)) => {
-                    warn!(lease = %self.lease.name_any(), error = %batchlease_api::Chain(&e), "renewal failed; retrying");
-                    next = Instant::now() + retry;
-                }
-                Err(_) => {
-                    warn!(lease = %self.lease.name_any(), "renewal timed out");
-                    next = Instant::now();
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fence::KillClock;
     use batchlease_api::{BatchTaskSpec, TaskLeaseSpec};
     use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::time::Instant;
 
     struct DropFlag(Arc<AtomicBool>);
     impl Drop for DropFlag {
@@ -653,60 +395,6 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             cancelled.load(Ordering::SeqCst),
         )
-    }
-
-    /// Only the SDK gives an attempt back for a failed registration: a
-    /// handler returning the same reason has failed, and spends a retry.
-    #[test]
-    fn a_handler_cannot_pass_its_failure_off_as_a_give_back() {
-        let c = completion_for_tests(Err(
-            TaskError::retryable("no").with_reason(REGISTRATION_FAILED)
-        ));
-        assert_eq!(c.outcome, LeaseOutcome::Failed);
-        let drained = completion_for_tests(Err(interrupted()));
-        assert_eq!(drained.outcome, LeaseOutcome::Interrupted);
-    }
-
-    /// An oversized or non-object result, or an over-long message, used to
-    /// make the completion fail with 422 and the attempt look expired.
-    #[test]
-    fn completions_fit_the_crd_or_say_why_not() {
-        let big = serde_json::json!({"x": "y".repeat(batchlease_api::MAX_RESULT_BYTES)});
-        let c = completion_of(Ok(Output::json(big)), None);
-        assert_eq!(c.outcome, LeaseOutcome::Failed);
-        assert!(c.permanent);
-        assert_eq!(c.reason.as_deref(), Some("ResultTooLarge"));
-        assert!(c.result.is_none());
-
-        let c = completion_of(Ok(Output::json(vec![1, 2])), None);
-        assert_eq!(c.reason.as_deref(), Some("InvalidResult"));
-        assert!(c.permanent);
-
-        let ok = completion_of(Ok(Output::json(serde_json::json!({"n": 1}))), None);
-        assert_eq!(ok.outcome, LeaseOutcome::Succeeded);
-        assert_eq!(ok.result.unwrap().as_str(), r#"{"n":1}"#);
-
-        let long = "é".repeat(MAX_MESSAGE_CHARS + 10);
-        let c = completion_of(
-            Err(TaskError::retryable(long).with_reason("R".repeat(500))),
-            None,
-        );
-        assert_eq!(c.message.unwrap().chars().count(), MAX_MESSAGE_CHARS);
-        assert_eq!(c.reason.unwrap().chars().count(), MAX_REASON_CHARS);
-        assert!(!c.permanent);
-
-        // Counted as the API server stores it: `<` becomes `\u003c`.
-        assert!(matches!(
-            Output::try_json(serde_json::json!({"x": "<".repeat(30_000)})),
-            Err(Error::TooLarge { bytes, .. }) if bytes > 180_000
-        ));
-        let e: TaskError = Output::try_json(serde_json::json!({"x": "y".repeat(200_000)}))
-            .unwrap_err()
-            .into();
-        assert!(
-            matches!(e, TaskError::Permanent { ref reason, .. } if reason == "ResultTooLarge"),
-            "{e:?}"
-        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -49,6 +49,7 @@ mod metrics;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod presence;
+mod registry;
 mod spawn;
 pub mod speculate;
 mod subgraph;
@@ -61,10 +62,11 @@ pub use batchlease_api::{
     BackoffSpec, BatchTaskSpec, JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH,
     MAX_RESULT_BYTES, TaskMode,
 };
-pub use context::{EarlierCommit, Output, Registry, TaskContext};
+pub use context::{Output, TaskContext};
 pub use error::{Error, TaskError};
 pub use fence::{Fence, KillClock, KillReason};
 pub use metrics::WorkerMetrics;
+pub use registry::{EarlierCommit, Registry};
 pub use spawn::LABEL_PARENT;
 #[doc(hidden)]
 pub use spawn::{Parent, create_children};

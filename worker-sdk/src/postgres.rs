@@ -85,16 +85,17 @@ use serde_json::Value;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, SimpleQueryMessage, Transaction};
 
-use crate::context::{EarlierCommit, Registry};
 use crate::error::Error;
 use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
+use crate::registry::{EarlierCommit, Registry};
 
 mod connect;
 mod extender;
 mod io_runtime;
 mod pool;
 mod resource_fence;
+mod tls_verify;
 mod versioned;
 
 pub use connect::{ConnectError, ConnectOptions, SslMode};

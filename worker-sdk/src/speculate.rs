@@ -44,10 +44,10 @@ use serde_json::Value;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::context::EarlierCommit;
 use crate::error::{Error, TaskError};
 use crate::fence::Fence;
 use crate::metrics::{OutcomeLabels, WorkerMetrics};
+use crate::registry::EarlierCommit;
 
 pub mod memory;
 

@@ -23,12 +23,13 @@ use tracing::{debug, info, warn};
 use crate::attempt::{Attempt, Ended};
 use crate::claim_brake::{self, ClaimBrake};
 use crate::claim_order::claim_order;
-use crate::context::{Output, Registry, TaskContext};
+use crate::context::{Output, TaskContext};
 use crate::error::{Error, TaskError};
 use crate::fence::{Fence, KillClock};
 use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops;
 use crate::metrics::WorkerMetrics;
+use crate::registry::Registry;
 
 /// Configures a [`Worker`].
 pub struct WorkerBuilder {

@@ -12,10 +12,10 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::Client;
 
 use super::{DEFAULT_CLOCK_SKEW, FencedStore};
-use crate::context::{EarlierCommit, Registry};
 use crate::error::Error;
 use crate::fence::Fence;
 use crate::metrics::WorkerMetrics;
+use crate::registry::{EarlierCommit, Registry};
 
 /// Opens one connection for a [`FencedPool`] (and spawns its connection
 /// task).
