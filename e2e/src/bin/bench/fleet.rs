@@ -154,7 +154,18 @@ async fn phases(api: &Api<BatchTask>, selector: &str) -> anyhow::Result<BTreeMap
 pub async fn run(cluster: &Cluster, o: Opts, report: &mut String) -> anyhow::Result<Measured> {
     let ns = cluster.namespace("bench-fleet").await?;
     let note = quiet_cluster(cluster).await?;
-    let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
+    // Leader election at the operator's defaults (a 15 s Lease), not the
+    // tests' quick one: a fleet at size loads the API server, and a
+    // leader that loses its term mid-run measures the election instead.
+    let op = Operator::start_with(
+        &ns.name,
+        "op",
+        vec![
+            "--events=important".into(),
+            "--leader-lease-seconds=15".into(),
+            "--leader-grace-seconds=5".into(),
+        ],
+    )?;
     op.wait_leading(Duration::from_secs(60)).await?;
     let (apiserver, etcd) = (component_pid("kube-apiserver"), component_pid("etcd"));
     let pids = [apiserver, etcd, op.pid(), Some(std::process::id())];
