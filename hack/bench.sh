@@ -31,12 +31,13 @@
 #                         tasks: time to first render, next page, memory
 #                         (10000 / 200)
 #   --fleet-workers=A,B,.. --fleet-leases=M --fleet-churn=N --fleet-ttl=S
+#   --fleet-killswitch=K
 #                         the fleet simulator (issue 27): for each worker
 #                         count, that many hollow workers hold M leases;
 #                         per held lease and per churn task, what the API
-#                         server and etcd pay; failover at that size
-#                         (10,100,1000 / 1000 / 500 / 30 s; quick: 10 / 40 /
-#                         20 / 6 s)
+#                         server and etcd pay; failover and K kill-switch
+#                         trials at that size (10,100,1000 / 1000 / 500 /
+#                         30 s / 5; quick: 10 / 40 / 20 / 6 s / 1)
 #   --concurrency=N       client concurrency of bulk writes (16)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -123,6 +123,7 @@ async fn main() -> anyhow::Result<()> {
     let fleet_leases = arg("fleet-leases", 1000, 40);
     let fleet_churn = arg("fleet-churn", 500, 20);
     let fleet_ttl = arg("fleet-ttl", 30, 6) as u64;
+    let fleet_killswitch = arg("fleet-killswitch", 5, 1);
     // A quick run follows the e2e tests on their control plane: a test's
     // namespace that will not go soon must not hold it up.
     let quiet = Duration::from_secs(arg("quiet-seconds", 600, 30) as u64);
@@ -275,6 +276,7 @@ async fn main() -> anyhow::Result<()> {
                 ttl_seconds: fleet_ttl,
                 window,
                 conc,
+                killswitch: fleet_killswitch,
             };
             runs.push(fleet::run(&cluster, o, &mut report).await?);
         }
@@ -297,12 +299,12 @@ fn fleet_summary(
 ) -> anyhow::Result<()> {
     let mut t = String::from(
         "fleet, side by side (same held leases, TTL, churn):\n\
-         | workers | held leases | kube-apiserver millicores per held lease | etcd millicores per held lease | TaskLease watch events/s while held | churn tasks/s | writes per task | watch events per task | kube-apiserver ms per task | offer p95 | failover p95 |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | workers | held leases | kube-apiserver millicores per held lease | etcd millicores per held lease | TaskLease watch events/s while held | churn tasks/s | writes per task | watch events per task | kube-apiserver ms per task | offer p95 | failover p95 | kill switch max |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in runs {
         t.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} ms | {:.0} ms |\n",
+            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} ms | {:.0} ms | {} |\n",
             r.opts.workers,
             r.opts.leases,
             r.apiserver_millicores_per_lease,
@@ -314,6 +316,9 @@ fn fleet_summary(
             r.apiserver_ms_per_task,
             stats::ms(stats::quantile(&r.offer_latency, 0.95)),
             stats::ms(stats::quantile(&r.failover, 0.95)),
+            r.killswitch
+                .last()
+                .map_or_else(|| "—".to_owned(), |d| format!("{:.0} ms", stats::ms(*d))),
         ));
     }
     emit(report, &t);

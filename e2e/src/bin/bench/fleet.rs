@@ -44,6 +44,9 @@ pub struct Opts {
     /// The held window, rounded up to whole renewal periods.
     pub window: Duration,
     pub conc: usize,
+    /// Kill-switch trials (a real SDK worker, its API connection cut)
+    /// while the fleet holds its leases.
+    pub killswitch: usize,
 }
 
 /// What a run measured, for the comparison and the plots.
@@ -60,6 +63,8 @@ pub struct Measured {
     pub apiserver_ms_per_task: f64,
     pub offer_latency: Vec<Duration>,
     pub failover: Vec<Duration>,
+    /// From the last renewal's renewTime to the handler cancelled.
+    pub killswitch: Vec<Duration>,
 }
 
 /// A snapshot of the counters a window is the difference of.
@@ -239,6 +244,31 @@ pub async fn run(cluster: &Cluster, o: Opts, report: &mut String) -> anyhow::Res
         ),
     );
 
+    // The kill switch of a real SDK worker while the fleet holds its
+    // leases (its own namespace, operator and proxy).
+    let killswitch = if o.killswitch > 0 {
+        let k = crate::killswitch::run(
+            cluster,
+            o.killswitch,
+            batchlease_e2e::conformance::Kind::RustSdk,
+        )
+        .await?;
+        let two_thirds = Duration::from_secs(crate::killswitch::TTL_SECONDS) * 2 / 3;
+        emit(
+            report,
+            &format!(
+                "fleet kill switch: {} trials (TTL {} s, 2/3·TTL = {:.0} ms) while the {m:.0} leases are held: from the last renewal's renewTime {}\n",
+                o.killswitch,
+                crate::killswitch::TTL_SECONDS,
+                stats::ms(two_thirds),
+                stats::summary(&k.from_renewal),
+            ),
+        );
+        k.from_renewal
+    } else {
+        Vec::new()
+    };
+
     // 3. Churn: N no-op tasks through the fleet, one more slot each.
     fleet.add_slots(1);
     let c0 = counters(&pids)?;
@@ -358,6 +388,7 @@ pub async fn run(cluster: &Cluster, o: Opts, report: &mut String) -> anyhow::Res
         apiserver_ms_per_task: api_ms,
         offer_latency: offer,
         failover,
+        killswitch,
     })
 }
 
