@@ -21,7 +21,7 @@ mod spawned;
 mod supervise;
 
 use batchlease_operator::{
-    decide, deps, fit, leader_step, lease_build, locks, observe, settle, speculation, status,
+    decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status,
 };
 
 use std::sync::Arc;

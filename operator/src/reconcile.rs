@@ -16,6 +16,7 @@ use rand::Rng;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::decide::Transition;
 use crate::decide::{
     Decision, ExpiryReason, Input, IssueCause, LockRelease, Lookup, QueueGate, ReleaseWhy, decide,
 };
@@ -28,7 +29,6 @@ use crate::metrics::{
     ErrorLabels, Metrics, QueueCounter, QueueLabels, ReasonCounter, reason_label,
 };
 use crate::observe::Tracker;
-use crate::settle::Transition;
 use crate::speculation;
 use crate::status::set_condition;
 
