@@ -19,6 +19,7 @@ mod queues;
 mod reconcile;
 mod spawned;
 mod supervise;
+mod sync_counter;
 
 use batchlease_operator::{
     decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status,
@@ -116,7 +117,7 @@ async fn main() -> anyhow::Result<()> {
         info!(%identity, "leading: starting controllers");
         // Everything of a term is new: caches, observations (every held
         // lease gets a full TTL), expectations, the readiness count.
-        let synced = Arc::new(controller::SyncCounter::default());
+        let synced = Arc::new(sync_counter::SyncCounter::default());
         let shared = controller::Shared {
             client: client.clone(),
             synced: synced.clone(),
