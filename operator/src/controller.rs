@@ -15,12 +15,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::context::Ctx;
 use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::observe::Tracker;
 use crate::queues::QueueBook;
-use crate::reconcile::{Ctx, error_policy, reconcile};
+use crate::reconcile::{error_policy, reconcile};
 use crate::sync_counter::SyncCounter;
 
 fn jitter() -> f64 {

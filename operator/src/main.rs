@@ -3,11 +3,15 @@
 //! success, retry or the dead-letter queue (design §3, §7, §8).
 
 mod config;
+mod context;
 mod controller;
+mod effects;
+mod error;
 mod events;
 mod expectations;
 mod graph_index;
 mod http;
+mod inputs;
 mod leader;
 #[cfg(test)]
 mod leader_fake;
