@@ -4,6 +4,7 @@
 use batchlease_api::BatchTaskStatus;
 
 use super::rules::give_back_locks;
+use super::settle;
 use super::types::{Decision, Input};
 
 /// Cancels a task without a live lease: it gives back the locks it may
@@ -13,7 +14,7 @@ pub(super) fn cancel_unleased(input: &Input<'_>, status: BatchTaskStatus) -> Dec
     if let Some(d) = give_back_locks(input) {
         return d;
     }
-    let (status, transition) = crate::settle::cancelled(task, &status, None, input.wall);
+    let (status, transition) = settle::cancelled(task, &status, None, input.wall);
     Decision::WriteStatus {
         status: Box::new(status),
         transition,

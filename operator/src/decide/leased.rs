@@ -8,9 +8,9 @@ use batchlease_api::keys::release_reason;
 use batchlease_api::{BatchTaskStatus, LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
 
 use super::rules::{Next, TOKEN_RETIRED, lost_attempt_wait, release};
+use super::settle::{self, settle};
 use super::types::{Decision, ExpiryReason, Input, LockRelease, QueueGate, ReleaseWhy, Transition};
 use crate::locks;
-use crate::settle::settle;
 use crate::status::{self, set_condition};
 
 /// The task's current lease exists. A tombstone under its name (the token
@@ -100,11 +100,11 @@ fn by_phase(
             let (status, transition) = if cancel && !succeeded {
                 // Cancel wins over a retry; a success that landed first
                 // stands (its result is committed).
-                crate::settle::cancelled(input.task, current, Some(lease), input.wall)
+                settle::cancelled(input.task, current, Some(lease), input.wall)
             } else if lease_phase == LeasePhase::Released
                 && reason == Some(release_reason::QUEUE_PAUSED)
             {
-                crate::settle::withdrawn(input.task, current, input.wall)
+                settle::withdrawn(input.task, current, input.wall)
             } else {
                 settle(input.task, current, lease, input.wall, input.jitter)
             };

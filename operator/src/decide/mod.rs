@@ -14,7 +14,8 @@
 //! pruning). The concern files call each other never: a rule that ends in
 //! another concern's case answers a `rules::Next` hand-off, which only
 //! `follow` here takes to the file that owns it. What they share sits
-//! below them: the types in `types.rs`, the shared rules in `rules.rs`.
+//! below them: the types in `types.rs`, the shared rules in `rules.rs`,
+//! and `settle.rs` (the status after an attempt ends).
 
 pub mod types;
 
@@ -25,6 +26,7 @@ mod leased;
 mod lost;
 mod pending;
 mod rules;
+pub mod settle;
 mod start;
 
 use batchlease_api::{BatchTaskStatus, TaskPhase, check_current};

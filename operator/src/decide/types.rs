@@ -3,8 +3,9 @@
 //! means). Kept apart from the dispatcher in `decide/mod.rs` so that the
 //! concern files, `settle.rs` and the model can name these types without
 //! importing the module that calls them: `settle.rs` takes
-//! [`ExpiryReason`] and [`Transition`] from here, and nothing here imports
-//! `settle.rs` or a concern file, so there is no import circle.
+//! [`ExpiryReason`] and [`Transition`] from here (they were `decide.rs`'s
+//! and `settle.rs`'s, which imported each other), and nothing here
+//! imports `settle.rs` or a concern file, so there is no import circle.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,9 @@
 //! Settling an attempt whose lease ended (design §3 step 7): success, a
 //! retry with backoff, an immediate retry, or the dead-letter queue.
+//!
+//! Shared by the concern files `leased.rs` (an ended attempt) and
+//! `cancel.rs` (a cancel without a live lease) like `rules.rs`, and like
+//! it below them: it imports only `types.rs`.
 
 use batchlease_api::{
     AttemptRecord, BatchTask, BatchTaskStatus, Failure, LeaseOutcome, LeasePhase, TaskLease,
@@ -8,8 +12,8 @@ use batchlease_api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
+use super::types::{ExpiryReason, Transition};
 use crate::backoff::retry_delay;
-use crate::decide::types::{ExpiryReason, Transition};
 use crate::status::{self, push_history, set_condition};
 use batchlease_api::keys::{condition, release_reason};
 
