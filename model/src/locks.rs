@@ -364,7 +364,7 @@ impl Cluster {
                 let name = locks::lock_name(&ns, resource);
                 let lease = s.api.lock(&name);
                 let mut holder = self.holder(s, lease.as_ref(), task);
-                // reconcile.rs reads the lease of a gone task's attempt
+                // inputs.rs (fetch_locks) reads the lease of a gone task's attempt
                 // directly when its cache does not show it live.
                 if matches!(holder, Holder::Stopping { .. } | Holder::Dead(_))
                     && self.cfg.lock_rule != LockRule::GoneIsDead

@@ -28,7 +28,8 @@ pub struct Operator {
     pub tasks: Option<Vec<String>>,
     pub leases: BTreeMap<String, String>,
     pub seen: BTreeMap<String, Seen>,
-    /// Lease creates sent, and when (reconcile.rs's expectations).
+    /// Lease creates sent, and when (the expectations `create_lease` sets,
+    /// operator/src/effects/writes.rs).
     pub expect: BTreeMap<String, u8>,
     /// Per task, the write its pass decided, not applied yet (a request on
     /// its way): the task's next reconcile waits for it (the controller
@@ -56,7 +57,7 @@ pub(crate) struct Sent {
     pub(crate) already_exists: bool,
     /// A lock Lease as written (the write's answer).
     pub(crate) lock: Option<Lease>,
-    /// A lock to give back was not found (reconcile.rs skips it).
+    /// A lock to give back was not found (effects/lock_writes.rs skips it).
     pub(crate) not_found: bool,
 }
 
@@ -361,7 +362,7 @@ impl Cluster {
         let Some(w) = s.op.pending.remove(&i) else {
             return;
         };
-        // reconcile.rs: every create is expected first; one that meets an
+        // effects/writes.rs: every create is expected first; one that meets an
         // existing object is not.
         let creating = match &w {
             Write::Create(l) => Some(decode::<TaskLease>(l).name_any()),

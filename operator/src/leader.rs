@@ -47,8 +47,8 @@ use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::error::Error;
 use crate::leader_step::{Seen, Step, step};
-use crate::reconcile::Error;
 
 /// This process's identity in the election: the configured one (else the
 /// pod's or host's name) plus a random suffix, always. Two processes given

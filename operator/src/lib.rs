@@ -12,7 +12,6 @@ pub mod leader_step;
 pub mod lease_build;
 pub mod locks;
 pub mod observe;
-pub mod settle;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;

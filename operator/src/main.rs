@@ -3,11 +3,15 @@
 //! success, retry or the dead-letter queue (design §3, §7, §8).
 
 mod config;
+mod context;
 mod controller;
+mod effects;
+mod error;
 mod events;
 mod expectations;
 mod graph_index;
 mod http;
+mod inputs;
 mod leader;
 #[cfg(test)]
 mod leader_fake;
@@ -19,9 +23,10 @@ mod queues;
 mod reconcile;
 mod spawned;
 mod supervise;
+mod sync_counter;
 
 use batchlease_operator::{
-    decide, deps, fit, leader_step, lease_build, locks, observe, settle, speculation, status,
+    decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status,
 };
 
 use std::sync::Arc;
@@ -116,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         info!(%identity, "leading: starting controllers");
         // Everything of a term is new: caches, observations (every held
         // lease gets a full TTL), expectations, the readiness count.
-        let synced = Arc::new(controller::SyncCounter::default());
+        let synced = Arc::new(sync_counter::SyncCounter::default());
         let shared = controller::Shared {
             client: client.clone(),
             synced: synced.clone(),

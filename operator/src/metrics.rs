@@ -21,9 +21,9 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
-use crate::controller::SyncCounter;
 use crate::graph_index::GraphIndex;
 use crate::speculation::{AbortWindow, Band, band};
+use crate::sync_counter::SyncCounter;
 
 /// `namespace`, `queue`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]

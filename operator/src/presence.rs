@@ -50,7 +50,9 @@ pub fn parse(l: &Lease) -> Option<Presence> {
     })
 }
 
-/// Feeds the presence records of `api`'s scope to `book` until `stop`.
+/// Feeds the presence records of `api`'s scope to `book` until `stop`
+/// (as plain data: the book does not know [`Presence`], so `queues.rs`
+/// does not import this module).
 /// Not counted in readiness: a watch that cannot list (no RBAC for Leases)
 /// only leaves idle workers uncounted.
 pub async fn watch(api: Api<Lease>, book: Arc<QueueBook>, stop: CancellationToken) {
@@ -66,12 +68,12 @@ pub async fn watch(api: Api<Lease>, book: Arc<QueueBook>, stop: CancellationToke
         match event {
             Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
                 if let Some(p) = parse(&l) {
-                    book.worker_seen(&ns(&l), &p, Instant::now());
+                    book.worker_seen(&ns(&l), &p.identity, &p.queues, p.duration, Instant::now());
                 }
             }
             Some(Ok(watcher::Event::Delete(l))) => {
                 if let Some(p) = parse(&l) {
-                    book.worker_gone(&ns(&l), &p);
+                    book.worker_gone(&ns(&l), &p.identity, &p.queues);
                 }
             }
             Some(Ok(_)) => {}

@@ -596,26 +596,35 @@ impl QueueBook {
         self.send(&key.0, woken);
     }
 
-    /// A worker's presence record was seen (see `presence`): it serves
-    /// these queues of `ns` for the record's duration from `now`.
-    pub fn worker_seen(&self, ns: &str, p: &crate::presence::Presence, now: Instant) {
+    /// A worker's presence record was seen (`presence` parses and feeds
+    /// it; the book takes plain data, so it does not import `presence`):
+    /// `identity` serves these `queues` of `ns` for `duration` from `now`.
+    pub fn worker_seen(
+        &self,
+        ns: &str,
+        identity: &str,
+        queues: &[String],
+        duration: Duration,
+        now: Instant,
+    ) {
         let mut book = self.lock();
-        for queue in &p.queues {
+        for queue in queues {
             let q = book
                 .queues
                 .entry((ns.to_owned(), queue.clone()))
                 .or_default();
             q.present.retain(|_, until| *until > now);
-            q.present.insert(p.identity.clone(), now + p.duration);
+            q.present.insert(identity.to_owned(), now + duration);
         }
     }
 
-    /// A worker's presence record was deleted: it stopped.
-    pub fn worker_gone(&self, ns: &str, p: &crate::presence::Presence) {
+    /// A worker's presence record was deleted: `identity` stopped serving
+    /// these `queues` of `ns`.
+    pub fn worker_gone(&self, ns: &str, identity: &str, queues: &[String]) {
         let mut book = self.lock();
-        for queue in &p.queues {
+        for queue in queues {
             if let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.clone())) {
-                q.present.remove(&p.identity);
+                q.present.remove(identity);
             }
         }
     }

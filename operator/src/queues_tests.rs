@@ -388,14 +388,12 @@ async fn a_create_with_a_lost_answer_keeps_its_slot_until_the_watch_resolves_it(
 async fn workers_are_those_present_and_the_holders_seen_within_a_ttl() {
     let (b, _rx) = book();
     let now = Instant::now();
-    let present = |id: &str, queues: &[&str]| crate::presence::Presence {
-        identity: id.into(),
-        queues: queues.iter().map(|q| (*q).to_owned()).collect(),
-        duration: Duration::from_secs(30),
-    };
+    let queues =
+        |queues: &[&str]| -> Vec<String> { queues.iter().map(|q| (*q).to_owned()).collect() };
+    let ttl = Duration::from_secs(30);
     // An idle worker of q (and of another queue), and another namespace's.
-    b.worker_seen("ns", &present("w", &["q", "other"]), now);
-    b.worker_seen("ns2", &present("v", &["q"]), now);
+    b.worker_seen("ns", "w", &queues(&["q", "other"]), ttl, now);
+    b.worker_seen("ns2", "v", &queues(&["q"]), ttl, now);
     assert_eq!(b.summary("ns", "q", now).1, 1);
     assert_eq!(b.summary("ns", "other", now).1, 1);
     // The same worker holding a lease counts once; a holder without a
@@ -409,8 +407,8 @@ async fn workers_are_those_present_and_the_holders_seen_within_a_ttl() {
     // A record lapses after its duration unless renewed; a deleted one at
     // once.
     let later = now + Duration::from_secs(31);
-    b.worker_seen("ns", &present("x", &["q"]), later);
+    b.worker_seen("ns", "x", &queues(&["q"]), ttl, later);
     assert_eq!(b.summary("ns", "q", later).1, 1, "only x");
-    b.worker_gone("ns", &present("x", &["q"]));
+    b.worker_gone("ns", "x", &queues(&["q"]));
     assert_eq!(b.summary("ns", "q", later).1, 0);
 }

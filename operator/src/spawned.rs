@@ -16,7 +16,10 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use tracing::{debug, warn};
 
-use crate::reconcile::{Ctx, Error, bounded, publish, write_status};
+use crate::context::{Ctx, bounded};
+use crate::effects::report::publish;
+use crate::effects::writes::write_status;
+use crate::error::Error;
 
 /// How soon a parent whose final write waits for a child's first pass
 /// looks again (the child's pass is usually under way already).

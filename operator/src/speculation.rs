@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use batchlease_api::{BatchTask, TaskMode};
 
-use crate::settle::Transition;
+use crate::decide::types::Transition;
 use crate::status::{Cond, cond};
 use batchlease_api::keys::condition;
 

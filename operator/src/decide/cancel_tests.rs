@@ -1,8 +1,7 @@
 //! Table tests of [`decide`] for `spec.cancel` and the queue gate
 //! (TaskQueue pause, concurrency cap, issue rate).
 
-use super::tests::{Case, TaskFixture, completed, into_status, lease, task};
-use super::*;
+use super::tests::*;
 use batchlease_api::LeaseOutcome;
 use batchlease_api::keys::{condition, release_reason};
 

@@ -1,5 +1,9 @@
 //! Settling an attempt whose lease ended (design §3 step 7): success, a
 //! retry with backoff, an immediate retry, or the dead-letter queue.
+//!
+//! Shared by the concern files `leased.rs` (an ended attempt) and
+//! `cancel.rs` (a cancel without a live lease) like `rules.rs`, and like
+//! it below them: it imports only `types.rs`.
 
 use batchlease_api::{
     AttemptRecord, BatchTask, BatchTaskStatus, Failure, LeaseOutcome, LeasePhase, TaskLease,
@@ -8,53 +12,10 @@ use batchlease_api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
+use super::types::{ExpiryReason, Transition};
 use crate::backoff::retry_delay;
-use crate::decide::ExpiryReason;
 use crate::status::{self, push_history, set_condition};
 use batchlease_api::keys::{condition, release_reason};
-
-/// What a status write means, for Events, metrics and logs.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Transition {
-    /// First status of a new task.
-    Initialized,
-    /// A worker claimed the offered lease.
-    Claimed { holder: String },
-    /// The task succeeded.
-    Succeeded,
-    /// The attempt failed or expired; retried after `delay_seconds`.
-    Retry {
-        reason: String,
-        expired: bool,
-        delay_seconds: f64,
-    },
-    /// The worker was drained (or gave the lease back); retried without
-    /// spending a retry: at once, or after `delay_seconds` when it keeps
-    /// happening.
-    Interrupted { delay_seconds: f64 },
-    /// A speculative commit lost its compare-and-swap.
-    Aborted { quarantined: bool },
-    /// The retry budget is spent, or the failure was permanent.
-    DeadLettered { reason: String, expired: bool },
-    /// A dead-lettered task was redriven.
-    Redriven,
-    /// `spec.redrive` was raised on a task that is not dead-lettered.
-    RedriveIgnored,
-    /// The task is on a dependency cycle and was rejected.
-    CycleDetected { cycle: String },
-    /// A dependency is missing or unfinished (condition updated).
-    WaitingForDependencies,
-    /// A dependency is dead-lettered or rejected (condition updated).
-    DependencyFailed,
-    /// `spec.cancel` was set; `holder`: the attempt that was running.
-    Cancelled { holder: Option<String> },
-    /// The queue was paused: the offer nobody claimed was withdrawn and
-    /// the task waits, no retry spent.
-    Withdrawn,
-    /// A cancelled task's current lease went missing: it ends a TTL later,
-    /// once the lease's holder (if any) has surely stopped.
-    CancelAwaitsLostHolder,
-}
 
 /// Consecutive `Interrupted` attempts retried at once; from this many on,
 /// each waits the task's backoff.

@@ -2,8 +2,7 @@
 //! for and failing on dependencies, cycles, acquiring and giving back
 //! locks around an attempt.
 
-use super::tests::{Case, TaskFixture, completed, into_status, lease, task};
-use super::*;
+use super::tests::*;
 use crate::locks::{HOLDER_UID, Holder, lock_name};
 use batchlease_api::graph::Cycle;
 use batchlease_api::{LeaseOutcome, keys::condition};
