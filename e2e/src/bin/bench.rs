@@ -278,7 +278,22 @@ async fn main() -> anyhow::Result<()> {
                 conc,
                 killswitch: fleet_killswitch,
             };
-            runs.push(fleet::run(&cluster, o, &mut report).await?);
+            // A size today's protocol cannot serve is a result, not the
+            // end of the sweep: say how it failed and go on.
+            match fleet::run(&cluster, o, &mut report).await {
+                Ok(m) => runs.push(m),
+                Err(e) => {
+                    let first = format!("{e:#}");
+                    let first = first.lines().next().unwrap_or_default().to_owned();
+                    emit(
+                        &mut report,
+                        &format!(
+                            "fleet: {workers} workers, {fleet_leases} leases: did not complete: {first}\n"
+                        ),
+                    );
+                    common::quiet_cluster(&cluster).await?;
+                }
+            }
         }
         fleet_summary(&runs, &out, &mut report)?;
     }

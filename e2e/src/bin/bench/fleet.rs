@@ -22,7 +22,7 @@ use std::time::Duration;
 use batchlease_api::{BatchTask, TaskPhase};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::phase_of;
-use batchlease_e2e::{Cluster, api_requests, wait_for};
+use batchlease_e2e::{Cluster, TestNamespace, api_requests, wait_for};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use serde_json::json;
@@ -158,6 +158,19 @@ async fn phases(api: &Api<BatchTask>, selector: &str) -> anyhow::Result<BTreeMap
 /// One fleet run at `o`'s sizes.
 pub async fn run(cluster: &Cluster, o: Opts, report: &mut String) -> anyhow::Result<Measured> {
     let ns = cluster.namespace("bench-fleet").await?;
+    // The namespace goes whether the run completed or not: a failed size
+    // must not leave its tasks to the next one.
+    let measured = measure(cluster, &ns, o, report).await;
+    ns.cleanup().await?;
+    measured
+}
+
+async fn measure(
+    cluster: &Cluster,
+    ns: &TestNamespace,
+    o: Opts,
+    report: &mut String,
+) -> anyhow::Result<Measured> {
     let note = quiet_cluster(cluster).await?;
     // Leader election at the operator's defaults (a 15 s Lease), not the
     // tests' quick one: a fleet at size loads the API server, and a
@@ -376,7 +389,6 @@ pub async fn run(cluster: &Cluster, o: Opts, report: &mut String) -> anyhow::Res
     );
     drop(fleet);
     drop(op);
-    ns.cleanup().await?;
     Ok(Measured {
         opts: o,
         apiserver_millicores_per_lease: core(0) * 1000.0 / m,
