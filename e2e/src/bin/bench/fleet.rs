@@ -34,6 +34,10 @@ use crate::common::{
 use crate::hollow::{Fleet, QUEUE, Stats};
 use crate::stats;
 
+/// Free slots the churn runs on, in all: the same at every fleet size, so
+/// tasks/s compares the protocol, not the number of slots.
+const CHURN_SLOTS: usize = 40;
+
 /// The sizes of one fleet run.
 #[derive(Debug, Clone, Copy)]
 pub struct Opts {
@@ -282,8 +286,9 @@ async fn measure(
         Vec::new()
     };
 
-    // 3. Churn: N no-op tasks through the fleet, one more slot each.
-    fleet.add_slots(1);
+    // 3. Churn: N no-op tasks through the fleet, with CHURN_SLOTS free
+    // slots in all (at least one per worker), whatever the fleet's size.
+    fleet.add_slots(CHURN_SLOTS.div_ceil(o.workers).max(1));
     let c0 = counters(&pids)?;
     let mut created: Vec<(String, Instant)> = Vec::with_capacity(o.churn);
     let start = Instant::now();
@@ -353,7 +358,9 @@ async fn measure(
         ),
     );
 
-    // 4. Failover: the busiest worker frozen with its leases.
+    // 4. Failover: the busiest worker frozen with its leases; the others
+    // get room for all of them (its leases are long tasks).
+    fleet.add_slots(slots.div_ceil(o.workers.saturating_sub(1).max(1)) + 1);
     let theirs = fleet.freeze_busiest().await;
     let frozen_at = Instant::now();
     anyhow::ensure!(!theirs.is_empty(), "no worker holds a lease");

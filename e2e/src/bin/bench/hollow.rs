@@ -232,7 +232,9 @@ impl Hollow {
                             drop(permit);
                         });
                     }
-                    None => drop(permit),
+                    // Lost: the watch has news this order does not know
+                    // (the SDK reads its store afresh before each claim).
+                    None => break,
                 }
             }
         }
