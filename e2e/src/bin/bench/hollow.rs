@@ -30,7 +30,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use rand::Rng;
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::{Mutex, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -104,6 +104,7 @@ impl Fleet {
                 slots: sem.clone(),
                 stats: stats.clone(),
                 freeze: freeze.clone(),
+                freed: Notify::new(),
             };
             tokio::spawn(w.run());
             workers.push((freeze, identity));
@@ -159,83 +160,105 @@ struct Hollow {
     slots: Arc<Semaphore>,
     stats: Arc<Stats>,
     freeze: CancellationToken,
+    /// A slot came free (the claim loop looks at the offers again).
+    freed: Notify,
 }
 
 impl Hollow {
     async fn run(self) {
         let me = Arc::new(self);
         tokio::spawn(me.clone().presence());
-        let selector = format!("{LABEL_QUEUE} in ({QUEUE})");
-        let stream = watcher(
-            me.leases.clone(),
-            watcher::Config::default().labels(&selector),
-        )
-        .backoff(WatchBackoff::new(rand::random));
-        futures::pin_mut!(stream);
-        let mut offers: HashMap<String, TaskLease> = HashMap::new();
+        // As the SDK: the watch keeps the offers up to date on a task of
+        // its own, and the claim loop reads them afresh before each claim
+        // (a loop that handled one event per claim fell behind the stream
+        // and raced for offers long taken).
+        let offers: Arc<std::sync::Mutex<HashMap<String, TaskLease>>> = Arc::default();
+        let changed = Arc::new(Notify::new());
+        tokio::spawn(me.clone().watch(offers.clone(), changed.clone()));
         loop {
-            let ev = tokio::select! {
+            tokio::select! {
                 () = me.freeze.cancelled() => return,
-                ev = stream.next() => ev,
-            };
-            match ev {
-                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
-                    if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
-                        offers.insert(l.name_any(), l);
-                    } else {
-                        offers.remove(&l.name_any());
-                    }
-                }
-                Some(Ok(watcher::Event::Delete(l))) => {
-                    offers.remove(&l.name_any());
-                }
-                Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) => {}
-                Some(Err(_)) => continue,
-                None => return,
+                () = changed.notified() => {}
+                () = me.freed.notified() => {}
             }
-            if offers.is_empty() || me.slots.available_permits() == 0 {
+            if me.slots.available_permits() == 0 {
                 continue;
             }
-            // As the SDK: a small random delay against thundering herds,
-            // then the offers oldest second first and, within a second, in
-            // an order of this worker's own (a hash of identity and name).
+            // A small random delay against thundering herds, then the
+            // offers oldest second first and, within a second, in an
+            // order of this worker's own (a hash of identity and name).
             let herd = Duration::from_millis(rand::rng().random_range(0..25));
             tokio::select! {
                 () = me.freeze.cancelled() => return,
                 () = tokio::time::sleep(herd) => {}
             }
-            let mut order: Vec<((Option<i64>, String), String)> = offers
-                .values()
-                .map(|l| {
-                    let second = l
-                        .metadata
-                        .creation_timestamp
-                        .as_ref()
-                        .map(|t| t.0.as_second());
-                    let spread = short_hash(&format!("{}\0{}", me.identity, l.name_any()));
-                    ((second, spread), l.name_any())
-                })
-                .collect();
-            order.sort();
-            for (_, name) in order {
+            loop {
                 let Ok(permit) = me.slots.clone().try_acquire_owned() else {
                     break;
                 };
-                let Some(offer) = offers.remove(&name) else {
-                    continue;
+                let first = {
+                    let Ok(mut map) = offers.lock() else { return };
+                    let best = map
+                        .values()
+                        .map(|l| {
+                            let second = l
+                                .metadata
+                                .creation_timestamp
+                                .as_ref()
+                                .map(|t| t.0.as_second());
+                            let spread = short_hash(&format!("{}\0{}", me.identity, l.name_any()));
+                            ((second, spread), l.name_any())
+                        })
+                        .min()
+                        .map(|(_, name)| name);
+                    best.and_then(|name| map.remove(&name))
                 };
-                match me.claim(&offer).await {
-                    Some((held, hold)) => {
-                        let me = me.clone();
-                        tokio::spawn(async move {
-                            me.hold(held, hold).await;
-                            drop(permit);
-                        });
-                    }
-                    // Lost: the watch has news this order does not know
-                    // (the SDK reads its store afresh before each claim).
-                    None => break,
+                let Some(offer) = first else { break };
+                if let Some((held, hold)) = me.claim(&offer).await {
+                    let me = me.clone();
+                    tokio::spawn(async move {
+                        me.hold(held, hold).await;
+                        drop(permit);
+                        me.freed.notify_one();
+                    });
                 }
+            }
+        }
+    }
+
+    /// Keeps `offers` to the leases of the queue the watch shows Offered.
+    async fn watch(
+        self: Arc<Self>,
+        offers: Arc<std::sync::Mutex<HashMap<String, TaskLease>>>,
+        changed: Arc<Notify>,
+    ) {
+        let selector = format!("{LABEL_QUEUE} in ({QUEUE})");
+        let stream = watcher(
+            self.leases.clone(),
+            watcher::Config::default().labels(&selector),
+        )
+        .backoff(WatchBackoff::new(rand::random));
+        futures::pin_mut!(stream);
+        loop {
+            let ev = tokio::select! {
+                () = self.freeze.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            let Ok(mut map) = offers.lock() else { return };
+            match ev {
+                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
+                    if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
+                        map.insert(l.name_any(), l);
+                        changed.notify_one();
+                    } else {
+                        map.remove(&l.name_any());
+                    }
+                }
+                Some(Ok(watcher::Event::Delete(l))) => {
+                    map.remove(&l.name_any());
+                }
+                Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) | Some(Err(_)) => {}
+                None => return,
             }
         }
     }
