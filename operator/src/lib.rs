@@ -16,3 +16,4 @@ pub mod settle;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;
+pub mod worker_leases;
