@@ -15,6 +15,7 @@ mod schema;
 mod task_lease;
 mod task_queue;
 mod watch_backoff;
+pub mod worker_lease;
 
 pub use batch_task::{
     AttemptRecord, BackoffSpec, BatchTask, BatchTaskSpec, BatchTaskStatus, Failure, RetryPolicy,

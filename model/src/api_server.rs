@@ -57,6 +57,11 @@ pub struct ApiServer {
     /// no departure timing in the model — only a deleted task's lock does —
     /// and recording them would split the other bounds' states.
     pub deleted_leases: BTreeMap<String, String>,
+    /// Worker Leases (`coordination.k8s.io/v1`, in the tasks' namespace)
+    /// by name: one per worker in per-worker renewal mode (see
+    /// [`crate::fleet`]); create fails if one exists, update is a
+    /// compare-and-swap, anyone may delete one.
+    pub workers: BTreeMap<String, String>,
 }
 
 pub fn decode<T: serde::de::DeserializeOwned>(json: &str) -> T {
@@ -120,6 +125,7 @@ impl ApiServer {
             locks: BTreeMap::new(),
             deleted: std::collections::BTreeSet::new(),
             deleted_leases: BTreeMap::new(),
+            workers: BTreeMap::new(),
         }
     }
 
@@ -332,5 +338,52 @@ impl ApiServer {
         stored.metadata.resource_version = Some(self.next_rv(&format!("lock/{name}")));
         self.locks.insert(name, encode(&stored));
         Ok(stored)
+    }
+
+    /// The worker Lease `name`, read directly.
+    pub fn worker_lease(&self, name: &str) -> Option<Lease> {
+        self.workers.get(name).map(|l| decode(l))
+    }
+
+    /// How many versions worker Lease `name` had (in any incarnation), to
+    /// make its `renewTime`s unique per write.
+    pub fn worker_writes(&self, name: &str) -> u32 {
+        self.versions
+            .get(&format!("worker/{name}"))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// `POST` of a worker Lease.
+    pub fn create_worker_lease(&mut self, new: &Lease) -> Result<Lease, Refused> {
+        let name = new.name_any();
+        if self.workers.contains_key(&name) {
+            return Err(Refused::AlreadyExists);
+        }
+        let mut stored = new.clone();
+        let rv = self.next_rv(&format!("worker/{name}"));
+        stored.metadata.uid = Some(format!("worker-uid-{name}-{rv}"));
+        stored.metadata.resource_version = Some(rv);
+        self.workers.insert(name, encode(&stored));
+        Ok(stored)
+    }
+
+    /// `PUT` of a worker Lease carrying the writer's resourceVersion.
+    pub fn replace_worker_lease(&mut self, new: &Lease) -> Result<Lease, Refused> {
+        let name = new.name_any();
+        let cur = self.worker_lease(&name).ok_or(Refused::NotFound)?;
+        if cur.metadata.resource_version != new.metadata.resource_version {
+            return Err(Refused::Conflict);
+        }
+        let mut stored = new.clone();
+        stored.metadata.uid = cur.metadata.uid;
+        stored.metadata.resource_version = Some(self.next_rv(&format!("worker/{name}")));
+        self.workers.insert(name, encode(&stored));
+        Ok(stored)
+    }
+
+    /// `DELETE` of a worker Lease (someone's: a fault).
+    pub fn delete_worker_lease(&mut self, name: &str) {
+        self.workers.remove(name);
     }
 }

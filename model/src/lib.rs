@@ -17,6 +17,10 @@
 //!   SDK's speculative executor is mirrored in the worker ([`worker`]) and
 //!   the store's compare-and-swap in the fenced transaction in
 //!   [`storage`];
+//! - renewals per worker ([`fleet`], issue 27): workers renew a worker
+//!   Lease listing their attempts; the operator credits its renewals with
+//!   the production `worker_leases` rule and revokes an attempt there
+//!   before it ends its lease;
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
@@ -35,6 +39,7 @@
 pub mod api_server;
 pub mod cancel;
 pub mod election;
+pub mod fleet;
 pub mod locks;
 pub mod operator;
 mod properties;
@@ -157,6 +162,15 @@ pub struct Config {
     /// A user may delete the first task, once, at any step; the garbage
     /// collector then deletes its leases, one step each.
     pub task_deletion: bool,
+    /// Renewals per worker (issue 27): workers renew a worker Lease
+    /// listing their attempts instead of each TaskLease (see [`fleet`]).
+    pub per_worker: bool,
+    pub worker_rule: fleet::WorkerRule,
+    /// Faults of worker Leases (one budget): an attempt dropped from
+    /// `holds` while it runs, a renewal that lands late.
+    pub worker_faults: u8,
+    /// Times someone other than its worker deletes a worker Lease.
+    pub worker_deletions: u8,
 }
 
 impl Config {
@@ -190,6 +204,10 @@ impl Config {
             spawn_rule: spawn::SpawnRule::Gate,
             ttl_edit: false,
             task_deletion: false,
+            per_worker: false,
+            worker_rule: fleet::WorkerRule::Revoke,
+            worker_faults: 0,
+            worker_deletions: 0,
         }
     }
 }
@@ -300,6 +318,9 @@ pub struct State {
     pub cancel: cancel::CancelGhosts,
     /// Children's creates on their way, and ghosts of spawning.
     pub spawn: spawn::SpawnGhosts,
+    /// Workers' sides of their worker Leases, and ghosts of renewals per
+    /// worker.
+    pub fleet: fleet::Fleet,
 }
 
 /// A step.
@@ -346,6 +367,17 @@ pub enum Action {
     DeleteTask(usize),
     /// The garbage collector deletes a lease whose task is gone.
     CollectLease(String),
+    /// The operator's cache of worker Leases catches up.
+    SyncWorkerLeases,
+    /// Worker `w` sends a renewal of its worker Lease that lands later.
+    SendRenewal(usize),
+    /// Worker `w`'s renewal on its way lands.
+    RenewLands(usize),
+    /// Worker `w` renews its worker Lease without its attempt (which it
+    /// still runs).
+    DropAttempt(usize),
+    /// Someone deletes a worker Lease.
+    DeleteWorkerLease(String),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -460,6 +492,7 @@ impl Model for Cluster {
             spec: SpecGhosts::default(),
             cancel: cancel::CancelGhosts::default(),
             spawn: spawn::SpawnGhosts::default(),
+            fleet: fleet::Fleet::new(self.cfg.workers),
         });
         states.map(|s| self.started(s)).collect()
     }
@@ -529,6 +562,12 @@ impl Cluster {
         if s.op.leases != s.api.leases {
             actions.push(Action::SyncLeases);
         }
+        if self.cfg.per_worker {
+            if s.op.wleases != s.api.workers {
+                actions.push(Action::SyncWorkerLeases);
+            }
+            self.fleet_faults(s, actions);
+        }
         if s.op.tasks.is_some() {
             for i in 0..s.api.tasks.len() {
                 if !s.op.pending.contains_key(&i) {
@@ -582,7 +621,9 @@ impl Cluster {
                     }
                 }
                 Worker::Holding(a) => {
-                    if self.alive(a, s.now) && a.last_ok_sent < s.now {
+                    if self.cfg.per_worker {
+                        self.fleet_steps(s, w, actions);
+                    } else if self.alive(a, s.now) && a.last_ok_sent < s.now {
                         actions.push(Action::Renew(w));
                         if s.lost < self.cfg.lost_answers {
                             actions.push(Action::RenewAnswerLost(w));
@@ -706,6 +747,20 @@ impl Cluster {
                 s.deletions += 1;
                 let _ = s.api.delete_lease(name, None);
             }
+            Action::SyncWorkerLeases => self.fleet_sync(&mut s),
+            Action::Renew(w) if self.cfg.per_worker => {
+                self.fleet_renew(&mut s, *w, fleet::Send::Normal);
+            }
+            Action::RenewAnswerLost(w) if self.cfg.per_worker => {
+                self.fleet_renew(&mut s, *w, fleet::Send::AnswerLost);
+            }
+            Action::SendRenewal(w) => self.fleet_renew(&mut s, *w, fleet::Send::Late),
+            Action::DropAttempt(w) => self.fleet_renew(&mut s, *w, fleet::Send::Drop),
+            Action::RenewLands(w) => self.fleet_lands(&mut s, *w),
+            Action::DeleteWorkerLease(name) => {
+                s.fleet.deletions += 1;
+                s.api.delete_worker_lease(name);
+            }
             Action::ClaimAnswerLost(w, name) => {
                 s.lost += 1;
                 s.lost_claim = true;
@@ -746,6 +801,7 @@ impl Cluster {
                         exclusive: mode == Some(TaskMode::Exclusive),
                         ..Round::default()
                     }),
+                    dropped: false,
                 });
             }
             Action::SpawnLands(k) => self.spawn_lands(&mut s, *k),

@@ -13,6 +13,7 @@ use batchlease_operator::deps::Readiness;
 use batchlease_operator::lease_build::offered_lease;
 use batchlease_operator::locks::{self as operator_locks, Slot};
 use batchlease_operator::observe::Seen;
+use batchlease_operator::worker_leases::WorkerSeen;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 
@@ -46,6 +47,10 @@ pub struct Operator {
     /// Attempts of deleted tasks whose departure it did not see: when it
     /// first asked about one (lease name, task UID).
     pub unknown_since: BTreeMap<(String, String), tokio::time::Instant>,
+    /// Per-worker renewals: its cache of the worker Leases (a watch of its
+    /// own, lagging like the others) and what it observed of each.
+    pub wleases: BTreeMap<String, String>,
+    pub wseen: BTreeMap<String, WorkerSeen>,
 }
 
 /// What became of a request.
@@ -88,6 +93,13 @@ pub enum Write {
         leases: Vec<String>,
         pass: Option<Box<Pass>>,
         then_decide: bool,
+    },
+    /// `PUT` (a CAS on the cached copy) or `POST` of a worker Lease
+    /// revoking an attempt (JSON); then the write that ends its lease.
+    Revoke {
+        lease: String,
+        create: bool,
+        then: Box<Write>,
     },
 }
 
@@ -323,7 +335,7 @@ impl Cluster {
                 }))
             }
             Decision::Expire { lease, .. } | Decision::Release { lease, .. } => {
-                Some(Write::Lease(encode(&*lease)))
+                Some(self.fleet_guard(s, &lease, Write::Lease(encode(&*lease))))
             }
             // One delete per pass is enough for the model (it keeps few leases).
             Decision::Prune { victims, .. } => victims
@@ -453,6 +465,7 @@ impl Cluster {
                         s.expired_after_lost_claim |= s.lost_claim;
                         s.expired_after_lost_renewal |= s.lost_renewal;
                         s.expired_after_crash |= s.crashes > 0;
+                        s.fleet.expired_after_fault |= s.fleet.faults > 0;
                     }
                 }
             }
@@ -473,6 +486,22 @@ impl Cluster {
                     Err(_) => sent.already_exists = true,
                 }
                 sent.applied = !sent.already_exists;
+            }
+            Write::Revoke {
+                lease,
+                create,
+                then,
+            } => {
+                let l: Lease = decode(&lease);
+                let written = if create {
+                    s.api.create_worker_lease(&l)
+                } else {
+                    s.api.replace_worker_lease(&l)
+                };
+                if written.is_ok() {
+                    sent.applied = true;
+                    sent.next = Some(*then);
+                }
             }
             Write::Delete(name, rv) => {
                 sent.applied = s.api.delete_lease(&name, rv.as_deref()).is_ok();

@@ -33,6 +33,7 @@ impl Cluster {
         p.extend(Self::speculative_properties());
         p.extend(crate::cancel::properties());
         p.extend(crate::spawn::properties());
+        p.extend(crate::fleet::properties());
         p
     }
 

@@ -61,6 +61,10 @@ pub struct Attempt {
     pub spawned: bool,
     /// A speculative attempt's round (`None`: not speculative).
     pub round: Option<Round>,
+    /// Per-worker renewals: the worker dropped the attempt from its worker
+    /// Lease's `holds` while running it, and never lists it again (a fault,
+    /// see [`crate::fleet`]).
+    pub dropped: bool,
 }
 
 /// A speculative attempt's current round.
@@ -86,7 +90,7 @@ pub(crate) fn worker_name(w: usize) -> String {
 
 /// Worker `w`'s attempt ends: the side effect of a round that did not
 /// commit is undone (each once), and the worker is idle.
-fn end(s: &mut State, w: usize) {
+pub(crate) fn end(s: &mut State, w: usize) {
     if let Worker::Holding(a) = &s.workers[w]
         && a.round.as_ref().is_some_and(|r| r.effect)
     {

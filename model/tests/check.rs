@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use batchlease_model::cancel::CancelRule;
 use batchlease_model::election::{Election, ElectionConfig, ElectionRule};
+use batchlease_model::fleet::WorkerRule;
 use batchlease_model::locks::LockRule;
 use batchlease_model::spawn::SpawnRule;
 use batchlease_model::storage::{CasRule, StorageRule};
@@ -633,6 +634,110 @@ fn a_swap_outside_the_fence_is_caught() {
     let mut cfg = speculative_zombies(2, 0);
     cfg.cas = CasRule::OutsideFence;
     let p = "the key counts the tasks whose commit stuck";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Renewals per worker (issue 27): two workers renew one worker Lease
+/// each, listing the attempt they run, instead of its TaskLease; the
+/// operator sees worker Leases through a cache of its own. `faults`: how
+/// many attempts dropped from `holds` while running, and late renewals.
+fn per_worker(ticks: u8, faults: u8) -> Config {
+    Config {
+        per_worker: true,
+        worker_faults: faults,
+        ..config(ticks, 0, 0)
+    }
+}
+
+/// Renewals per worker, 6 s, one fault anywhere: a renewal drops the
+/// running attempt from `holds` (renewing one but not another), or a
+/// renewal lands late — a zombie's write naming an attempt the operator
+/// has expired meanwhile. The worker Lease stopping while the TaskLease
+/// looks live is any worker taking no step. Every property holds;
+/// worker-Lease renewals keep attempts alive, and an expiry revokes its
+/// attempt first.
+#[test]
+fn safe_with_renewals_per_worker() {
+    assert_safe(
+        per_worker(3, 1),
+        &[
+            "an expired lease's task is offered again",
+            "a worker-Lease renewal keeps an attempt alive past its claim's kill switch",
+            "a worker stops an attempt revoked in its worker Lease",
+            "an expiry follows a fault of a worker Lease",
+            "a late worker-Lease renewal naming an expired attempt reaches the API server",
+        ],
+    );
+}
+
+/// Renewals per worker, 6 s, one answer lost: a claim's, or a worker-Lease
+/// renewal's (applied; the worker's copy is stale and its kill clock not
+/// fed).
+#[test]
+fn safe_when_worker_lease_answers_are_lost() {
+    let mut cfg = per_worker(3, 0);
+    cfg.lost_answers = 1;
+    assert_safe(
+        cfg,
+        &[
+            "an expiry follows a lost claim answer",
+            "a worker-Lease renewal keeps an attempt alive past its claim's kill switch",
+        ],
+    );
+}
+
+/// The rule as the design first had it (a mutation): renewals credited by
+/// the production rule, the TaskLease expired by its own CAS alone. The
+/// operator's cache of worker Leases lags: it expires the lease while the
+/// worker's renewals, which it has not seen, keep the attempt alive — and
+/// the attempt writes to storage after its lease expired.
+#[test]
+fn expiring_without_revoking_is_caught() {
+    let mut cfg = per_worker(3, 0);
+    cfg.worker_rule = WorkerRule::NoRevoke;
+    let p = "no storage write is accepted for an attempt whose lease expired";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Today's operator with a per-worker SDK (a mutation): only a TaskLease's
+/// own `renewTime` counts, so a lease whose worker renews only its worker
+/// Lease expires a TTL after its claim while the attempt runs.
+#[test]
+fn ignoring_worker_leases_is_caught() {
+    let mut cfg = per_worker(3, 0);
+    cfg.worker_rule = WorkerRule::Ignore;
+    let p = "no storage write is accepted for an attempt whose lease expired";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Crediting a renewal only to the attempts it lists (a mutation of the
+/// production rule): the operator first sees the worker Lease at the
+/// renewal that dropped the running attempt; the versions before, which
+/// listed it and fed its kill clock, it never saw — it expires the lease
+/// and the attempt writes after.
+#[test]
+fn crediting_only_the_listed_attempts_is_caught() {
+    let mut cfg = per_worker(3, 1);
+    cfg.worker_rule = WorkerRule::NamedOnly;
+    let p = "no storage write is accepted for an attempt whose lease expired";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Someone other than its worker deletes a worker Lease (the fault the
+/// issue named): unsafe whatever the operator does — the deletion hides
+/// renewals its cache has not shown yet, and its revocation (a create, the
+/// Lease being gone) succeeds. Why admission must keep a worker Lease's
+/// DELETE to its holder too, and the SDK delete it only once its attempts
+/// have stopped (`docs/model.md`).
+#[test]
+fn a_worker_lease_deleted_by_someone_else_is_caught() {
+    let mut cfg = per_worker(3, 0);
+    cfg.worker_deletions = 1;
+    let p = "no storage write is accepted for an attempt whose lease expired";
     let path = run(cfg, Some(p)).0.assert_any_discovery(p);
     eprintln!("counterexample: {:?}", path.into_actions());
 }

@@ -15,3 +15,4 @@ pub mod observe;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;
+pub mod worker_leases;

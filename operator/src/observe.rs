@@ -37,6 +37,18 @@ pub struct Seen {
     pub observation: Observation,
 }
 
+impl Seen {
+    /// The holder the record is of.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// The UID of the lease object the record is of.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+}
+
 /// Pure: the new record for `lease` seen at `now`, given the previous one.
 /// `None` when the lease is not held, nor a held lease released (nothing
 /// to time).

@@ -9,6 +9,8 @@
 //!  [--kill=never] [--speculative [--start-quarantined]
 //!  [--cas=blind|outside-fence]] [--cancel [--cancel-rule=end-at-release|spec-ttl]]
 //!  [--ttl-edit] [--delete-task]
+//!  [--per-worker [--worker-faults=1] [--worker-deletions=1]
+//!  [--worker-rule=no-revoke|ignore|named-only]]
 //!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--cancel`: a user may set `spec.cancel` on the first task at any step;
@@ -18,6 +20,11 @@
 //! cut to 5 s at any step; `--cancel-rule=spec-ttl`: the mutation that
 //! times a lost lease's holder by the task's current TTL (the checker must
 //! catch it with `--ttl-edit`).
+//! `--per-worker`: workers renew a worker Lease listing their attempts
+//! instead of each TaskLease (issue 27); `--worker-faults`: how many
+//! deletions of a worker Lease, attempts dropped from it while running,
+//! and late renewals; `--worker-rule`: the mutations (no revocation
+//! before an expiry; worker Leases ignored).
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -34,6 +41,7 @@
 use std::time::{Duration, Instant};
 
 use batchlease_model::KillRule;
+use batchlease_model::fleet::WorkerRule;
 use batchlease_model::locks::LockRule;
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, RepairRule};
@@ -76,6 +84,12 @@ fn main() {
             "--cancel" => cfg.cancel = true,
             "--ttl-edit" => cfg.ttl_edit = true,
             "--delete-task" => cfg.task_deletion = true,
+            "--per-worker" => cfg.per_worker = true,
+            "--worker-faults" => cfg.worker_faults = n(),
+            "--worker-deletions" => cfg.worker_deletions = n(),
+            "--worker-rule" if v == "no-revoke" => cfg.worker_rule = WorkerRule::NoRevoke,
+            "--worker-rule" if v == "ignore" => cfg.worker_rule = WorkerRule::Ignore,
+            "--worker-rule" if v == "named-only" => cfg.worker_rule = WorkerRule::NamedOnly,
             "--cancel-rule" if v == "spec-ttl" => {
                 cfg.cancel_rule = batchlease_model::cancel::CancelRule::SpecTtl;
             }
