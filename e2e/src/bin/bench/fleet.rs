@@ -7,7 +7,7 @@
 //!    number of renewal periods: kube-apiserver and etcd CPU and memory,
 //!    requests/s by verb, watch events sent/s — per held lease;
 //! 2. **churn**: N short tasks through the fleet while the M stay held:
-//!    tasks/s, and per task (the held window's steady rates subtracted)
+//!    tasks/s, and per task (the held leases' renewals subtracted)
 //!    API writes, watch events sent, API-server CPU; offer latency from
 //!    the create to the claim's answer;
 //! 3. **failover**: one worker frozen (as by SIGSTOP) with its leases; the
@@ -230,7 +230,8 @@ async fn measure(
     tokio::time::sleep(Duration::from_secs_f64(periods * period)).await;
     let b = counters(&pids)?;
     let held = delta(&a, &b);
-    let renewals = (Stats::get(&s.renewals) - renewals0) as f64 / held.secs;
+    let held_renewals = (Stats::get(&s.renewals) - renewals0) as f64;
+    let renewals = held_renewals / held.secs;
     let m = o.leases as f64;
     let core = |i: usize| held.cpu[i] / held.secs;
     let (table, rate) = api_requests::per_second(&held.requests, held.secs);
@@ -290,6 +291,7 @@ async fn measure(
     // slots in all (at least one per worker), whatever the fleet's size.
     fleet.add_slots(CHURN_SLOTS.div_ceil(o.workers).max(1));
     let c0 = counters(&pids)?;
+    let renewals_c0 = Stats::get(&s.renewals);
     let mut created: Vec<(String, Instant)> = Vec::with_capacity(o.churn);
     let start = Instant::now();
     for chunk in (0..o.churn).collect::<Vec<_>>().chunks(o.conc.max(1)) {
@@ -329,8 +331,11 @@ async fn measure(
     );
     let churn = delta(&c0, &c1);
     let n = o.churn.max(1) as f64;
-    // What the held leases cost meanwhile, at the held window's rates.
-    let steady = churn.secs / held.secs;
+    // What the held leases cost meanwhile: the held window's cost per
+    // renewal times the renewals made during the churn (not per second: a
+    // loaded API server renews late, and a time-based share overshoots).
+    let renewals_churn = (Stats::get(&s.renewals) - renewals_c0) as f64;
+    let steady = renewals_churn / held_renewals.max(1.0);
     let writes = (churn.protocol_writes() - held.protocol_writes() * steady) / n;
     let events = (churn.events("taskleases") + churn.events("batchtasks")
         - (held.events("taskleases") + held.events("batchtasks")) * steady)
@@ -348,7 +353,7 @@ async fn measure(
     emit(
         report,
         &format!(
-            "fleet churn: {} no-op tasks while the {m:.0} stay held: {tasks_per_s:.1} tasks/s; per task, the held leases' steady cost subtracted: \
+            "fleet churn: {} no-op tasks while the {m:.0} stay held: {tasks_per_s:.1} tasks/s; per task, the held leases' renewals subtracted at the held window's cost per renewal: \
              protocol writes {writes:.2}, watch events sent {events:.1} (TaskLeases and BatchTasks), kube-apiserver CPU {api_ms:.1} ms; \
              claims lost to another worker {} ({:.2} per task); offer latency, create → claim answered: {}\n",
             o.churn,
