@@ -92,6 +92,25 @@ pub fn sum_tasks(text: &str, ns: &str, phase: &str) -> usize {
         .sum()
 }
 
+/// An operator in `ns` electing its leader at the production defaults (a
+/// 15 s Lease renewed every 10/3 s, 5 s grace), not the tests' quick 6 s
+/// one, once it leads: a phase that measures the operator's own requests,
+/// or loads the API server so much that a quick term would lapse,
+/// measures the election otherwise.
+pub async fn operator_at_defaults(ns: &str) -> anyhow::Result<Operator> {
+    let op = Operator::start_with(
+        ns,
+        "op",
+        vec![
+            "--events=important".into(),
+            "--leader-lease-seconds=15".into(),
+            "--leader-grace-seconds=5".into(),
+        ],
+    )?;
+    op.wait_leading(Duration::from_secs(60)).await?;
+    Ok(op)
+}
+
 pub fn rss_mib(pid: Option<u32>) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
     let kib: f64 = status

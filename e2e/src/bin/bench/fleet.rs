@@ -20,7 +20,6 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use batchlease_api::{BatchTask, TaskPhase};
-use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::phase_of;
 use batchlease_e2e::{Cluster, TestNamespace, api_requests, wait_for};
 use kube::ResourceExt;
@@ -29,7 +28,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::common::{
-    component_pid, cpu_of, create_all, emit, operator_count, quiet_cluster, rss_mib,
+    component_pid, cpu_of, create_all, emit, operator_at_defaults, operator_count, quiet_cluster,
+    rss_mib,
 };
 use crate::hollow::{Fleet, QUEUE, Stats};
 use crate::stats;
@@ -176,19 +176,8 @@ async fn measure(
     report: &mut String,
 ) -> anyhow::Result<Measured> {
     let note = quiet_cluster(cluster).await?;
-    // Leader election at the operator's defaults (a 15 s Lease), not the
-    // tests' quick one: a fleet at size loads the API server, and a
-    // leader that loses its term mid-run measures the election instead.
-    let op = Operator::start_with(
-        &ns.name,
-        "op",
-        vec![
-            "--events=important".into(),
-            "--leader-lease-seconds=15".into(),
-            "--leader-grace-seconds=5".into(),
-        ],
-    )?;
-    op.wait_leading(Duration::from_secs(60)).await?;
+    // A fleet at size loads the API server: a quick leader term would lapse.
+    let op = operator_at_defaults(&ns.name).await?;
     let (apiserver, etcd) = (component_pid("kube-apiserver"), component_pid("etcd"));
     let pids = [apiserver, etcd, op.pid(), Some(std::process::id())];
     let slots = o.leases.div_ceil(o.workers);

@@ -10,14 +10,15 @@
 use std::time::Duration;
 
 use batchlease_api::{LeasePhase, TaskLease, TaskPhase};
-use batchlease_e2e::operator::Operator;
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, api_requests, wait_for};
 use kube::api::Api;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::common::{component_pid, count_phase, cpu_of, create_all, emit, quiet_cluster};
+use crate::common::{
+    component_pid, count_phase, cpu_of, create_all, emit, operator_at_defaults, quiet_cluster,
+};
 
 /// The TTL of the held leases (the default of a BatchTask).
 pub const TTL_SECONDS: f64 = 30.0;
@@ -68,19 +69,8 @@ pub async fn run(
     // nothing to do.
     let note = quiet_cluster(cluster).await?;
     let alone = window(len, &cp).await?;
-    // Leader election at the operator's defaults (a 15 s Lease renewed
-    // every 10/3 s), not the tests' quick 6 s one: its renewals are the
-    // idle operator's only writes.
-    let op = Operator::start_with(
-        &ns.name,
-        "op",
-        vec![
-            "--events=important".into(),
-            "--leader-lease-seconds=15".into(),
-            "--leader-grace-seconds=5".into(),
-        ],
-    )?;
-    op.wait_leading(Duration::from_secs(60)).await?;
+    // Its leader election's renewals are the idle operator's only writes.
+    let op = operator_at_defaults(&ns.name).await?;
     let idle = window(len, &[cp[0], cp[1], op.pid()]).await?;
     let (alone_table, alone_rate) = api_requests::per_second(&alone.requests, alone.secs);
     let (idle_table, idle_rate) = api_requests::per_second(&idle.requests, idle.secs);
