@@ -20,7 +20,7 @@ use kube::ResourceExt;
 /// `offers` in the order `identity` tries them, without those in `skip`
 /// (leases this worker claimed moments ago, which its cache may still show
 /// offered).
-pub(crate) fn claim_order(
+pub fn claim_order(
     offers: Vec<Arc<TaskLease>>,
     identity: &str,
     skip: &HashSet<String>,

@@ -56,6 +56,10 @@ mod subgraph;
 mod worker;
 
 pub use attempt::Ended;
+// For the fleet simulator's hollow workers, which must try offers in the
+// SDK's order to cost the API server what SDK workers cost it.
+#[doc(hidden)]
+pub use claim_order::claim_order;
 // What a handler needs to describe children without depending on the API
 // crate itself.
 pub use batchlease_api::{

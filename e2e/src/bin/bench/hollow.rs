@@ -14,14 +14,14 @@
 //! process holding 1,000 watches stays small; the API server still sends
 //! each of them every event.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use batchlease_api::keys::{ANNOTATION_QUEUES, LABEL_QUEUE, LABEL_WORKER, presence_name};
-use batchlease_api::names::short_hash;
 use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease, WatchBackoff};
+use batchlease_worker_sdk::claim_order;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -172,7 +172,7 @@ impl Hollow {
         // its own, and the claim loop reads them afresh before each claim
         // (a loop that handled one event per claim fell behind the stream
         // and raced for offers long taken).
-        let offers: Arc<std::sync::Mutex<HashMap<String, TaskLease>>> = Arc::default();
+        let offers: Arc<std::sync::Mutex<HashMap<String, Arc<TaskLease>>>> = Arc::default();
         let changed = Arc::new(Notify::new());
         tokio::spawn(me.clone().watch(offers.clone(), changed.clone()));
         loop {
@@ -185,8 +185,7 @@ impl Hollow {
                 continue;
             }
             // A small random delay against thundering herds, then the
-            // offers oldest second first and, within a second, in an
-            // order of this worker's own (a hash of identity and name).
+            // offers in the SDK's own order (`claim_order`).
             let herd = Duration::from_millis(rand::rng().random_range(0..25));
             tokio::select! {
                 () = me.freeze.cancelled() => return,
@@ -198,20 +197,12 @@ impl Hollow {
                 };
                 let first = {
                     let Ok(mut map) = offers.lock() else { return };
-                    let best = map
-                        .values()
-                        .map(|l| {
-                            let second = l
-                                .metadata
-                                .creation_timestamp
-                                .as_ref()
-                                .map(|t| t.0.as_second());
-                            let spread = short_hash(&format!("{}\0{}", me.identity, l.name_any()));
-                            ((second, spread), l.name_any())
-                        })
-                        .min()
-                        .map(|(_, name)| name);
-                    best.and_then(|name| map.remove(&name))
+                    let order = claim_order(
+                        map.values().cloned().collect(),
+                        &me.identity,
+                        &HashSet::new(),
+                    );
+                    order.first().and_then(|l| map.remove(&l.name_any()))
                 };
                 let Some(offer) = first else { break };
                 if let Some((held, hold)) = me.claim(&offer).await {
@@ -229,7 +220,7 @@ impl Hollow {
     /// Keeps `offers` to the leases of the queue the watch shows Offered.
     async fn watch(
         self: Arc<Self>,
-        offers: Arc<std::sync::Mutex<HashMap<String, TaskLease>>>,
+        offers: Arc<std::sync::Mutex<HashMap<String, Arc<TaskLease>>>>,
         changed: Arc<Notify>,
     ) {
         let selector = format!("{LABEL_QUEUE} in ({QUEUE})");
@@ -248,7 +239,7 @@ impl Hollow {
             match ev {
                 Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
                     if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
-                        map.insert(l.name_any(), l);
+                        map.insert(l.name_any(), Arc::new(l));
                         changed.notify_one();
                     } else {
                         map.remove(&l.name_any());
