@@ -44,7 +44,10 @@ mod dependencies;
 mod error;
 mod fence;
 mod heartbeat_runtime;
-mod lease_ops;
+// Public for the fleet simulator's hollow workers, which make the SDK's
+// own lease writes.
+#[doc(hidden)]
+pub mod lease_ops;
 mod metrics;
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -60,6 +63,9 @@ pub use attempt::Ended;
 // SDK's order to cost the API server what SDK workers cost it.
 #[doc(hidden)]
 pub use claim_order::claim_order;
+// And write the SDK's presence record, at its period.
+#[doc(hidden)]
+pub use presence::{PERIOD as PRESENCE_PERIOD, record as presence_record};
 // What a handler needs to describe children without depending on the API
 // crate itself.
 pub use batchlease_api::{

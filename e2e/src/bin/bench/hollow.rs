@@ -7,7 +7,9 @@
 //! SDK's selector (every TaskLease of the queue), the read of the task
 //! before a claim, the claim, a renewal per held lease every TTL/3 from
 //! when the last one was sent, the completion, and a presence Lease every
-//! 10 s.
+//! 10 s. The writes, the claim order and the presence record are the SDK's
+//! own functions (`lease_ops`, `claim_order`, `presence_record`, exported
+//! hidden for this), so they cannot drift from what SDK workers send.
 //!
 //! Cheaper than the SDK on the simulator's side only: a hollow worker
 //! keeps the offers of its watch, not a copy of every lease, so the
@@ -19,14 +21,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use batchlease_api::keys::{ANNOTATION_QUEUES, LABEL_QUEUE, LABEL_WORKER, presence_name};
+use batchlease_api::keys::{LABEL_QUEUE, presence_name};
 use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease, WatchBackoff};
-use batchlease_worker_sdk::claim_order;
+use batchlease_worker_sdk::lease_ops::{self, Renewal};
+use batchlease_worker_sdk::{PRESENCE_PERIOD, claim_order, presence_record};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use rand::Rng;
@@ -36,8 +38,6 @@ use tokio_util::sync::CancellationToken;
 
 /// The queue the fleet serves.
 pub const QUEUE: &str = "fleet";
-/// How often the presence record is renewed (the SDK's `presence::PERIOD`).
-const PRESENCE_PERIOD: Duration = Duration::from_secs(10);
 
 /// What the fleet did, counted as it went.
 #[derive(Debug, Default)]
@@ -271,18 +271,8 @@ impl Hollow {
             .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
             .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
             .map_or(Duration::ZERO, Duration::from_millis);
-        let mut l = offer.clone();
-        let t = MicroTime(Timestamp::now());
-        l.spec.holder_identity = Some(self.identity.clone());
-        l.spec.acquire_time = Some(t.clone());
-        l.spec.renew_time = Some(t);
-        l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
-        match self
-            .leases
-            .replace(&l.name_any(), &PostParams::default(), &l)
-            .await
-        {
-            Ok(held) => {
+        match lease_ops::claim(&self.leases, offer, &self.identity).await {
+            Ok(Some(held)) => {
                 Stats::inc(&self.stats.claims);
                 self.stats.claimed.lock().await.insert(
                     held.spec.task_name.clone(),
@@ -298,7 +288,7 @@ impl Hollow {
                 );
                 Some((held, hold))
             }
-            Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409 | 422) => {
+            Ok(None) => {
                 Stats::inc(&self.stats.lost_races);
                 None
             }
@@ -336,33 +326,29 @@ impl Hollow {
                 () = tokio::time::sleep_until(done.min(next)) => done <= next,
             };
             if complete {
-                let st = ours.status.get_or_insert_with(Default::default);
-                st.phase = Some(LeasePhase::Completed);
-                st.outcome = Some(LeaseOutcome::Succeeded);
-                match self
-                    .leases
-                    .replace(&ours.name_any(), &PostParams::default(), &ours)
-                    .await
-                {
-                    Ok(_) => Stats::inc(&self.stats.completions),
+                let c = lease_ops::Completion {
+                    outcome: LeaseOutcome::Succeeded,
+                    reason: None,
+                    message: None,
+                    permanent: false,
+                    result: None,
+                    checkpoint: None,
+                };
+                match lease_ops::complete_once(&self.leases, &ours, &c).await {
+                    Ok(()) => Stats::inc(&self.stats.completions),
                     Err(_) => Stats::inc(&self.stats.failed_writes),
                 }
                 return;
             }
             next = Instant::now() + ttl / 3;
-            ours.spec.renew_time = Some(MicroTime(Timestamp::now()));
-            match self
-                .leases
-                .replace(&ours.name_any(), &PostParams::default(), &ours)
-                .await
-            {
-                Ok(stored) => {
+            // The SDK's renewal: a conflict is re-read, and only a lease no
+            // longer ours ends the hold.
+            match lease_ops::renew(&self.leases, &ours, &self.identity, None).await {
+                Ok(Renewal::Renewed(stored)) => {
                     Stats::inc(&self.stats.renewals);
-                    ours = stored;
+                    ours = *stored;
                 }
-                Err(kube::Error::Api(s)) if matches!(s.code, 404 | 409 | 422) => {
-                    // Only the operator writes a held lease besides its
-                    // holder, and only to end it.
+                Ok(Renewal::Lost(_) | Renewal::Cancelled) => {
                     Stats::inc(&self.stats.lost_leases);
                     return;
                 }
@@ -382,13 +368,7 @@ impl Hollow {
             () = tokio::time::sleep(spread) => {}
         }
         loop {
-            let rec = serde_json::json!({
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": name, "labels": {LABEL_WORKER: "true"},
-                             "annotations": {ANNOTATION_QUEUES: QUEUE}},
-                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": 30,
-                         "renewTime": MicroTime(Timestamp::now())},
-            });
+            let rec = presence_record(&self.identity, &[QUEUE.to_owned()], Timestamp::now());
             if self
                 .presence
                 .patch(&name, &params, &Patch::Apply(&rec))
