@@ -20,18 +20,6 @@ pub const LABEL_WORKER: &str = "batchlease.dev/worker";
 /// comma-separated.
 pub const ANNOTATION_QUEUES: &str = "batchlease.dev/queues";
 
-/// Annotation on a worker Lease (the presence record, promoted: issue 27):
-/// the TaskLeases the worker keeps alive with this Lease's renewals,
-/// comma-separated names in the Lease's namespace. An attempt is listed
-/// from the first renewal after its claim until it has stopped; see
-/// [`crate::worker_lease`].
-pub const ANNOTATION_HOLDS: &str = "batchlease.dev/holds";
-/// Annotation on a worker Lease: attempts the operator revoked (written
-/// by the operator, by a compare-and-swap on the Lease, before it expires
-/// or releases one of the worker's leases). A worker stops a revoked
-/// attempt and never lists it in [`ANNOTATION_HOLDS`] again.
-pub const ANNOTATION_REVOKED: &str = "batchlease.dev/revoked";
-
 /// The name of the presence record of worker `identity` (holder
 /// identities hold a `/`, which no object name may).
 pub fn presence_name(identity: &str) -> String {

@@ -27,7 +27,10 @@ pub use json::{
     JsonObject, JsonObjectError, MAX_CHECKPOINT_BYTES, MAX_DEPTH, MAX_MESSAGE_CHARS,
     MAX_REASON_CHARS, MAX_RESULT_BYTES,
 };
-pub use task_lease::{LeaseOutcome, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus};
+pub use task_lease::{
+    LeaseOutcome, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus,
+};
+pub use worker_lease::{AttemptRef, WorkerLease, WorkerLeaseSpec, WorkerLeaseStatus};
 pub use task_queue::{
     TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,
 };
@@ -46,5 +49,5 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     for version in &mut lease.spec.versions {
         version.subresources = None;
     }
-    vec![BatchTask::crd(), lease, TaskQueue::crd()]
+    vec![BatchTask::crd(), lease, TaskQueue::crd(), WorkerLease::crd()]
 }

@@ -85,6 +85,12 @@ use serde::{Deserialize, Serialize};
 .field_path(".resourceTokens")
 .reason(Reason::FieldValueForbidden))]
 #[x_kube(validation = Rule::new(
+    "has(oldSelf.renewal) ? (has(self.renewal) && (self.renewal == oldSelf.renewal || (oldSelf.renewal == 'Lease' && self.renewal == 'Worker' && (!has(oldSelf.holderIdentity) || oldSelf.holderIdentity == '') && has(self.holderIdentity) && self.holderIdentity != ''))) : !has(self.renewal)"
+)
+.message("renewal is set by the operator when it offers the lease and may change only from Lease to Worker, by the claim")
+.field_path(".renewal")
+.reason(Reason::FieldValueForbidden))]
+#[x_kube(validation = Rule::new(
     "!has(oldSelf.holderIdentity) || oldSelf.holderIdentity == '' || (has(self.holderIdentity) && self.holderIdentity == oldSelf.holderIdentity)"
 )
 .message("holderIdentity may be set once and never changed")
@@ -131,6 +137,31 @@ pub struct TaskLeaseSpec {
     /// Immutable: a holder raising one would fence the resource for good.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub resource_tokens: BTreeMap<String, i64>,
+    /// How the holder keeps the lease alive. The operator offers `Lease`
+    /// when it honours WorkerLeases; a claim may turn it into `Worker`
+    /// (renewed through the holder's WorkerLease). Unset: an operator
+    /// without WorkerLeases offered it, renewed per lease. Never removed,
+    /// so an older operator (a rollback) cannot rewrite the lease as one
+    /// renewed per lease and expire it behind a WorkerLease's back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal: Option<Renewal>,
+}
+
+/// How a held lease is kept alive.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Renewal {
+    /// By writes of its own `spec.renewTime` every TTL/3.
+    Lease,
+    /// By the renewals of its holder's WorkerLease, which lists it.
+    Worker,
+}
+
+impl TaskLease {
+    /// Whether the lease was claimed to be renewed through its holder's
+    /// WorkerLease.
+    pub fn renewed_per_worker(&self) -> bool {
+        self.spec.renewal == Some(Renewal::Worker)
+    }
 }
 
 impl TaskLeaseSpec {
@@ -152,6 +183,7 @@ impl TaskLeaseSpec {
             acquire_time: None,
             renew_time: None,
             resource_tokens: BTreeMap::new(),
+            renewal: None,
         }
     }
 }

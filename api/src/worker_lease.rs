@@ -1,198 +1,249 @@
-//! The worker Lease (issue 27, design "Fleets"): one `coordination.k8s.io/v1`
-//! Lease per worker process — its presence record, promoted — whose
-//! renewals keep alive the attempts it lists in
-//! [`ANNOTATION_HOLDS`](crate::keys::ANNOTATION_HOLDS), instead of one
-//! renewal per TaskLease.
+//! `WorkerLease`: renewals per worker (issue 27, design "Fleets").
 //!
-//! Pure helpers shared by the operator (which credits a renewal to the
-//! leases it names) and the SDK (which writes the list and stops what the
-//! operator revoked). A renewal keeps a TaskLease alive only if the Lease
-//! [covers] it: the operator must never count one worker's renewal for
-//! another's attempt, nor a list written into someone else's Lease.
+//! One object per worker process, in the namespace of its tasks, named for
+//! its identity ([`worker_lease_name`]). Its renewals keep alive the
+//! attempts it lists in `spec.holds`, instead of one renewal per TaskLease:
+//! a fleet's renewal writes grow with its workers, not with its tasks.
+//!
+//! Why a kind of our own, written by both sides: the holder's renewals and
+//! the operator's end of an attempt must be compare-and-swaps on one
+//! object, or an expiry could land after a renewal the holder counted and
+//! never tell it. The operator ends an attempt kept alive here by first
+//! adding it to `status.revoked` — a CAS on the copy it observed — so a
+//! renewal that landed unseen makes that write fail (and counts as a
+//! renewal then), and every renewal after it fails and finds the attempt
+//! revoked. `status` is a subresource: the worker's writes cannot touch it,
+//! and the operator's need only `workerleases/status`.
+//!
+//! Pure helpers shared by the operator (which credits a renewal and
+//! revokes) and the SDK (which lists and stops what was revoked).
 
-use std::collections::BTreeSet;
-
-use k8s_openapi::api::coordination::v1::Lease;
-use kube::ResourceExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::{CustomResource, KubeSchema, ResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 use crate::TaskLease;
-use crate::keys::{ANNOTATION_HOLDS, ANNOTATION_REVOKED, LABEL_WORKER, presence_name};
 
-/// Pure: the names in a comma-separated annotation value; spaces around
-/// names and empty entries (`"a,,b, "`) are ignored.
-pub fn parse_names(value: &str) -> BTreeSet<String> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(str::to_owned)
-        .collect()
+/// Most attempts one WorkerLease may list (and revoke): the SDK refuses
+/// claims past it, well inside an object's size.
+pub const MAX_HOLDS: usize = 1000;
+
+/// The renewals of one worker process, keeping its attempts alive.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "batchlease.dev",
+    version = "v1alpha1",
+    kind = "WorkerLease",
+    namespaced,
+    status = "WorkerLeaseStatus",
+    shortname = "wl",
+    category = "batchlease",
+    derive = "PartialEq",
+    doc = "The renewals of one worker process: each keeps alive the attempts (TaskLeases) it lists in spec.holds. Written by its worker; status.revoked only by the operator.",
+    printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holderIdentity"),
+    printcolumn(name = "Queues", type_ = "string", json_path = ".spec.queues"),
+    printcolumn(name = "TTL", type_ = "integer", json_path = ".spec.leaseDurationSeconds"),
+    printcolumn(name = "Renewed", type_ = "string", json_path = ".spec.renewTime"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerLeaseSpec {
+    /// The worker process (`<pod>/<suffix>`). Immutable: the object is the
+    /// renewals of one process, and the operator finds it by this name.
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("holderIdentity is immutable"))]
+    pub holder_identity: String,
+    /// The queues the worker serves (for `TaskQueue.status.workers`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub queues: Vec<String>,
+    /// How long a renewal counts, in seconds: the longest TTL of the
+    /// attempts it lists, or the worker's idle period. Informational: each
+    /// attempt expires by its own TaskLease's TTL.
+    #[x_kube(validation = Rule::new("self >= 5 && self <= 3600").message("leaseDurationSeconds must be between 5 and 3600"))]
+    pub lease_duration_seconds: i32,
+    /// When the worker last renewed (its clock, informational: the operator
+    /// times renewals by when it observes a change of this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew_time: Option<MicroTime>,
+    /// The attempts this worker keeps alive, each as its TaskLease's name
+    /// and UID.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1000))]
+    pub holds: Vec<AttemptRef>,
 }
 
-/// Pure: `names` as an annotation value (sorted, so equal sets write equal
-/// values and a renewal that lists the same attempts changes nothing but
-/// its `renewTime`).
-pub fn format_names(names: &BTreeSet<String>) -> String {
-    names
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .join(",")
+/// One attempt: a TaskLease by name and UID (a name repeats when a task is
+/// re-created).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AttemptRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    #[schemars(length(max = 128))]
+    pub uid: String,
 }
 
-fn names(lease: &Lease, key: &str) -> BTreeSet<String> {
-    lease
-        .annotations()
-        .get(key)
-        .map(|v| parse_names(v))
-        .unwrap_or_default()
+impl AttemptRef {
+    /// The attempt `lease` is.
+    pub fn of(lease: &TaskLease) -> Self {
+        Self {
+            name: lease.name_any(),
+            uid: lease.uid().unwrap_or_default(),
+        }
+    }
 }
 
-/// The attempts `lease` says its worker keeps alive.
-pub fn holds(lease: &Lease) -> BTreeSet<String> {
-    names(lease, ANNOTATION_HOLDS)
+/// What the operator has ended.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerLeaseStatus {
+    /// Attempts the operator ended while this object could keep them alive
+    /// (expired, released on cancel). Its worker stops them and never lists
+    /// them again; a renewal listing one is refused.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 2048))]
+    pub revoked: Vec<AttemptRef>,
 }
 
-/// The attempts the operator revoked in `lease`.
-pub fn revoked(lease: &Lease) -> BTreeSet<String> {
-    names(lease, ANNOTATION_REVOKED)
+/// The name of worker `identity`'s WorkerLease (identities hold a `/`,
+/// which no object name may).
+pub fn worker_lease_name(identity: &str) -> String {
+    crate::keys::presence_name(identity)
 }
 
-/// The holder of `lease` if it is a worker Lease: labelled
-/// `batchlease.dev/worker=true`, a non-empty `holderIdentity`, and named
-/// for that identity ([`presence_name`]) — so there is one Lease per
-/// identity, the one the operator looks up, and another object that
-/// happens to carry the label and the identity keeps nothing alive.
-pub fn worker_of(lease: &Lease) -> Option<&str> {
-    let holder = lease
-        .spec
-        .as_ref()?
-        .holder_identity
-        .as_deref()
-        .filter(|h| !h.is_empty())?;
-    let labelled = lease.labels().get(LABEL_WORKER).map(String::as_str) == Some("true");
-    (labelled && lease.metadata.name.as_deref() == Some(presence_name(holder).as_str()))
+impl WorkerLease {
+    /// The attempts the worker lists.
+    pub fn holds(&self) -> &[AttemptRef] {
+        &self.spec.holds
+    }
+
+    /// The attempts the operator revoked.
+    pub fn revoked(&self) -> &[AttemptRef] {
+        self.status.as_ref().map_or(&[], |s| s.revoked.as_slice())
+    }
+
+    /// Whether the operator revoked `attempt` here.
+    pub fn is_revoked(&self, attempt: &AttemptRef) -> bool {
+        self.revoked().contains(attempt)
+    }
+
+    /// The holder of this object if it is a well-formed WorkerLease: named
+    /// for its `holderIdentity` ([`worker_lease_name`]), so there is one per
+    /// identity, the one the operator looks up.
+    pub fn worker(&self) -> Option<&str> {
+        let holder = self.spec.holder_identity.as_str();
+        (!holder.is_empty()
+            && self.metadata.name.as_deref() == Some(worker_lease_name(holder).as_str()))
         .then_some(holder)
+    }
+
+    /// Adds `attempt` to `status.revoked` (the operator's write, sent as a
+    /// compare-and-swap on the copy it observed). Past [`MAX_HOLDS`]
+    /// entries the oldest the worker no longer lists are dropped: never a
+    /// recent one, which the worker may not have read yet — it would list
+    /// that attempt again and feed its kill clock after its expiry.
+    pub fn revoke(&mut self, attempt: AttemptRef) {
+        let holds = self.spec.holds.clone();
+        let status = self.status.get_or_insert_with(Default::default);
+        if status.revoked.contains(&attempt) {
+            return;
+        }
+        status.revoked.push(attempt);
+        let mut excess = status.revoked.len().saturating_sub(MAX_HOLDS);
+        status.revoked.retain(|r| {
+            let drop = excess > 0 && !holds.contains(r);
+            if drop {
+                excess -= 1;
+            }
+            !drop
+        });
+    }
 }
 
-/// Pure: whether a renewal of `worker` keeps `task_lease` alive: a worker
-/// Lease ([`worker_of`]) of the TaskLease's holder, in its namespace,
-/// listing it in `holds`. Says nothing about the TaskLease's phase: the
-/// operator credits only a lease still held by that holder.
-pub fn covers(worker: &Lease, task_lease: &TaskLease) -> bool {
-    let Some(holder) = worker_of(worker) else {
+/// Pure: whether a renewal of `worker` may keep `task_lease` alive: a
+/// well-formed WorkerLease ([`WorkerLease::worker`]) of the TaskLease's
+/// holder, in its namespace, for a TaskLease claimed to be renewed per
+/// worker. Says nothing of the phase: the operator credits only a lease
+/// still held by that holder.
+pub fn covers(worker: &WorkerLease, task_lease: &TaskLease) -> bool {
+    let Some(holder) = worker.worker() else {
         return false;
     };
-    task_lease.spec.holder_identity.as_deref() == Some(holder)
+    task_lease.renewed_per_worker()
+        && task_lease.spec.holder_identity.as_deref() == Some(holder)
         && worker.metadata.namespace == task_lease.metadata.namespace
-        && task_lease
-            .metadata
-            .name
-            .as_ref()
-            .is_some_and(|n| holds(worker).contains(n))
-}
-
-/// Sets `lease`'s list of the attempts it keeps alive.
-pub fn set_holds(lease: &mut Lease, names: &BTreeSet<String>) {
-    lease
-        .annotations_mut()
-        .insert(ANNOTATION_HOLDS.into(), format_names(names));
-}
-
-/// Adds `attempt` to `lease`'s revoked attempts (the operator's write,
-/// sent as a compare-and-swap on the copy it observed).
-pub fn revoke(lease: &mut Lease, attempt: &str) {
-    let mut all = revoked(lease);
-    all.insert(attempt.to_owned());
-    lease
-        .annotations_mut()
-        .insert(ANNOTATION_REVOKED.into(), format_names(&all));
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::TaskLeaseSpec;
-    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use crate::{Renewal, TaskLeaseSpec};
 
-    fn worker(name: &str, holder: Option<&str>, label: Option<&str>, holds: Option<&str>) -> Lease {
-        let mut l = Lease::default();
-        l.metadata.name = Some(name.into());
-        l.metadata.namespace = Some("ns".into());
-        if let Some(v) = label {
-            l.labels_mut().insert(LABEL_WORKER.into(), v.into());
-        }
-        if let Some(h) = holds {
-            l.annotations_mut()
-                .insert(ANNOTATION_HOLDS.into(), h.into());
-        }
-        l.spec = Some(LeaseSpec {
-            holder_identity: holder.map(Into::into),
-            ..Default::default()
-        });
-        l
+    fn worker(name: &str, holder: &str) -> WorkerLease {
+        let mut w = WorkerLease::new(
+            name,
+            WorkerLeaseSpec {
+                holder_identity: holder.into(),
+                queues: vec!["q".into()],
+                lease_duration_seconds: 30,
+                renew_time: None,
+                holds: vec![],
+            },
+        );
+        w.metadata.namespace = Some("ns".into());
+        w
     }
 
-    fn task_lease(name: &str, holder: Option<&str>) -> TaskLease {
+    fn task_lease(name: &str, holder: Option<&str>, renewal: Option<Renewal>) -> TaskLease {
         let mut l = TaskLease::new(name, TaskLeaseSpec::offered("t", "u", "q", 1, 30));
         l.metadata.namespace = Some("ns".into());
         l.spec.holder_identity = holder.map(Into::into);
+        l.spec.renewal = renewal;
         l
     }
 
-    #[test]
-    fn names_parse_tolerantly_and_format_sorted() {
-        let want: BTreeSet<String> = ["a-1", "b-2"].into_iter().map(Into::into).collect();
-        for v in ["a-1,b-2", " b-2 , a-1 ", "a-1,,b-2,", ",a-1, ,b-2,a-1"] {
-            assert_eq!(parse_names(v), want, "{v:?}");
+    fn attempt(name: &str, uid: &str) -> AttemptRef {
+        AttemptRef {
+            name: name.into(),
+            uid: uid.into(),
         }
-        assert!(parse_names("").is_empty());
-        assert!(parse_names(" , ").is_empty());
-        assert_eq!(format_names(&want), "a-1,b-2");
-        assert_eq!(parse_names(&format_names(&want)), want);
     }
 
     #[test]
     fn covers_table() {
-        let w1 = presence_name("pod-1/ab");
-        let held = task_lease("t-1", Some("pod-1/ab"));
-        let yes = worker(&w1, Some("pod-1/ab"), Some("true"), Some("t-1, t-2"));
-        assert!(covers(&yes, &held));
-        let cases: [(&str, Lease, TaskLease); 8] = [
+        let w1 = worker(&worker_lease_name("pod-1/ab"), "pod-1/ab");
+        let held = task_lease("t-1", Some("pod-1/ab"), Some(Renewal::Worker));
+        assert!(covers(&w1, &held));
+        let cases = [
             (
-                "not listed",
-                worker(&w1, Some("pod-1/ab"), Some("true"), Some("t-2")),
-                held.clone(),
+                "renewed per lease",
+                w1.clone(),
+                task_lease("t-1", Some("pod-1/ab"), Some(Renewal::Lease)),
             ),
             (
-                "no holds annotation",
-                worker(&w1, Some("pod-1/ab"), Some("true"), None),
-                held.clone(),
+                "from an operator without WorkerLeases",
+                w1.clone(),
+                task_lease("t-1", Some("pod-1/ab"), None),
             ),
             (
                 "another holder's lease",
-                yes.clone(),
-                task_lease("t-1", Some("pod-2/cd")),
-            ),
-            ("an offered lease", yes.clone(), task_lease("t-1", None)),
-            (
-                "not labelled",
-                worker(&w1, Some("pod-1/ab"), None, Some("t-1")),
-                held.clone(),
+                w1.clone(),
+                task_lease("t-1", Some("pod-2/cd"), Some(Renewal::Worker)),
             ),
             (
-                "labelled otherwise",
-                worker(&w1, Some("pod-1/ab"), Some("false"), Some("t-1")),
-                held.clone(),
+                "an offered lease",
+                w1.clone(),
+                task_lease("t-1", None, Some(Renewal::Lease)),
             ),
             (
                 "not named for its holder",
-                worker("other", Some("pod-1/ab"), Some("true"), Some("t-1")),
+                worker("other", "pod-1/ab"),
                 held.clone(),
             ),
             (
-                "no holder",
-                worker(&w1, None, Some("true"), Some("t-1")),
+                "named for another holder",
+                worker(&worker_lease_name("pod-2/cd"), "pod-1/ab"),
                 held.clone(),
             ),
         ];
@@ -201,26 +252,31 @@ mod tests {
         }
         let mut elsewhere = held.clone();
         elsewhere.metadata.namespace = Some("other".into());
-        assert!(!covers(&yes, &elsewhere), "another namespace");
-        // A Lease named for one identity but held by another is nobody's.
-        let forged = worker(&w1, Some("pod-2/cd"), Some("true"), Some("t-1"));
-        assert_eq!(worker_of(&forged), None);
-        assert!(!covers(&forged, &task_lease("t-1", Some("pod-2/cd"))));
+        assert!(!covers(&w1, &elsewhere), "another namespace");
     }
 
     #[test]
-    fn holds_and_revocations_are_written_as_lists() {
-        let mut w = worker(&presence_name("w"), Some("w"), Some("true"), None);
-        set_holds(&mut w, &parse_names("t-2,t-1"));
-        assert_eq!(w.annotations()[ANNOTATION_HOLDS], "t-1,t-2");
-        assert_eq!(holds(&w), parse_names("t-1,t-2"));
-        assert!(revoked(&w).is_empty());
-        revoke(&mut w, "t-2");
-        revoke(&mut w, "t-1");
-        revoke(&mut w, "t-2");
-        assert_eq!(w.annotations()[ANNOTATION_REVOKED], "t-1,t-2");
-        set_holds(&mut w, &BTreeSet::new());
-        assert!(holds(&w).is_empty());
-        assert_eq!(revoked(&w).len(), 2, "the holds list leaves revocations be");
+    fn revocations_are_kept_in_order_and_bounded() {
+        let mut w = worker(&worker_lease_name("w"), "w");
+        w.spec.holds = vec![attempt("t-1", "a"), attempt("t-2", "b")];
+        w.revoke(attempt("t-2", "b"));
+        w.revoke(attempt("t-1", "a"));
+        w.revoke(attempt("t-2", "b"));
+        assert_eq!(w.revoked(), &[attempt("t-2", "b"), attempt("t-1", "a")]);
+        assert!(w.is_revoked(&attempt("t-1", "a")));
+        assert!(!w.is_revoked(&attempt("t-1", "other-uid")), "by UID too");
+        // An attempt the worker has not listed yet is revoked all the same.
+        w.revoke(attempt("t-3", "c"));
+        assert!(w.is_revoked(&attempt("t-3", "c")));
+        // Past the bound, the oldest unlisted entries go first.
+        w.spec.holds = vec![attempt("t-1", "a")];
+        for i in 0..MAX_HOLDS {
+            w.revoke(attempt(&format!("x-{i}"), "u"));
+        }
+        assert_eq!(w.revoked().len(), MAX_HOLDS);
+        assert!(w.is_revoked(&attempt("t-1", "a")), "still listed: kept");
+        assert!(!w.is_revoked(&attempt("t-2", "b")), "oldest unlisted: dropped");
+        assert!(!w.is_revoked(&attempt("t-3", "c")));
+        assert!(w.is_revoked(&attempt(&format!("x-{}", MAX_HOLDS - 1), "u")));
     }
 }

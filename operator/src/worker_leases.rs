@@ -1,8 +1,8 @@
 //! Renewals per worker (issue 27): when does a renewal of a worker's
 //! Lease count as a renewal of one of its TaskLeases?
 //!
-//! A worker Lease lists the attempts its worker keeps alive
-//! (`batchlease.dev/holds`, see `batchlease_api::worker_lease`); the SDK
+//! A WorkerLease lists the attempts its worker keeps alive
+//! (`spec.holds`, see `batchlease_api::worker_lease`); the SDK
 //! feeds each attempt's kill clock only from renewals that listed it, and
 //! lists an attempt from the first renewal after its claim until it has
 //! stopped, never again after. The operator times expiry by what it
@@ -30,36 +30,38 @@
 //!
 //! Not credited: a renewal observed before the TaskLease's claim was, a
 //! TaskLease no longer `Held` by that worker (a zombie's late write naming
-//! an expired attempt renews nothing; the expired lease is frozen),
-//! another worker's or namespace's lease, and a deleted worker Lease — a
-//! deletion is no verdict: the leases keep the timing they had.
+//! an expired attempt renews nothing; the expired lease is frozen), one
+//! claimed to be renewed per lease (`spec.renewal` not `Worker`), another
+//! worker's or namespace's lease. A deletion of the WorkerLease counts as a
+//! renewal observed then if its last state carries a `renewTime` not seen
+//! before (the watch delivers every change before the deletion), and a
+//! relist that no longer lists it as one observed at the relist: renewals
+//! may have landed unseen, and whoever deleted it, the attempts they fed
+//! run until their kill switch.
 //!
 //! Observing alone does not make expiry safe with a lagging cache: the
 //! TaskLease's expiry CAS does not conflict with a renewal of another
-//! object. The operator revokes the attempt in the worker Lease by a CAS on
+//! object. The operator revokes the attempt in the WorkerLease by a CAS on
 //! the copy it observed before it expires or releases the TaskLease
-//! (`batchlease_api::worker_lease::revoke`), and the worker Lease must not
-//! be deleted by anyone but its worker (see `docs/model.md`).
+//! (`effects::revoke`).
 
 use std::collections::BTreeSet;
 
-use batchlease_api::worker_lease::{holds, worker_of};
-use batchlease_api::{LeasePhase, TaskLease};
-use k8s_openapi::api::coordination::v1::Lease;
+use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
 use kube::ResourceExt;
 use tokio::time::Instant;
 
 use crate::observe::Seen;
 
-/// The last state seen of one worker Lease.
+/// The last state seen of one WorkerLease.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct WorkerSeen {
     uid: String,
     holder: String,
     renew_marker: Option<String>,
-    holds: BTreeSet<String>,
+    holds: BTreeSet<AttemptRef>,
     /// Attempts seen listed by this object and, later, no longer listed.
-    ended: BTreeSet<String>,
+    ended: BTreeSet<AttemptRef>,
 }
 
 impl WorkerSeen {
@@ -69,33 +71,58 @@ impl WorkerSeen {
     }
 
     /// The attempts the last observed version listed.
-    pub fn holds(&self) -> &BTreeSet<String> {
+    pub fn holds(&self) -> &BTreeSet<AttemptRef> {
         &self.holds
     }
 
     /// Attempts whose listing was seen to end (a tracker forgets them with
     /// their TaskLease).
-    pub fn ended(&self) -> &BTreeSet<String> {
+    pub fn ended(&self) -> &BTreeSet<AttemptRef> {
         &self.ended
+    }
+
+    /// The UID of the object the record is of.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// The renewal that the deletion of this object, with last state
+    /// `last` (`None`: unknown — it left a relist), shows at `now`: one if
+    /// a renewal may have landed after the last one seen.
+    pub fn departure(&self, last: Option<&WorkerLease>, namespace: Option<String>, now: Instant) -> Option<Renewal> {
+        let renewed = last.is_none_or(|l| renew_marker(l) != self.renew_marker);
+        renewed.then(|| Renewal {
+            holder: self.holder.clone(),
+            namespace,
+            names: last.map(|l| l.holds().iter().cloned().collect()).unwrap_or_default(),
+            ended: self.ended.clone(),
+            at: now,
+        })
     }
 }
 
-/// A renewal of a worker Lease, observed at `at`.
+/// `renewTime` as a marker, compared for equality only: the value is the
+/// worker's clock.
+fn renew_marker(w: &WorkerLease) -> Option<String> {
+    w.spec.renew_time.as_ref().map(|t| t.0.to_string())
+}
+
+/// A renewal of a WorkerLease, observed at `at`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Renewal {
     pub holder: String,
-    /// The namespace of the worker Lease, whose TaskLeases it keeps alive.
+    /// The namespace of the WorkerLease, whose TaskLeases it keeps alive.
     pub namespace: Option<String>,
     /// The attempts the observed version lists (informational: the rule
     /// credits every held lease of the holder but `ended`).
-    pub names: BTreeSet<String>,
+    pub names: BTreeSet<AttemptRef>,
     /// Attempts not credited: their listing was seen to end at an earlier
     /// observation.
-    pub ended: BTreeSet<String>,
+    pub ended: BTreeSet<AttemptRef>,
     pub at: Instant,
 }
 
-/// What one observation of a worker Lease gives: the new record, and the
+/// What one observation of a WorkerLease gives: the new record, and the
 /// renewal observed, if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerObservation {
@@ -103,24 +130,19 @@ pub struct WorkerObservation {
     pub renewal: Option<Renewal>,
 }
 
-/// Pure: the record of worker Lease `lease` seen at `now`, given the
+/// Pure: the record of WorkerLease `lease` seen at `now`, given the
 /// previous one, and the renewal observed now, if any (a new `renewTime`,
-/// or a first sight of the object). `None` when `lease` is no worker Lease
-/// (`worker_lease::worker_of`).
+/// or a first sight of the object). `None` when `lease` is not well formed
+/// (`WorkerLease::worker`).
 pub fn next_worker_seen(
     prev: Option<&WorkerSeen>,
-    lease: &Lease,
+    lease: &WorkerLease,
     now: Instant,
 ) -> Option<WorkerObservation> {
-    let holder = worker_of(lease)?.to_owned();
+    let holder = lease.worker()?.to_owned();
     let uid = lease.uid().unwrap_or_default();
-    // Compared for equality only: the value is the worker's clock.
-    let renew_marker = lease
-        .spec
-        .as_ref()
-        .and_then(|s| s.renew_time.as_ref())
-        .map(|t| t.0.to_string());
-    let holds = holds(lease);
+    let renew_marker = renew_marker(lease);
+    let holds: BTreeSet<AttemptRef> = lease.holds().iter().cloned().collect();
     // Another object under the name (deleted and created again) starts
     // afresh: its worker lists what still runs.
     let same_object = prev.filter(|p| p.uid == uid && p.holder == holder);
@@ -156,12 +178,9 @@ pub fn next_worker_seen(
 pub fn credit(seen: &Seen, lease: &TaskLease, renewal: &Renewal) -> Seen {
     let held = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held);
     let holder = lease.spec.holder_identity.as_deref();
-    let over = lease
-        .metadata
-        .name
-        .as_ref()
-        .is_none_or(|n| renewal.ended.contains(n));
+    let over = renewal.ended.contains(&AttemptRef::of(lease));
     let credited = held
+        && lease.renewed_per_worker()
         && !over
         && holder == Some(renewal.holder.as_str())
         && seen.holder() == renewal.holder
@@ -182,28 +201,29 @@ mod tests {
 
     use super::*;
     use crate::observe::{Observation, next_seen};
-    use batchlease_api::keys::{ANNOTATION_HOLDS, LABEL_WORKER, presence_name};
-    use batchlease_api::{TaskLeaseSpec, TaskLeaseStatus};
-    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use batchlease_api::worker_lease::worker_lease_name;
+    use batchlease_api::{Renewal as Mode, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
     fn micro(second: i64) -> MicroTime {
         MicroTime(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
     }
 
-    fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> Lease {
-        let mut l = Lease::default();
-        l.metadata.name = Some(presence_name(holder));
+    fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> WorkerLease {
+        let mut l = WorkerLease::new(
+            &worker_lease_name(holder),
+            WorkerLeaseSpec {
+                holder_identity: holder.into(),
+                queues: vec![],
+                lease_duration_seconds: 30,
+                renew_time: Some(micro(renew)),
+                holds: names(&holds.split(',').filter(|n| !n.is_empty()).collect::<Vec<_>>())
+                    .into_iter()
+                    .collect(),
+            },
+        );
         l.metadata.namespace = Some("ns".into());
         l.metadata.uid = Some(uid.into());
-        l.labels_mut().insert(LABEL_WORKER.into(), "true".into());
-        l.annotations_mut()
-            .insert(ANNOTATION_HOLDS.into(), holds.into());
-        l.spec = Some(LeaseSpec {
-            holder_identity: Some(holder.into()),
-            renew_time: Some(micro(renew)),
-            ..Default::default()
-        });
         l
     }
 
@@ -213,6 +233,7 @@ mod tests {
         l.metadata.uid = Some(format!("uid-{name}"));
         l.spec.holder_identity = Some(holder.into());
         l.spec.renew_time = Some(micro(100));
+        l.spec.renewal = Some(Mode::Worker);
         l.status = Some(TaskLeaseStatus {
             phase: Some(phase),
             ..Default::default()
@@ -220,8 +241,14 @@ mod tests {
         l
     }
 
-    fn names(v: &[&str]) -> BTreeSet<String> {
-        v.iter().map(|s| (*s).to_owned()).collect()
+    /// Attempts by name, of `task_lease`'s UIDs.
+    fn names(v: &[&str]) -> BTreeSet<AttemptRef> {
+        v.iter()
+            .map(|s| AttemptRef {
+                name: (*s).to_owned(),
+                uid: format!("uid-{s}"),
+            })
+            .collect()
     }
 
     #[test]
@@ -237,7 +264,7 @@ mod tests {
             ("w1", &names(&["t-1", "t-2"]), t0)
         );
         assert!(r.ended.is_empty());
-        // Seen again unchanged (a relist, an annotation edit): no renewal.
+        // Seen again unchanged (a relist, a revocation): no renewal.
         assert_eq!(
             next_worker_seen(Some(&first.seen), &v1, t1)
                 .unwrap()
@@ -261,10 +288,10 @@ mod tests {
         let again = worker("w1", "u2", 6, "");
         let got = next_worker_seen(Some(&next.seen), &again, t1).unwrap();
         assert!(got.renewal.unwrap().ended.is_empty());
-        // Not a worker Lease: no record.
-        let mut unlabelled = v1.clone();
-        unlabelled.labels_mut().clear();
-        assert!(next_worker_seen(None, &unlabelled, t0).is_none());
+        // Not named for its holder: no record.
+        let mut misnamed = v1.clone();
+        misnamed.metadata.name = Some("other".into());
+        assert!(next_worker_seen(None, &misnamed, t0).is_none());
     }
 
     #[test]
@@ -323,6 +350,11 @@ mod tests {
                 renewal("w1", &["t-1"], &[], t1),
                 task_lease("t-1", "w1", LeasePhase::Completed),
             ),
+            ("renewed per lease", renewal("w1", &["t-1"], &[], t1), {
+                let mut l = held.clone();
+                l.spec.renewal = Some(Mode::Lease);
+                l
+            }),
         ] {
             assert_eq!(credited(&r, &l), untouched, "{why}");
         }
@@ -376,11 +408,16 @@ mod tests {
                 .last_renewal,
             t30
         );
-        // A deleted worker Lease renews nothing: the tracker drops its
-        // record, and the lease keeps the timing it had.
-        assert_eq!(
-            next_seen(Some(&seen), &held, t30).unwrap().observation,
-            seen.observation
-        );
+        // The deletion of a WorkerLease whose last state was seen renews
+        // nothing; one that carries a renewal not seen, or a departure
+        // from a relist (last state unknown), is a renewal observed then.
+        let t40 = t(40);
+        let last = worker("w1", "u1", 4, "");
+        let o = next_worker_seen(Some(&ws), &last, t30).unwrap().seen;
+        assert_eq!(o.departure(Some(&last), Some("ns".into()), t40), None);
+        let unseen = worker("w1", "u1", 5, "t-1");
+        let r = o.departure(Some(&unseen), Some("ns".into()), t40).unwrap();
+        assert_eq!((r.at, r.ended.clone()), (t40, names(&["t-1"])));
+        assert!(o.departure(None, Some("ns".into()), t40).is_some());
     }
 }
