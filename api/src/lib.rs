@@ -30,11 +30,11 @@ pub use json::{
 pub use task_lease::{
     LeaseOutcome, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus,
 };
-pub use worker_lease::{AttemptRef, WorkerLease, WorkerLeaseSpec, WorkerLeaseStatus};
 pub use task_queue::{
     TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,
 };
 pub use watch_backoff::WatchBackoff;
+pub use worker_lease::{AttemptRef, WorkerLease, WorkerLeaseSpec, WorkerLeaseStatus};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
@@ -49,5 +49,10 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     for version in &mut lease.spec.versions {
         version.subresources = None;
     }
-    vec![BatchTask::crd(), lease, TaskQueue::crd(), WorkerLease::crd()]
+    vec![
+        BatchTask::crd(),
+        lease,
+        TaskQueue::crd(),
+        WorkerLease::crd(),
+    ]
 }

@@ -30,6 +30,9 @@ use crate::TaskLease;
 pub const MAX_HOLDS: usize = 1000;
 
 /// The renewals of one worker process, keeping its attempts alive.
+// Printer columns repeat `type_ = "string"`, which the lint takes for a
+// repeated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "batchlease.dev",
@@ -43,9 +46,17 @@ pub const MAX_HOLDS: usize = 1000;
     doc = "The renewals of one worker process: each keeps alive the attempts (TaskLeases) it lists in spec.holds. Written by its worker; status.revoked only by the operator.",
     printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holderIdentity"),
     printcolumn(name = "Queues", type_ = "string", json_path = ".spec.queues"),
-    printcolumn(name = "TTL", type_ = "integer", json_path = ".spec.leaseDurationSeconds"),
+    printcolumn(
+        name = "TTL",
+        type_ = "integer",
+        json_path = ".spec.leaseDurationSeconds"
+    ),
     printcolumn(name = "Renewed", type_ = "string", json_path = ".spec.renewTime"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerLeaseSpec {
@@ -76,7 +87,9 @@ pub struct WorkerLeaseSpec {
 
 /// One attempt: a TaskLease by name and UID (a name repeats when a task is
 /// re-created).
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
 pub struct AttemptRef {
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
@@ -104,6 +117,17 @@ pub struct WorkerLeaseStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 2048))]
     pub revoked: Vec<AttemptRef>,
+}
+
+/// How often a holder renewing through its WorkerLease still writes each
+/// TaskLease it holds (`renewTime`, and its checkpoint): at most this long
+/// apart, so `kubectl get taskleases` shows a recent time and a deleted
+/// TaskLease is noticed (the write fails). Its kill switch fires when none
+/// succeeded for this long plus 2/3 of the TTL; the operator counts a
+/// deleted lease's holder as running until its last observed write plus
+/// this plus the TTL.
+pub fn refresh_period(ttl: std::time::Duration) -> std::time::Duration {
+    ttl.max(std::time::Duration::from_secs(120))
 }
 
 /// The name of worker `identity`'s WorkerLease (identities hold a `/`,
@@ -275,7 +299,10 @@ mod tests {
         }
         assert_eq!(w.revoked().len(), MAX_HOLDS);
         assert!(w.is_revoked(&attempt("t-1", "a")), "still listed: kept");
-        assert!(!w.is_revoked(&attempt("t-2", "b")), "oldest unlisted: dropped");
+        assert!(
+            !w.is_revoked(&attempt("t-2", "b")),
+            "oldest unlisted: dropped"
+        );
         assert!(!w.is_revoked(&attempt("t-3", "c")));
         assert!(w.is_revoked(&attempt(&format!("x-{}", MAX_HOLDS - 1), "u")));
     }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use batchlease_api::{BatchTask, TaskLease};
+use batchlease_api::{BatchTask, TaskLease, WorkerLease};
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 
@@ -16,6 +16,7 @@ use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::observe::Tracker;
+use crate::worker_leases::WorkerTracker;
 
 /// What every reconcile shares.
 pub struct Ctx {
@@ -26,6 +27,10 @@ pub struct Ctx {
     /// end), and a task would look as if it had no leases.
     pub leases_listed: Arc<std::sync::atomic::AtomicBool>,
     pub tracker: Arc<Tracker>,
+    /// The WorkerLeases cache: the copies a revocation is a CAS on.
+    pub worker_leases: Store<WorkerLease>,
+    /// What the WorkerLease watch observed (see `worker_leases`).
+    pub workers: Arc<WorkerTracker>,
     /// Leases this process created that the watch has not shown yet.
     pub expectations: Expectations,
     pub metrics: Arc<Metrics>,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use batchlease_api::{BatchTask, TaskLease, TaskQueue, WatchBackoff};
+use batchlease_api::{BatchTask, TaskLease, TaskQueue, WatchBackoff, WorkerLease};
 use futures::{StreamExt, TryStreamExt};
 use kube::ResourceExt;
 use kube::api::Api;
@@ -23,6 +23,7 @@ use crate::observe::Tracker;
 use crate::queues::QueueBook;
 use crate::reconcile::{error_policy, reconcile};
 use crate::sync_counter::SyncCounter;
+use crate::worker_leases::WorkerTracker;
 
 fn jitter() -> f64 {
     rand::random()
@@ -86,6 +87,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     // observations and gives every held lease a full TTL.
     let tracker = Arc::new(Tracker::default());
     let ctx_tracker = tracker.clone();
+    let tracker_for_workers = tracker.clone();
     let lease_synced = shared.synced.register();
     let leases_listed = Arc::new(AtomicBool::new(false));
     let listed = leases_listed.clone();
@@ -178,11 +180,30 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         })
         .reflect(queue_writer)
         .touched_objects();
+    // WorkerLeases: each renewal is credited to its holder's leases (see
+    // `worker_leases`); the cache is what revocations are CASes on; and
+    // each counts as its worker's presence in its queues.
+    let workers = Arc::new(WorkerTracker::default());
+    let (worker_store, worker_writer) = reflector::store();
+    let worker_leases_api: Api<WorkerLease> = match namespace {
+        Some(ns) => Api::namespaced(shared.client.clone(), ns),
+        None => Api::all(shared.client.clone()),
+    };
+    let worker_stream = watch_worker_leases(
+        worker_leases_api,
+        worker_writer,
+        workers.clone(),
+        tracker_for_workers,
+        queues.clone(),
+        shared.synced.register(),
+    );
     let ctx = Arc::new(Ctx {
         client: shared.client.clone(),
         leases: lease_store,
         leases_listed,
         tracker: ctx_tracker,
+        worker_leases: worker_store,
+        workers,
         expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
@@ -259,6 +280,22 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         queues.clone(),
         stop.clone(),
     ));
+    let worker_watch = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            futures::pin_mut!(worker_stream);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    e = worker_stream.next() => match e {
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => warn!(error = %batchlease_api::Chain(&e), "WorkerLease watch (renewals per worker are not credited meanwhile)"),
+                        None => return,
+                    },
+                }
+            }
+        }
+    });
     let status_loop = tokio::spawn(crate::queue_status::run(status_sources, stop));
     let tasks = task_store;
     let scope = namespace.unwrap_or("*").to_owned();
@@ -277,6 +314,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
             .await;
         status_loop.abort();
         presence.abort();
+        worker_watch.abort();
         info!(namespace = %scope, "controller stopped");
     });
     Running {
@@ -286,6 +324,53 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         index,
         done,
     }
+}
+
+/// The WorkerLease watch: fills the cache revocations are CASes on, credits
+/// each observed renewal (and departure) to the holder's leases, and counts
+/// each WorkerLease as its worker's presence in its queues. Observations
+/// are stamped as the watch delivers each event, like the lease watch's.
+fn watch_worker_leases(
+    api: Api<WorkerLease>,
+    writer: reflector::store::Writer<WorkerLease>,
+    workers: Arc<WorkerTracker>,
+    leases: Arc<Tracker>,
+    book: Arc<QueueBook>,
+    synced: impl Fn(bool) + Send + 'static,
+) -> impl futures::Stream<Item = Result<watcher::Event<WorkerLease>, watcher::Error>> + Send {
+    watcher(api, watcher::Config::default())
+        .backoff(WatchBackoff::new(jitter))
+        .modify(forget_managed_fields)
+        .inspect_ok(move |event| {
+            synced(matches!(event, watcher::Event::InitDone));
+            let now = Instant::now();
+            let presence = |w: &WorkerLease| {
+                let secs = u64::try_from(w.spec.lease_duration_seconds.clamp(1, 3600)).unwrap_or(1);
+                (
+                    w.namespace().unwrap_or_default(),
+                    std::time::Duration::from_secs(secs),
+                )
+            };
+            match event {
+                watcher::Event::Apply(w) | watcher::Event::InitApply(w) => {
+                    workers.observe(w, &leases, now);
+                    if let Some(holder) = w.worker() {
+                        let (ns, duration) = presence(w);
+                        book.worker_seen(&ns, holder, &w.spec.queues, duration, now);
+                    }
+                }
+                watcher::Event::Delete(w) => {
+                    workers.forget(w, &leases, now);
+                    if let Some(holder) = w.worker() {
+                        let (ns, _) = presence(w);
+                        book.worker_gone(&ns, holder, &w.spec.queues);
+                    }
+                }
+                watcher::Event::Init => workers.list_started(),
+                watcher::Event::InitDone => workers.list_done(&leases, now),
+            }
+        })
+        .reflect(writer)
 }
 
 /// Drops `metadata.managedFields` from a watched object before it is

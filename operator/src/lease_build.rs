@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 
 use batchlease_api::keys::{LABEL_QUEUE, LABEL_TASK};
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskLeaseSpec, TaskLeaseStatus, names};
+use batchlease_api::{
+    BatchTask, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus, names,
+};
 use kube::{Resource, ResourceExt};
 
 /// A lease `Offered` to the task's queue under fencing `token`, owned by the
@@ -20,6 +22,9 @@ pub fn offered_lease(task: &BatchTask, token: i64) -> TaskLease {
             task.spec.lease_duration_seconds,
         ),
     );
+    // This operator honours WorkerLeases: the claim may choose to be
+    // renewed through one (see `effects::revoke`).
+    lease.spec.renewal = Some(Renewal::Lease);
     lease.metadata.namespace = task.namespace();
     lease.metadata.labels = Some(BTreeMap::from([
         (LABEL_TASK.to_owned(), names::label_value(&task.name_any())),

@@ -26,7 +26,7 @@ mod supervise;
 mod sync_counter;
 
 use batchlease_operator::{
-    decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status,
+    decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status, worker_leases,
 };
 
 use std::sync::Arc;

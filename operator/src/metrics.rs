@@ -124,6 +124,8 @@ pub struct Metrics {
     pub reconcile_duration: Histogram,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub write_conflicts: Counter,
+    /// Attempts revoked on their holder's WorkerLease before an end.
+    pub revocations: Counter,
     pub is_leader: Gauge,
     graph_cycle_detected: Family<QueueLabels, Counter>,
     lock_acquisition_duration: Histograms,
@@ -152,6 +154,7 @@ impl Metrics {
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             reconcile_errors: Family::default(),
             write_conflicts: Counter::default(),
+            revocations: Counter::default(),
             is_leader: Gauge::default(),
             graph_cycle_detected: Family::default(),
             lock_acquisition_duration: Family::new_with_constructor(lock_wait_histogram),
@@ -217,6 +220,11 @@ impl Metrics {
             "write_conflicts",
             "Conditional writes refused with 409 (stale read; retried)",
             m.write_conflicts.clone(),
+        );
+        r.register(
+            "worker_lease_revocations",
+            "Attempts revoked on their holder's WorkerLease before the operator ended them (expiry, cancel)",
+            m.revocations.clone(),
         );
         r.register(
             "is_leader",

@@ -34,6 +34,9 @@ pub struct Seen {
     uid: String,
     holder: String,
     renew_marker: Option<String>,
+    /// Held (not released) and claimed to be renewed through its holder's
+    /// WorkerLease: what a WorkerLease renewal may be credited to.
+    per_worker_held: bool,
     pub observation: Observation,
 }
 
@@ -46,6 +49,12 @@ impl Seen {
     /// The UID of the lease object the record is of.
     pub fn uid(&self) -> &str {
         &self.uid
+    }
+
+    /// Whether a renewal of its holder's WorkerLease may keep it alive:
+    /// held, and claimed to be renewed per worker.
+    pub fn per_worker_held(&self) -> bool {
+        self.per_worker_held
     }
 }
 
@@ -86,6 +95,7 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
         uid,
         holder,
         renew_marker,
+        per_worker_held: phase == Some(LeasePhase::Held) && lease.renewed_per_worker(),
         observation,
     })
 }
@@ -121,7 +131,16 @@ pub fn holder_stops_by(
     final_state: bool,
     now: Instant,
 ) -> Option<Instant> {
-    let ttl = lease_ttl(last);
+    // A holder renewing through its WorkerLease writes its TaskLease only
+    // every refresh period, and stops when a refresh fails or none
+    // succeeded for that long plus its kill switch's 2/3·TTL: a deleted
+    // lease is noticed at the next refresh, not the next renewal.
+    let ttl = lease_ttl(last)
+        + if last.renewed_per_worker() {
+            batchlease_api::worker_lease::refresh_period(lease_ttl(last))
+        } else {
+            Duration::ZERO
+        };
     if !final_state {
         return may_be_held(last).then(|| now + ttl);
     }
@@ -144,6 +163,21 @@ pub fn renewed_since(cached: &TaskLease, fresh: &TaskLease) -> bool {
 type Key = (String, String);
 
 impl State {
+    /// Takes `key` out of its holder's index entry (its record is about to
+    /// change or go).
+    fn unindex_holder(&mut self, key: &Key) {
+        let Some(seen) = self.seen.get(key) else {
+            return;
+        };
+        let hk = (key.0.clone(), seen.holder.clone());
+        if let Some(names) = self.by_holder.get_mut(&hk) {
+            names.remove(&key.1);
+            if names.is_empty() {
+                self.by_holder.remove(&hk);
+            }
+        }
+    }
+
     /// Drops departures long over (and first sightings long past any TTL).
     fn prune(&mut self, now: Instant) {
         self.departed
@@ -173,6 +207,8 @@ struct State {
     unknown_since: HashMap<(Key, String), Instant>,
     /// (namespace, task name) → lease names.
     by_task: HashMap<Key, BTreeSet<String>>,
+    /// (namespace, holder) → names of the leases it holds per worker.
+    by_holder: HashMap<Key, BTreeSet<String>>,
     /// During a (re)list: the leases listed so far. A lease deleted while
     /// the watch was down gets no Delete event; the list's end forgets it.
     listed: Option<Vec<(Key, String)>>,
@@ -219,6 +255,16 @@ impl Tracker {
         }
         state.seen.retain(|k, _| keep.contains(k));
         state.by_task = by_task;
+        let mut by_holder: HashMap<Key, BTreeSet<String>> = HashMap::new();
+        for ((ns, name), seen) in &state.seen {
+            if seen.per_worker_held {
+                by_holder
+                    .entry((ns.clone(), seen.holder.clone()))
+                    .or_default()
+                    .insert(name.clone());
+            }
+        }
+        state.by_holder = by_holder;
     }
 
     /// Records a lease event from the watch (apply or initial list).
@@ -245,12 +291,44 @@ impl Tracker {
         } else {
             state.live.remove(&key);
         }
-        match next_seen(state.seen.get(&key), lease, now) {
+        let next = next_seen(state.seen.get(&key), lease, now);
+        state.unindex_holder(&key);
+        match next {
             Some(seen) => {
+                if seen.per_worker_held {
+                    state
+                        .by_holder
+                        .entry((key.0.clone(), seen.holder.clone()))
+                        .or_default()
+                        .insert(key.1.clone());
+                }
                 state.seen.insert(key, seen);
             }
             None => {
                 state.seen.remove(&key);
+            }
+        }
+    }
+
+    /// Credits a renewal of `holder`'s WorkerLease in `namespace`: `credit`
+    /// gives each record of a lease it holds per worker (by name) its new
+    /// state (see `worker_leases::credit_seen`).
+    pub fn credit_holder(
+        &self,
+        namespace: &str,
+        holder: &str,
+        credit: impl Fn(&str, &Seen) -> Seen,
+    ) {
+        let mut state = self.lock();
+        let key = (namespace.to_owned(), holder.to_owned());
+        let Some(names) = state.by_holder.get(&key).cloned() else {
+            return;
+        };
+        for name in names {
+            let k = (namespace.to_owned(), name);
+            if let Some(seen) = state.seen.get(&k) {
+                let next = credit(&k.1, seen);
+                state.seen.insert(k, next);
             }
         }
     }
@@ -268,6 +346,7 @@ impl Tracker {
             .departed
             .insert(key, (lease.spec.task_uid.clone(), until));
         state.prune(now);
+        state.unindex_holder(&(ns.clone(), name.clone()));
         state.seen.remove(&(ns.clone(), name.clone()));
         let task_key = (ns, lease.spec.task_name.clone());
         if let Some(names) = state.by_task.get_mut(&task_key) {
@@ -365,285 +444,5 @@ impl Tracker {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use batchlease_api::{TaskLeaseSpec, TaskLeaseStatus};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-    use std::time::Duration;
-
-    fn lease(uid: &str, holder: Option<&str>, phase: LeasePhase, renew: i64) -> TaskLease {
-        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
-        l.spec.holder_identity = holder.map(Into::into);
-        l.spec.renew_time = Some(MicroTime(
-            k8s_openapi::jiff::Timestamp::from_second(renew).unwrap(),
-        ));
-        l.metadata.uid = Some(uid.into());
-        l.metadata.namespace = Some("ns".into());
-        l.status = Some(TaskLeaseStatus {
-            phase: Some(phase),
-            ..Default::default()
-        });
-        l
-    }
-
-    #[test]
-    fn observation_table() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(5);
-        let held = lease("u1", Some("w1"), LeasePhase::Held, 100);
-        let first = next_seen(None, &held, t0).unwrap();
-        assert_eq!(
-            first.observation,
-            Observation {
-                last_renewal: t0,
-                claimed_at: t0
-            }
-        );
-
-        // The same state seen again (a relist): no renewal.
-        assert_eq!(
-            next_seen(Some(&first), &held, t1).unwrap().observation,
-            first.observation
-        );
-
-        // renewTime changed: a renewal, observed at t1, even though the
-        // written clock went *backwards* (clock values are not trusted).
-        let renewed = lease("u1", Some("w1"), LeasePhase::Held, 50);
-        let got = next_seen(Some(&first), &renewed, t1).unwrap().observation;
-        assert_eq!(
-            got,
-            Observation {
-                last_renewal: t1,
-                claimed_at: t0
-            }
-        );
-
-        // A different object of the same name (re-created): starts afresh.
-        let other = lease("u2", Some("w1"), LeasePhase::Held, 100);
-        assert_eq!(
-            next_seen(Some(&first), &other, t1).unwrap().observation,
-            Observation {
-                last_renewal: t1,
-                claimed_at: t1
-            }
-        );
-
-        // Not held: nothing to time.
-        for phase in [
-            LeasePhase::Offered,
-            LeasePhase::Completed,
-            LeasePhase::Expired,
-        ] {
-            assert!(next_seen(Some(&first), &lease("u1", Some("w1"), phase, 100), t1).is_none());
-        }
-        // Released unclaimed (a withdrawn offer, a tombstone): nothing to time.
-        assert!(next_seen(None, &lease("u1", None, LeasePhase::Released, 100), t1).is_none());
-        // A held lease released by a cancel keeps its clock: the holder may
-        // run until its kill switch, timed from its last renewal.
-        let released = lease("u1", Some("w1"), LeasePhase::Released, 100);
-        assert_eq!(
-            next_seen(Some(&first), &released, t1).unwrap().observation,
-            first.observation
-        );
-        // First seen released (a new leader): a full TTL from now.
-        assert_eq!(
-            next_seen(None, &released, t1)
-                .unwrap()
-                .observation
-                .last_renewal,
-            t1
-        );
-    }
-
-    #[test]
-    fn when_the_holder_of_a_departed_lease_has_surely_stopped() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(4);
-        let ttl = Duration::from_secs(30);
-        let held = lease("u1", Some("w1"), LeasePhase::Held, 100);
-        let seen = next_seen(None, &held, t0).unwrap();
-        // Deleted while held, last renewal seen at t0: a TTL after it.
-        assert_eq!(
-            holder_stops_by(Some(&seen), &held, true, t1),
-            Some(t0 + ttl)
-        );
-        // The Delete event shows a renewal not seen before: seen now.
-        let renewed = lease("u1", Some("w1"), LeasePhase::Held, 101);
-        assert_eq!(
-            holder_stops_by(Some(&seen), &renewed, true, t1),
-            Some(t1 + ttl)
-        );
-        // Never seen held before (a new process): a full TTL from now.
-        assert_eq!(holder_stops_by(None, &held, true, t1), Some(t1 + ttl));
-        // Released by a cancel after a claim: still timed.
-        let released = lease("u1", Some("w1"), LeasePhase::Released, 100);
-        assert_eq!(
-            holder_stops_by(Some(&seen), &released, true, t1),
-            Some(t0 + ttl)
-        );
-        // Deleted while offered (its final state): nobody claimed it.
-        let offered = lease("u1", None, LeasePhase::Offered, 100);
-        assert_eq!(holder_stops_by(None, &offered, true, t1), None);
-        // Gone in a relist: a claim or renewals may have landed unseen.
-        assert_eq!(holder_stops_by(None, &offered, false, t1), Some(t1 + ttl));
-        assert_eq!(
-            holder_stops_by(Some(&seen), &held, false, t1),
-            Some(t1 + ttl)
-        );
-        // Ended: no holder runs on.
-        for phase in [LeasePhase::Completed, LeasePhase::Expired] {
-            let ended = lease("u1", Some("w1"), phase, 100);
-            assert_eq!(holder_stops_by(Some(&seen), &ended, true, t1), None);
-            assert_eq!(holder_stops_by(Some(&seen), &ended, false, t1), None);
-        }
-    }
-
-    #[test]
-    fn a_deleted_tasks_attempt_is_timed_from_its_last_renewal_or_first_sight() {
-        let tracker = Tracker::default();
-        let t0 = Instant::now();
-        let ttl = Duration::from_secs(30);
-        let mut held = lease("u1", Some("w1"), LeasePhase::Held, 1);
-        held.spec.task_uid = "task-uid".into();
-        tracker.observe(&held, t0);
-        // The garbage collector deletes the lease 10 s after the last
-        // renewal was seen.
-        let t1 = t0 + Duration::from_secs(10);
-        tracker.forget(&held, t1);
-        assert_eq!(tracker.departed_until("ns", "t-1"), Some(t0 + ttl));
-        let long = Duration::from_secs(3600);
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "task-uid", 1, long, t1),
-            ttl - Duration::from_secs(10)
-        );
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "task-uid", 1, long, t0 + ttl),
-            Duration::ZERO
-        );
-        // Another incarnation of the task under the same name: not this
-        // departure; never seen, so timed from the first question, by the
-        // TTL given (the lock's).
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "other-uid", 1, ttl, t1),
-            ttl
-        );
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "other-uid", 1, ttl, t1 + Duration::from_secs(5)),
-            ttl - Duration::from_secs(5)
-        );
-        // A lease a relist no longer lists: a full TTL from the relist.
-        let mut offered = lease("u2", None, LeasePhase::Offered, 1);
-        offered.metadata.name = Some("t-2".into());
-        offered.spec.task_uid = "task-uid".into();
-        tracker.observe(&offered, t0);
-        tracker.list_started();
-        let t2 = t0 + Duration::from_secs(20);
-        tracker.list_done(t2);
-        assert_eq!(tracker.departed_until("ns", "t-2"), Some(t2 + ttl));
-        // Deleted while offered, seen as such: no holder of its own to wait
-        // for — but the task's earlier attempts (t-1, t-2) departed too and
-        // may still run: the latest of them counts.
-        let mut unclaimed = lease("u3", None, LeasePhase::Offered, 1);
-        unclaimed.metadata.name = Some("t-3".into());
-        unclaimed.spec.task_uid = "task-uid".into();
-        tracker.observe(&unclaimed, t0);
-        tracker.forget(&unclaimed, t1);
-        assert_eq!(tracker.departed_until("ns", "t-3"), Some(t1));
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "task-uid", 3, long, t1),
-            t2 + ttl - t1
-        );
-    }
-
-    /// A held lease lost (deleted) and replaced under the same lock, then
-    /// the task deleted while the replacement was only offered: the lock
-    /// names the replacement's token, whose lease had no holder — but the
-    /// lost attempt's worker runs until its kill switch.
-    #[test]
-    fn a_lock_named_for_a_replacement_waits_for_the_lost_attempt_too() {
-        let tracker = Tracker::default();
-        let t0 = Instant::now();
-        let ttl = Duration::from_secs(30);
-        let mut lost = lease("u1", Some("w1"), LeasePhase::Held, 1);
-        lost.spec.task_uid = "task-uid".into();
-        tracker.observe(&lost, t0);
-        let t1 = t0 + Duration::from_secs(2);
-        tracker.forget(&lost, t1);
-        let mut replacement = lease("u2", None, LeasePhase::Offered, 1);
-        replacement.metadata.name = Some("t-2".into());
-        replacement.spec.task_uid = "task-uid".into();
-        tracker.observe(&replacement, t1);
-        let t2 = t0 + Duration::from_secs(5);
-        tracker.forget(&replacement, t2);
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "task-uid", 2, ttl, t2),
-            t0 + ttl - t2,
-            "the lost attempt of token 1 may run until a TTL after its last renewal"
-        );
-        // Another task's departures do not count.
-        let mut other = lease("u3", Some("w2"), LeasePhase::Held, 1);
-        other.metadata.name = Some("o-1".into());
-        other.spec.task_uid = "other-uid".into();
-        tracker.observe(&other, t2);
-        tracker.forget(&other, t2);
-        assert_eq!(
-            tracker.gone_attempt_left("ns", "t", "task-uid", 2, ttl, t0 + ttl),
-            Duration::ZERO
-        );
-    }
-
-    #[test]
-    fn only_a_new_renew_time_is_a_renewal_after_a_conflict() {
-        let cached = lease("u1", Some("w1"), LeasePhase::Held, 100);
-        let mut labelled = cached.clone();
-        labelled.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
-        assert!(!renewed_since(&cached, &labelled), "a label is no renewal");
-        let renewed = lease("u1", Some("w1"), LeasePhase::Held, 101);
-        assert!(renewed_since(&cached, &renewed));
-        // Even a renewTime from the past is a change, hence a renewal.
-        let old_clock = lease("u1", Some("w1"), LeasePhase::Held, 1);
-        assert!(renewed_since(&cached, &old_clock));
-        let completed = lease("u1", Some("w1"), LeasePhase::Completed, 100);
-        assert!(
-            renewed_since(&cached, &completed),
-            "ended: leave it to settle"
-        );
-    }
-
-    #[test]
-    fn a_relist_forgets_leases_deleted_while_the_watch_was_down() {
-        let tracker = Tracker::default();
-        let t0 = Instant::now();
-        let mut a = lease("u1", Some("w1"), LeasePhase::Held, 1);
-        a.metadata.name = Some("t-1".into());
-        let mut b = lease("u2", Some("w1"), LeasePhase::Held, 1);
-        b.metadata.name = Some("t-2".into());
-        tracker.observe(&a, t0);
-        tracker.observe(&b, t0);
-        assert_eq!(tracker.leases_of("ns", "t").len(), 2);
-        // t-2 was deleted during a disconnect: the relist lists only t-1.
-        tracker.list_started();
-        tracker.observe(&a, t0 + std::time::Duration::from_secs(1));
-        tracker.list_done(t0 + Duration::from_secs(1));
-        assert_eq!(tracker.leases_of("ns", "t"), vec!["t-1".to_owned()]);
-        assert!(tracker.observation("ns", "t-2").is_none());
-        // The relist did not count as a renewal (same renewTime).
-        assert_eq!(tracker.observation("ns", "t-1").unwrap().last_renewal, t0);
-    }
-
-    #[test]
-    fn tracker_indexes_and_forgets() {
-        let tracker = Tracker::default();
-        let t0 = Instant::now();
-        let held = lease("u1", Some("w1"), LeasePhase::Held, 1);
-        tracker.observe(&held, t0);
-        assert_eq!(tracker.leases_of("ns", "t"), vec!["t-1".to_owned()]);
-        assert!(tracker.observation("ns", "t-1").is_some());
-        let t1 = t0 + Duration::from_secs(3);
-        tracker.touch("ns", "t-1", t1);
-        assert_eq!(tracker.observation("ns", "t-1").unwrap().last_renewal, t1);
-        tracker.forget(&held, t1);
-        assert!(tracker.leases_of("ns", "t").is_empty());
-        assert!(tracker.observation("ns", "t-1").is_none());
-    }
-}
+#[path = "observe_tests.rs"]
+mod tests;

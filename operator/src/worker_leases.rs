@@ -45,13 +45,14 @@
 //! the copy it observed before it expires or releases the TaskLease
 //! (`effects::revoke`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Mutex;
 
 use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
 use kube::ResourceExt;
 use tokio::time::Instant;
 
-use crate::observe::Seen;
+use crate::observe::{Seen, Tracker};
 
 /// The last state seen of one WorkerLease.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -89,12 +90,19 @@ impl WorkerSeen {
     /// The renewal that the deletion of this object, with last state
     /// `last` (`None`: unknown — it left a relist), shows at `now`: one if
     /// a renewal may have landed after the last one seen.
-    pub fn departure(&self, last: Option<&WorkerLease>, namespace: Option<String>, now: Instant) -> Option<Renewal> {
+    pub fn departure(
+        &self,
+        last: Option<&WorkerLease>,
+        namespace: Option<String>,
+        now: Instant,
+    ) -> Option<Renewal> {
         let renewed = last.is_none_or(|l| renew_marker(l) != self.renew_marker);
         renewed.then(|| Renewal {
             holder: self.holder.clone(),
             namespace,
-            names: last.map(|l| l.holds().iter().cloned().collect()).unwrap_or_default(),
+            names: last
+                .map(|l| l.holds().iter().cloned().collect())
+                .unwrap_or_default(),
             ended: self.ended.clone(),
             at: now,
         })
@@ -177,15 +185,28 @@ pub fn next_worker_seen(
 /// module); otherwise `seen` unchanged.
 pub fn credit(seen: &Seen, lease: &TaskLease, renewal: &Renewal) -> Seen {
     let held = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held);
-    let holder = lease.spec.holder_identity.as_deref();
-    let over = renewal.ended.contains(&AttemptRef::of(lease));
-    let credited = held
+    let this_copy = held
         && lease.renewed_per_worker()
-        && !over
-        && holder == Some(renewal.holder.as_str())
-        && seen.holder() == renewal.holder
+        && lease.spec.holder_identity.as_deref() == Some(seen.holder())
         && seen.uid() == lease.uid().unwrap_or_default()
-        && lease.metadata.namespace == renewal.namespace
+        && lease.metadata.namespace == renewal.namespace;
+    if !this_copy {
+        return seen.clone();
+    }
+    credit_seen(seen, &lease.name_any(), renewal)
+}
+
+/// Pure: [`credit`] on the tracker's record alone: `seen` is the record of
+/// TaskLease `name` in the renewal's namespace (the tracker's index of
+/// leases held per worker finds them).
+pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
+    let attempt = AttemptRef {
+        name: name.to_owned(),
+        uid: seen.uid().to_owned(),
+    };
+    let credited = seen.per_worker_held()
+        && !renewal.ended.contains(&attempt)
+        && seen.holder() == renewal.holder
         // Observed before the claim was: it says nothing of this attempt.
         && renewal.at >= seen.observation.claimed_at;
     let mut out = seen.clone();
@@ -195,229 +216,122 @@ pub fn credit(seen: &Seen, lease: &TaskLease, renewal: &Renewal) -> Seen {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
+type Key = (String, String);
 
-    use super::*;
-    use crate::observe::{Observation, next_seen};
-    use batchlease_api::worker_lease::worker_lease_name;
-    use batchlease_api::{Renewal as Mode, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+#[derive(Debug, Default)]
+struct State {
+    /// (namespace, WorkerLease name) → its record.
+    seen: HashMap<Key, WorkerSeen>,
+    /// During a (re)list: the WorkerLeases listed so far.
+    listed: Option<HashSet<Key>>,
+    /// Attempts whose WorkerLease a read found gone: when (see
+    /// [`WorkerTracker::found_gone`]).
+    found_gone: HashMap<(String, AttemptRef), Instant>,
+}
 
-    fn micro(second: i64) -> MicroTime {
-        MicroTime(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
+/// The WorkerLeases as the watch shows them, crediting each renewal it
+/// observes to the TaskLease records of [`Tracker`].
+#[derive(Debug, Default)]
+pub struct WorkerTracker {
+    state: Mutex<State>,
+}
+
+impl WorkerTracker {
+    /// A (re)list of the watch begins.
+    pub fn list_started(&self) {
+        self.lock().listed = Some(HashSet::new());
     }
 
-    fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> WorkerLease {
-        let mut l = WorkerLease::new(
-            &worker_lease_name(holder),
-            WorkerLeaseSpec {
-                holder_identity: holder.into(),
-                queues: vec![],
-                lease_duration_seconds: 30,
-                renew_time: Some(micro(renew)),
-                holds: names(&holds.split(',').filter(|n| !n.is_empty()).collect::<Vec<_>>())
-                    .into_iter()
-                    .collect(),
-            },
-        );
-        l.metadata.namespace = Some("ns".into());
-        l.metadata.uid = Some(uid.into());
-        l
+    /// A WorkerLease event from the watch (apply or initial list).
+    pub fn observe(&self, w: &WorkerLease, leases: &Tracker, now: Instant) {
+        let key = (w.namespace().unwrap_or_default(), w.name_any());
+        let mut state = self.lock();
+        if let Some(listed) = &mut state.listed {
+            listed.insert(key.clone());
+        }
+        match next_worker_seen(state.seen.get(&key), w, now) {
+            Some(o) => {
+                state.seen.insert(key.clone(), o.seen);
+                drop(state);
+                if let Some(r) = o.renewal {
+                    apply(&key.0, &r, leases);
+                }
+            }
+            None => {
+                state.seen.remove(&key);
+            }
+        }
     }
 
-    fn task_lease(name: &str, holder: &str, phase: LeasePhase) -> TaskLease {
-        let mut l = TaskLease::new(name, TaskLeaseSpec::offered("t", "task", "q", 1, 30));
-        l.metadata.namespace = Some("ns".into());
-        l.metadata.uid = Some(format!("uid-{name}"));
-        l.spec.holder_identity = Some(holder.into());
-        l.spec.renew_time = Some(micro(100));
-        l.spec.renewal = Some(Mode::Worker);
-        l.status = Some(TaskLeaseStatus {
-            phase: Some(phase),
-            ..Default::default()
-        });
-        l
+    /// A WorkerLease deletion (`last`: its final state from the Delete
+    /// event): a renewal not seen before counts as observed now.
+    pub fn forget(&self, last: &WorkerLease, leases: &Tracker, now: Instant) {
+        let key = (last.namespace().unwrap_or_default(), last.name_any());
+        let prev = self.lock().seen.remove(&key);
+        if let Some(r) = prev.and_then(|p| p.departure(Some(last), last.namespace(), now)) {
+            apply(&key.0, &r, leases);
+        }
     }
 
-    /// Attempts by name, of `task_lease`'s UIDs.
-    fn names(v: &[&str]) -> BTreeSet<AttemptRef> {
-        v.iter()
-            .map(|s| AttemptRef {
-                name: (*s).to_owned(),
-                uid: format!("uid-{s}"),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn worker_lease_observations() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(3);
-        let v1 = worker("w1", "u1", 10, "t-1,t-2");
-        // First sight: a renewal now; nothing ended yet.
-        let first = next_worker_seen(None, &v1, t0).unwrap();
-        let r = first.renewal.clone().unwrap();
-        assert_eq!(
-            (r.holder.as_str(), &r.names, r.at),
-            ("w1", &names(&["t-1", "t-2"]), t0)
-        );
-        assert!(r.ended.is_empty());
-        // Seen again unchanged (a relist, a revocation): no renewal.
-        assert_eq!(
-            next_worker_seen(Some(&first.seen), &v1, t1)
-                .unwrap()
-                .renewal,
-            None
-        );
-        // A new renewTime, even an older clock value: a renewal at t1. It
-        // no longer lists t-1: t-1's listing is over from now on, but this
-        // observation still counts for it (versions skipped in between may
-        // have listed it).
-        let v2 = worker("w1", "u1", 5, "t-2");
-        let got = next_worker_seen(Some(&first.seen), &v2, t1).unwrap();
-        assert!(got.renewal.clone().unwrap().ended.is_empty());
-        assert_eq!(got.seen.ended(), &names(&["t-1"]));
-        // The next one does not count for t-1 any more.
-        let v3 = worker("w1", "u1", 6, "t-2");
-        let next = next_worker_seen(Some(&got.seen), &v3, t1).unwrap();
-        assert_eq!(next.renewal.unwrap().ended, names(&["t-1"]));
-        // Created again after a deletion (another UID): a first sight, and
-        // the old object's ended listings are not carried over.
-        let again = worker("w1", "u2", 6, "");
-        let got = next_worker_seen(Some(&next.seen), &again, t1).unwrap();
-        assert!(got.renewal.unwrap().ended.is_empty());
-        // Not named for its holder: no record.
-        let mut misnamed = v1.clone();
-        misnamed.metadata.name = Some("other".into());
-        assert!(next_worker_seen(None, &misnamed, t0).is_none());
-    }
-
-    #[test]
-    fn credit_table() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(4);
-        let held = task_lease("t-1", "w1", LeasePhase::Held);
-        let seen = next_seen(None, &held, t0).unwrap();
-        let renewal = |holder: &str, listed: &[&str], ended: &[&str], at: Instant| Renewal {
-            holder: holder.into(),
-            namespace: Some("ns".into()),
-            names: names(listed),
-            ended: names(ended),
-            at,
+    /// The (re)list ended: a WorkerLease it no longer lists was deleted
+    /// while the watch was down, with renewals perhaps unseen — a renewal
+    /// observed now.
+    pub fn list_done(&self, leases: &Tracker, now: Instant) {
+        let mut state = self.lock();
+        let Some(listed) = state.listed.take() else {
+            return;
         };
-        let credited = |r: &Renewal, l: &TaskLease| credit(&seen, l, r).observation;
-        let untouched = seen.observation;
-        let renewed = Observation {
-            last_renewal: t1,
-            claimed_at: t0,
-        };
-        for (why, r) in [
-            ("listed", renewal("w1", &["t-1"], &[], t1)),
-            // Versions the operator never saw may have listed it.
-            (
-                "not listed, listing never seen",
-                renewal("w1", &[], &[], t1),
-            ),
-            ("another's listing ended", renewal("w1", &[], &["t-2"], t1)),
-        ] {
-            assert_eq!(credited(&r, &held), renewed, "{why}");
+        let gone: Vec<(Key, WorkerSeen)> = state
+            .seen
+            .iter()
+            .filter(|(k, _)| !listed.contains(*k))
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
+        for (k, _) in &gone {
+            state.seen.remove(k);
         }
-        for (why, r, l) in [
-            (
-                "its listing was seen to end",
-                renewal("w1", &[], &["t-1"], t1),
-                held.clone(),
-            ),
-            (
-                "another worker",
-                renewal("w2", &["t-1"], &[], t1),
-                held.clone(),
-            ),
-            (
-                "observed before the claim was",
-                renewal("w1", &["t-1"], &[], t0 - Duration::from_secs(1)),
-                held.clone(),
-            ),
-            (
-                "expired: a zombie's write",
-                renewal("w1", &["t-1"], &[], t1),
-                task_lease("t-1", "w1", LeasePhase::Expired),
-            ),
-            (
-                "completed",
-                renewal("w1", &["t-1"], &[], t1),
-                task_lease("t-1", "w1", LeasePhase::Completed),
-            ),
-            ("renewed per lease", renewal("w1", &["t-1"], &[], t1), {
-                let mut l = held.clone();
-                l.spec.renewal = Some(Mode::Lease);
-                l
-            }),
-        ] {
-            assert_eq!(credited(&r, &l), untouched, "{why}");
+        state
+            .found_gone
+            .retain(|_, at| now.saturating_duration_since(*at) < FOUND_GONE_KEPT);
+        drop(state);
+        for ((ns, _), seen) in gone {
+            if let Some(r) = seen.departure(None, Some(ns.clone()), now) {
+                apply(&ns, &r, leases);
+            }
         }
-        let listed = renewal("w1", &["t-1"], &[], t1);
-        let mut elsewhere = held.clone();
-        elsewhere.metadata.namespace = Some("other".into());
-        assert_eq!(
-            credited(&listed, &elsewhere),
-            untouched,
-            "another namespace"
-        );
-        // The record of another incarnation of the name: not this one's.
-        let mut other = held.clone();
-        other.metadata.uid = Some("uid-again".into());
-        assert_eq!(credited(&listed, &other), untouched, "another object");
-        // Never moves the last renewal back.
-        let later = credit(&seen, &held, &listed);
-        let earlier = renewal("w1", &["t-1"], &[], t0);
-        assert_eq!(credit(&later, &held, &earlier).observation, renewed);
     }
 
-    /// The rule end to end, as a tracker would apply it: a TaskLease whose
-    /// holder renews only its worker Lease, then drops it.
-    #[test]
-    fn a_lease_kept_alive_by_its_workers_renewals() {
-        let t = |s: u64| Instant::now() + Duration::from_secs(s);
-        let (t0, t10, t20, t30) = (t(0), t(10), t(20), t(30));
-        let held = task_lease("t-1", "w1", LeasePhase::Held);
-        let mut seen = next_seen(None, &held, t0).unwrap();
-        let mut ws = next_worker_seen(None, &worker("w1", "u1", 1, "t-1"), t0)
-            .unwrap()
-            .seen;
-        for (at, renew, holds) in [(t10, 2, "t-1"), (t20, 3, "")] {
-            let o = next_worker_seen(Some(&ws), &worker("w1", "u1", renew, holds), at).unwrap();
-            seen = credit(&seen, &held, &o.renewal.unwrap());
-            ws = o.seen;
+    /// A read found no WorkerLease for `attempt`'s holder (the cache had
+    /// none either). The first time: `false`, and the caller counts a
+    /// renewal observed now — the object that fed the attempt was gone at
+    /// this read, so its renewals all landed before it, but some may be
+    /// unseen. Afterwards `true`: a TTL from that read, the attempt has
+    /// stopped.
+    pub fn found_gone(&self, namespace: &str, attempt: &AttemptRef, now: Instant) -> bool {
+        let mut state = self.lock();
+        let key = (namespace.to_owned(), attempt.clone());
+        if state.found_gone.contains_key(&key) {
+            return true;
         }
-        // Dropped at t20: credited then, not after.
-        assert_eq!(seen.observation.last_renewal, t20);
-        let o = next_worker_seen(Some(&ws), &worker("w1", "u1", 4, ""), t30).unwrap();
-        seen = credit(&seen, &held, &o.renewal.unwrap());
-        assert_eq!(seen.observation.last_renewal, t20);
-        // The TaskLease's own renewTime still counts (an older worker, a
-        // checkpoint): next_seen is unchanged for it.
-        let mut own = held.clone();
-        own.spec.renew_time = Some(micro(101));
-        assert_eq!(
-            next_seen(Some(&seen), &own, t30)
-                .unwrap()
-                .observation
-                .last_renewal,
-            t30
-        );
-        // The deletion of a WorkerLease whose last state was seen renews
-        // nothing; one that carries a renewal not seen, or a departure
-        // from a relist (last state unknown), is a renewal observed then.
-        let t40 = t(40);
-        let last = worker("w1", "u1", 4, "");
-        let o = next_worker_seen(Some(&ws), &last, t30).unwrap().seen;
-        assert_eq!(o.departure(Some(&last), Some("ns".into()), t40), None);
-        let unseen = worker("w1", "u1", 5, "t-1");
-        let r = o.departure(Some(&unseen), Some("ns".into()), t40).unwrap();
-        assert_eq!((r.at, r.ended.clone()), (t40, names(&["t-1"])));
-        assert!(o.departure(None, Some("ns".into()), t40).is_some());
+        state.found_gone.insert(key, now);
+        false
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding this lock leaves plain data behind; keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// How long a "found gone" stays remembered: past any TTL.
+const FOUND_GONE_KEPT: std::time::Duration = std::time::Duration::from_secs(7200);
+
+fn apply(namespace: &str, renewal: &Renewal, leases: &Tracker) {
+    leases.credit_holder(namespace, &renewal.holder, |name, seen| {
+        credit_seen(seen, name, renewal)
+    });
+}
+
+#[cfg(test)]
+#[path = "worker_leases_tests.rs"]
+mod tests;

@@ -8,10 +8,13 @@
 //!
 //! Split in files only for size: `writes.rs` (status write, lease create,
 //! lease repair), `lock_writes.rs` (take and give back locks), `report.rs`
-//! (Events and the metrics of transitions). None imports this file.
+//! (Events and the metrics of transitions), `revoke.rs` (the revocation
+//! on a WorkerLease that comes before ending an attempt renewed per
+//! worker). None imports this file.
 
 mod lock_writes;
 pub mod report;
+mod revoke;
 pub mod writes;
 
 use std::time::Duration;
@@ -283,6 +286,11 @@ async fn release(
 ) -> Result<Action, Error> {
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(cached) = cached_held(ctx, lease)
+        && revoke::revoke(ctx, &cached).await? == revoke::Revoked::Renewed
+    {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     ctx.leadership.ensure()?;
     let written = bounded(ctx, "lease release", async {
         Ok(api
@@ -332,6 +340,11 @@ async fn expire(
 ) -> Result<Action, Error> {
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(cached) = cached_held(ctx, lease)
+        && revoke::revoke(ctx, &cached).await? == revoke::Revoked::Renewed
+    {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     let mut attempt = lease.clone();
     // At most two writes: the cached copy, then — after a conflict that was
     // not a renewal — the copy a re-read returned.
@@ -386,6 +399,16 @@ async fn expire(
         }
     }
     Ok(Action::requeue(Duration::from_millis(500)))
+}
+
+/// The cached copy of `lease` (which the pass decided to end) while it is
+/// the same object still held: what a revocation is of.
+fn cached_held(ctx: &Ctx, lease: &TaskLease) -> Option<TaskLease> {
+    let ns = lease.namespace().unwrap_or_default();
+    ctx.leases
+        .get(&kube::runtime::reflector::ObjectRef::new(&lease.name_any()).within(&ns))
+        .filter(|c| c.uid() == lease.uid() && revoke::needs_revocation(c).is_some())
+        .map(|c| (*c).clone())
 }
 
 async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {

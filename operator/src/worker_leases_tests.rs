@@ -1,0 +1,313 @@
+//! Tests of `worker_leases.rs`.
+use std::time::Duration;
+
+use super::*;
+use crate::observe::{Observation, next_seen};
+use batchlease_api::worker_lease::worker_lease_name;
+use batchlease_api::{Renewal as Mode, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+fn micro(second: i64) -> MicroTime {
+    MicroTime(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
+}
+
+fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> WorkerLease {
+    let mut l = WorkerLease::new(
+        &worker_lease_name(holder),
+        WorkerLeaseSpec {
+            holder_identity: holder.into(),
+            queues: vec![],
+            lease_duration_seconds: 30,
+            renew_time: Some(micro(renew)),
+            holds: names(
+                &holds
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .collect::<Vec<_>>(),
+            )
+            .into_iter()
+            .collect(),
+        },
+    );
+    l.metadata.namespace = Some("ns".into());
+    l.metadata.uid = Some(uid.into());
+    l
+}
+
+fn task_lease(name: &str, holder: &str, phase: LeasePhase) -> TaskLease {
+    let mut l = TaskLease::new(name, TaskLeaseSpec::offered("t", "task", "q", 1, 30));
+    l.metadata.namespace = Some("ns".into());
+    l.metadata.uid = Some(format!("uid-{name}"));
+    l.spec.holder_identity = Some(holder.into());
+    l.spec.renew_time = Some(micro(100));
+    l.spec.renewal = Some(Mode::Worker);
+    l.status = Some(TaskLeaseStatus {
+        phase: Some(phase),
+        ..Default::default()
+    });
+    l
+}
+
+/// Attempts by name, of `task_lease`'s UIDs.
+fn names(v: &[&str]) -> BTreeSet<AttemptRef> {
+    v.iter()
+        .map(|s| AttemptRef {
+            name: (*s).to_owned(),
+            uid: format!("uid-{s}"),
+        })
+        .collect()
+}
+
+#[test]
+fn worker_lease_observations() {
+    let t0 = Instant::now();
+    let t1 = t0 + Duration::from_secs(3);
+    let v1 = worker("w1", "u1", 10, "t-1,t-2");
+    // First sight: a renewal now; nothing ended yet.
+    let first = next_worker_seen(None, &v1, t0).unwrap();
+    let r = first.renewal.clone().unwrap();
+    assert_eq!(
+        (r.holder.as_str(), &r.names, r.at),
+        ("w1", &names(&["t-1", "t-2"]), t0)
+    );
+    assert!(r.ended.is_empty());
+    // Seen again unchanged (a relist, a revocation): no renewal.
+    assert_eq!(
+        next_worker_seen(Some(&first.seen), &v1, t1)
+            .unwrap()
+            .renewal,
+        None
+    );
+    // A new renewTime, even an older clock value: a renewal at t1. It
+    // no longer lists t-1: t-1's listing is over from now on, but this
+    // observation still counts for it (versions skipped in between may
+    // have listed it).
+    let v2 = worker("w1", "u1", 5, "t-2");
+    let got = next_worker_seen(Some(&first.seen), &v2, t1).unwrap();
+    assert!(got.renewal.clone().unwrap().ended.is_empty());
+    assert_eq!(got.seen.ended(), &names(&["t-1"]));
+    // The next one does not count for t-1 any more.
+    let v3 = worker("w1", "u1", 6, "t-2");
+    let next = next_worker_seen(Some(&got.seen), &v3, t1).unwrap();
+    assert_eq!(next.renewal.unwrap().ended, names(&["t-1"]));
+    // Created again after a deletion (another UID): a first sight, and
+    // the old object's ended listings are not carried over.
+    let again = worker("w1", "u2", 6, "");
+    let got = next_worker_seen(Some(&next.seen), &again, t1).unwrap();
+    assert!(got.renewal.unwrap().ended.is_empty());
+    // Not named for its holder: no record.
+    let mut misnamed = v1.clone();
+    misnamed.metadata.name = Some("other".into());
+    assert!(next_worker_seen(None, &misnamed, t0).is_none());
+}
+
+#[test]
+fn credit_table() {
+    let t0 = Instant::now();
+    let t1 = t0 + Duration::from_secs(4);
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    let seen = next_seen(None, &held, t0).unwrap();
+    let renewal = |holder: &str, listed: &[&str], ended: &[&str], at: Instant| Renewal {
+        holder: holder.into(),
+        namespace: Some("ns".into()),
+        names: names(listed),
+        ended: names(ended),
+        at,
+    };
+    let credited = |r: &Renewal, l: &TaskLease| credit(&seen, l, r).observation;
+    let untouched = seen.observation;
+    let renewed = Observation {
+        last_renewal: t1,
+        claimed_at: t0,
+    };
+    for (why, r) in [
+        ("listed", renewal("w1", &["t-1"], &[], t1)),
+        // Versions the operator never saw may have listed it.
+        (
+            "not listed, listing never seen",
+            renewal("w1", &[], &[], t1),
+        ),
+        ("another's listing ended", renewal("w1", &[], &["t-2"], t1)),
+    ] {
+        assert_eq!(credited(&r, &held), renewed, "{why}");
+    }
+    for (why, r, l) in [
+        (
+            "its listing was seen to end",
+            renewal("w1", &[], &["t-1"], t1),
+            held.clone(),
+        ),
+        (
+            "another worker",
+            renewal("w2", &["t-1"], &[], t1),
+            held.clone(),
+        ),
+        (
+            "observed before the claim was",
+            renewal("w1", &["t-1"], &[], t0 - Duration::from_secs(1)),
+            held.clone(),
+        ),
+        (
+            "expired: a zombie's write",
+            renewal("w1", &["t-1"], &[], t1),
+            task_lease("t-1", "w1", LeasePhase::Expired),
+        ),
+        (
+            "completed",
+            renewal("w1", &["t-1"], &[], t1),
+            task_lease("t-1", "w1", LeasePhase::Completed),
+        ),
+        ("renewed per lease", renewal("w1", &["t-1"], &[], t1), {
+            let mut l = held.clone();
+            l.spec.renewal = Some(Mode::Lease);
+            l
+        }),
+    ] {
+        assert_eq!(credited(&r, &l), untouched, "{why}");
+    }
+    let listed = renewal("w1", &["t-1"], &[], t1);
+    let mut elsewhere = held.clone();
+    elsewhere.metadata.namespace = Some("other".into());
+    assert_eq!(
+        credited(&listed, &elsewhere),
+        untouched,
+        "another namespace"
+    );
+    // The record of another incarnation of the name: not this one's.
+    let mut other = held.clone();
+    other.metadata.uid = Some("uid-again".into());
+    assert_eq!(credited(&listed, &other), untouched, "another object");
+    // Never moves the last renewal back.
+    let later = credit(&seen, &held, &listed);
+    let earlier = renewal("w1", &["t-1"], &[], t0);
+    assert_eq!(credit(&later, &held, &earlier).observation, renewed);
+}
+
+/// The rule end to end, as a tracker would apply it: a TaskLease whose
+/// holder renews only its worker Lease, then drops it.
+#[test]
+fn a_lease_kept_alive_by_its_workers_renewals() {
+    let t = |s: u64| Instant::now() + Duration::from_secs(s);
+    let (t0, t10, t20, t30) = (t(0), t(10), t(20), t(30));
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    let mut seen = next_seen(None, &held, t0).unwrap();
+    let mut ws = next_worker_seen(None, &worker("w1", "u1", 1, "t-1"), t0)
+        .unwrap()
+        .seen;
+    for (at, renew, holds) in [(t10, 2, "t-1"), (t20, 3, "")] {
+        let o = next_worker_seen(Some(&ws), &worker("w1", "u1", renew, holds), at).unwrap();
+        seen = credit(&seen, &held, &o.renewal.unwrap());
+        ws = o.seen;
+    }
+    // Dropped at t20: credited then, not after.
+    assert_eq!(seen.observation.last_renewal, t20);
+    let o = next_worker_seen(Some(&ws), &worker("w1", "u1", 4, ""), t30).unwrap();
+    seen = credit(&seen, &held, &o.renewal.unwrap());
+    assert_eq!(seen.observation.last_renewal, t20);
+    // The TaskLease's own renewTime still counts (an older worker, a
+    // checkpoint): next_seen is unchanged for it.
+    let mut own = held.clone();
+    own.spec.renew_time = Some(micro(101));
+    assert_eq!(
+        next_seen(Some(&seen), &own, t30)
+            .unwrap()
+            .observation
+            .last_renewal,
+        t30
+    );
+    // The deletion of a WorkerLease whose last state was seen renews
+    // nothing; one that carries a renewal not seen, or a departure
+    // from a relist (last state unknown), is a renewal observed then.
+    let t40 = t(40);
+    let last = worker("w1", "u1", 4, "");
+    let o = next_worker_seen(Some(&ws), &last, t30).unwrap().seen;
+    assert_eq!(o.departure(Some(&last), Some("ns".into()), t40), None);
+    let unseen = worker("w1", "u1", 5, "t-1");
+    let r = o.departure(Some(&unseen), Some("ns".into()), t40).unwrap();
+    assert_eq!((r.at, r.ended.clone()), (t40, names(&["t-1"])));
+    assert!(o.departure(None, Some("ns".into()), t40).is_some());
+}
+
+/// The tracker end to end: WorkerLease events credited to the TaskLease
+/// records of the lease watch's tracker.
+#[test]
+fn the_trackers_credit_worker_renewals_and_departures() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    let leases = Tracker::default();
+    let workers = WorkerTracker::default();
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    let mut per_lease = task_lease("t-2", "w1", LeasePhase::Held);
+    per_lease.spec.renewal = Some(Mode::Lease);
+    leases.observe(&held, t(0));
+    leases.observe(&per_lease, t(0));
+    let last = |name: &str| leases.observation("ns", name).unwrap().last_renewal;
+    workers.list_started();
+    workers.observe(&worker("w1", "u1", 1, "t-1"), &leases, t(1));
+    workers.list_done(&leases, t(1));
+    assert_eq!(last("t-1"), t(1), "first sight of the WorkerLease");
+    assert_eq!(last("t-2"), t(0), "renewed per lease: not credited");
+    workers.observe(&worker("w1", "u1", 2, "t-1"), &leases, t(5));
+    assert_eq!(last("t-1"), t(5));
+    // Another holder's renewal keeps nothing of w1's alive.
+    workers.observe(&worker("w2", "u2", 1, "t-1"), &leases, t(6));
+    assert_eq!(last("t-1"), t(5));
+    // The same version seen again: nothing.
+    workers.observe(&worker("w1", "u1", 2, "t-1"), &leases, t(7));
+    assert_eq!(last("t-1"), t(5));
+    // Deleted with a renewal we never saw: counted at the deletion.
+    workers.forget(&worker("w1", "u1", 3, "t-1"), &leases, t(9));
+    assert_eq!(last("t-1"), t(9));
+    // Created again, then gone from a relist: a renewal at the relist.
+    workers.observe(&worker("w1", "u3", 1, ""), &leases, t(10));
+    assert_eq!(last("t-1"), t(10), "a new object of the holder");
+    workers.list_started();
+    workers.list_done(&leases, t(12));
+    assert_eq!(last("t-1"), t(12));
+    // Once the lease is no longer held, nothing is credited to it.
+    let mut done = held.clone();
+    done.status.as_mut().unwrap().phase = Some(LeasePhase::Completed);
+    leases.observe(&done, t(13));
+    workers.observe(&worker("w1", "u4", 1, "t-1"), &leases, t(14));
+    assert_eq!(leases.observation("ns", "t-1"), None);
+}
+
+#[test]
+fn a_worker_lease_found_gone_delays_an_end_once() {
+    let workers = WorkerTracker::default();
+    let a = AttemptRef {
+        name: "t-1".into(),
+        uid: "u".into(),
+    };
+    let now = Instant::now();
+    assert!(
+        !workers.found_gone("ns", &a, now),
+        "first: count a renewal now"
+    );
+    assert!(workers.found_gone("ns", &a, now + Duration::from_secs(30)));
+    let other = AttemptRef {
+        name: "t-1".into(),
+        uid: "another".into(),
+    };
+    assert!(!workers.found_gone("ns", &other, now), "per attempt");
+}
+
+#[test]
+fn a_deleted_lease_renewed_per_worker_is_waited_for_a_refresh_period_more() {
+    let t0 = Instant::now();
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    let seen = next_seen(None, &held, t0).unwrap();
+    let ttl = Duration::from_secs(30);
+    let refresh = batchlease_api::worker_lease::refresh_period(ttl);
+    assert_eq!(refresh, Duration::from_secs(120));
+    assert_eq!(
+        crate::observe::holder_stops_by(Some(&seen), &held, true, t0),
+        Some(t0 + ttl + refresh)
+    );
+    let mut per_lease = held.clone();
+    per_lease.spec.renewal = Some(Mode::Lease);
+    assert_eq!(
+        crate::observe::holder_stops_by(Some(&seen), &per_lease, true, t0),
+        Some(t0 + ttl)
+    );
+}
