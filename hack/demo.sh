@@ -28,7 +28,8 @@ local_env_up "$run_dir"
 
 kubectl apply --server-side -f crds/
 kubectl wait --for=condition=Established --timeout=60s \
-  crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev crd/taskqueues.batchlease.dev
+  crd/batchtasks.batchlease.dev crd/taskleases.batchlease.dev crd/taskqueues.batchlease.dev \
+  crd/workerleases.batchlease.dev
 kubectl create namespace demo
 "$bin/batchlease-operator" --namespaces=demo --leader-lease-namespace=demo \
   --metrics-addr=127.0.0.1:0 >"$run_dir/operator.log" 2>&1 &

@@ -316,6 +316,12 @@ pub struct BatchTaskStatus {
     /// Identity of the worker holding the current lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,
+    /// How the holder keeps the current lease alive (its
+    /// `spec.renewal`), written with `holder`. Should the lease go
+    /// missing, a holder renewing per worker may run a refresh period
+    /// longer than one renewing per lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_renewal: Option<crate::Renewal>,
     /// No lease is issued before this time (backoff); kept in status so it
     /// survives operator restarts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -406,6 +412,11 @@ pub struct AttemptRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub lease_duration_seconds: Option<i32>,
+    /// For a `Lost` attempt: how its holder kept it alive (`Worker` when
+    /// it may have been claimed so unseen). Renewed per worker, its holder
+    /// may run a refresh period longer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal: Option<crate::Renewal>,
 }
 
 /// Defaults shared by serde and the CRD schema (schemars reads them from the

@@ -278,6 +278,7 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         "batchtasks.batchlease.dev",
         "taskleases.batchlease.dev",
         "taskqueues.batchlease.dev",
+        "workerleases.batchlease.dev",
     ])
     .unwrap();
     let kept = kubectl::ok(&["get", "batchtasks", "-n", n, "-o", "name"]).unwrap();

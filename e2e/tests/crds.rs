@@ -17,6 +17,7 @@ async fn crd_files_install_and_reach_established() {
         "crd/batchtasks.batchlease.dev",
         "crd/taskleases.batchlease.dev",
         "crd/taskqueues.batchlease.dev",
+        "crd/workerleases.batchlease.dev",
     ])
     .unwrap();
     assert!(
@@ -98,4 +99,6 @@ async fn batchtask_and_taskqueue_have_a_status_subresource_tasklease_not() {
     assert_eq!(sub("taskleases.batchlease.dev"), "");
     // TaskQueue: users write spec, the operator status.
     assert_eq!(sub("taskqueues.batchlease.dev"), r#"{"status":{}}"#);
+    // WorkerLease: its worker writes spec, only the operator status.revoked.
+    assert_eq!(sub("workerleases.batchlease.dev"), r#"{"status":{}}"#);
 }

@@ -30,6 +30,7 @@ fn chart_lints_and_ships_the_generated_crds() {
         "batchtasks.batchlease.dev.yaml",
         "taskleases.batchlease.dev.yaml",
         "taskqueues.batchlease.dev.yaml",
+        "workerleases.batchlease.dev.yaml",
     ] {
         let crd =
             std::fs::read_to_string(batchlease_e2e::repo_root().join("crds").join(file)).unwrap();

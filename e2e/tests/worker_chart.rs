@@ -469,6 +469,10 @@ async fn worker_chart_installs_and_its_workers_run_tasks_on_its_rbac_only() {
         ("update", "taskleases.batchlease.dev"),
         ("get", "batchtasks.batchlease.dev"),
         ("create", "batchtasks.batchlease.dev"),
+        // Its WorkerLease, when it renews per worker.
+        ("create", "workerleases.batchlease.dev"),
+        ("update", "workerleases.batchlease.dev"),
+        ("delete", "workerleases.batchlease.dev"),
     ];
     let no = [
         ("create", "taskleases.batchlease.dev"),
@@ -479,6 +483,8 @@ async fn worker_chart_installs_and_its_workers_run_tasks_on_its_rbac_only() {
         ("get", "secrets"),
         ("create", "pods"),
         ("update", "taskqueues.batchlease.dev/status"),
+        // Revocations are the operator's.
+        ("update", "workerleases.batchlease.dev/status"),
         // Presence records are off in the operator chart by default.
         ("create", "leases.coordination.k8s.io"),
     ];

@@ -135,6 +135,7 @@ mod tests {
                     end: None,
                     reason: None,
                     lease_duration_seconds: None,
+                    renewal: None,
                 },
             );
         }

@@ -75,17 +75,28 @@ fn a_cancelled_task_never_issues_even_when_its_lease_is_gone() {
     assert_eq!(st.fencing_token, 3, "no token issued after the cancel");
     let lost = st.history.last().unwrap();
     assert_eq!((lost.outcome.as_str(), lost.token), ("Lost", 3));
+    // No claim was seen: one may have landed unseen and chosen to be
+    // renewed per worker, whose holder learns of the loss only at its next
+    // refresh of the lease — a refresh period more.
+    assert_eq!(lost.renewal, Some(batchlease_api::Renewal::Worker));
     let ttl = t.spec.lease_duration_seconds;
+    let refresh = batchlease_api::worker_lease::refresh_period(Duration::from_secs(
+        u64::try_from(ttl).unwrap(),
+    ))
+    .as_secs();
     let waiting = t.clone().with(|s| *s = st.clone());
     assert_eq!(
         Case::new(waiting.clone()).leases(vec![tomb.clone()]).run(),
-        Decision::Wait(Some(Duration::from_secs(u64::try_from(ttl).unwrap() + 1))),
+        Decision::Wait(Some(Duration::from_secs(
+            u64::try_from(ttl).unwrap() + refresh + 1
+        ))),
         "recorded once, then waited for"
     );
-    // Once the wait is over (the loss was seen a TTL ago): Cancelled,
-    // still no new token.
+    // Once the wait is over: Cancelled, still no new token.
     let over = waiting.with(|s| {
-        s.history.last_mut().unwrap().end = Some(Time(tests::wall(-i64::from(ttl) - 2)));
+        s.history.last_mut().unwrap().end = Some(Time(tests::wall(
+            -i64::from(ttl) - i64::try_from(refresh).unwrap() - 2,
+        )));
     });
     let (st, tr) = into_status(Case::new(over).leases(vec![tomb]).run());
     assert_eq!(st.phase, Some(TaskPhase::Cancelled));
@@ -108,6 +119,7 @@ fn a_cancelled_replacement_waits_for_the_lost_attempt_before_it() {
             end: Some(Time(tests::wall(-2))),
             reason: Some(LEASE_MISSING.into()),
             lease_duration_seconds: None,
+            renewal: None,
         });
     }));
     let mut w = (*lease(2, LeasePhase::Released, None)).clone();
@@ -174,6 +186,19 @@ fn a_cancelled_task_waits_the_lost_lease_ttl_not_the_edited_one() {
     assert_eq!(
         Case::new(waiting.clone()).leases(vec![tomb.clone()]).run(),
         Decision::Wait(Some(Duration::from_secs(600 + 1 - 30))),
+    );
+    assert_eq!(
+        st.history.last().unwrap().renewal,
+        Some(batchlease_api::Renewal::Lease),
+        "a holder recorded without how it renews: an older operator's, per lease"
+    );
+    // Had its holder renewed per worker: a refresh period (600 s) more.
+    let per_worker = waiting.clone().with(|s| {
+        s.history.last_mut().unwrap().renewal = Some(batchlease_api::Renewal::Worker);
+    });
+    assert_eq!(
+        Case::new(per_worker).leases(vec![tomb.clone()]).run(),
+        Decision::Wait(Some(Duration::from_secs(600 + 600 + 1 - 30))),
     );
     // The same for a cancelled task back in Pending (the Lost entry of an
     // earlier attempt).

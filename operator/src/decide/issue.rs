@@ -86,6 +86,7 @@ fn issue(
     // missing, its holder is timed by it, whatever the spec says by then.
     status.current_lease_duration_seconds = Some(task.spec.lease_duration_seconds);
     status.holder = None;
+    status.current_renewal = None;
     status.next_attempt_after = None;
     status.observed_generation = task.metadata.generation;
     if status.effective_mode.is_none() {

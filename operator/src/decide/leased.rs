@@ -158,6 +158,7 @@ fn held(
         let mut status = current.clone();
         status.phase = Some(TaskPhase::Running);
         status.holder = Some(holder.clone());
+        status.current_renewal = lease.spec.renewal;
         status.observed_generation = task.metadata.generation;
         set_condition(
             &mut status,

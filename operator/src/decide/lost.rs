@@ -4,7 +4,8 @@
 //! has surely stopped.
 
 use batchlease_api::{
-    AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, TaskLease, TaskLeaseStatus, TaskPhase,
+    AttemptRecord, BatchTask, BatchTaskStatus, LeasePhase, Renewal, TaskLease, TaskLeaseStatus,
+    TaskPhase,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -52,6 +53,7 @@ pub(super) fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: 
                     .into(),
                 ),
                 lease_duration_seconds: current.current_lease_duration_seconds,
+                renewal: Some(lost_renewal(current)),
             },
         );
     }
@@ -89,6 +91,19 @@ pub(super) fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: 
 }
 
 /// The final lease that retires `token`'s name (see [`Decision::RetireToken`]).
+/// Pure: how the holder of the current attempt, whose lease is missing,
+/// kept it alive: as recorded with its holder; recorded without one (an
+/// older operator's status, an offer without `spec.renewal`): per lease;
+/// no claim seen — one may have landed unseen and chosen to be renewed per
+/// worker: the longer wait.
+fn lost_renewal(current: &BatchTaskStatus) -> Renewal {
+    match (&current.holder, current.current_renewal) {
+        (_, Some(r)) => r,
+        (Some(_), None) => Renewal::Lease,
+        (None, None) => Renewal::Worker,
+    }
+}
+
 pub(super) fn tombstone(task: &BatchTask, token: i64) -> TaskLease {
     let mut l = offered_lease(task, token);
     l.status = Some(TaskLeaseStatus {

@@ -74,8 +74,9 @@ pub(super) fn has_condition(status: &BatchTaskStatus, type_: &str) -> bool {
 /// its holder, if it had one, runs at most until its kill switch, within a
 /// TTL of the loss — the TTL its lease was issued with, recorded in the
 /// entry: `spec.leaseDurationSeconds` may have been edited since (an entry
-/// of an earlier release, without one, falls back to the spec's). `None`:
-/// nothing to wait for.
+/// of an earlier release, without one, falls back to the spec's) — plus a
+/// refresh period for a holder that renewed per worker. `None`: nothing to
+/// wait for.
 ///
 /// A cancelled task must not end before then. Otherwise nothing fences
 /// such a zombie out of storage: its successor — the attempt that would
@@ -93,10 +94,16 @@ pub(super) fn lost_attempt_wait(
             let secs = h
                 .lease_duration_seconds
                 .unwrap_or(task.spec.lease_duration_seconds);
-            Some((
-                h.end.as_ref()?,
-                SignedDuration::from_secs(i64::from(secs.max(1)) + 1),
-            ))
+            let ttl = Duration::from_secs(u64::try_from(secs.max(1)).unwrap_or(1));
+            // Renewed per worker, its holder learns of the loss only at its
+            // next refresh of the lease (design, "A deleted TaskLease").
+            let refresh = if h.renewal == Some(batchlease_api::Renewal::Worker) {
+                batchlease_api::worker_lease::refresh_period(ttl)
+            } else {
+                Duration::ZERO
+            };
+            let wait = i64::try_from((ttl + refresh).as_secs()).unwrap_or(i64::MAX / 2);
+            Some((h.end.as_ref()?, SignedDuration::from_secs(wait + 1)))
         })
         .map(|(end, ttl)| end.0.checked_add(ttl).unwrap_or(end.0).duration_since(wall))
         .filter(|left| left.is_positive())

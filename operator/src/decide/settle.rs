@@ -93,6 +93,7 @@ pub fn settle(
     };
     let mut status = current.clone();
     status.holder = None;
+    status.current_renewal = None;
     status.observed_generation = task.metadata.generation;
     if lst.checkpoint.is_some() {
         status.checkpoint = lst.checkpoint.clone();
@@ -119,6 +120,7 @@ pub fn settle(
             end: Some(Time(wall)),
             reason: Some(reason.clone()),
             lease_duration_seconds: None,
+            renewal: None,
         },
     );
     set_condition(
@@ -262,12 +264,14 @@ pub fn cancelled(
                 end: Some(Time(wall)),
                 reason: Some(lst.reason.unwrap_or_else(|| "Cancelled".into())),
                 lease_duration_seconds: None,
+                renewal: None,
             },
         );
     }
     status.phase = Some(TaskPhase::Cancelled);
     status.completion_time = Some(Time(wall));
     status.holder = None;
+    status.current_renewal = None;
     status.next_attempt_after = None;
     status.observed_generation = task.metadata.generation;
     let msg = match &holder {
@@ -300,6 +304,7 @@ pub fn withdrawn(
     let mut status = current.clone();
     status.phase = Some(TaskPhase::Pending);
     status.holder = None;
+    status.current_renewal = None;
     status.next_attempt_after = None;
     status.observed_generation = task.metadata.generation;
     set_condition(

@@ -332,6 +332,7 @@ fn interrupted_before(s: &mut BatchTaskStatus, n: i64) {
                 end: None,
                 reason: None,
                 lease_duration_seconds: None,
+                renewal: None,
             },
         );
     }

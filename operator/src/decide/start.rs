@@ -45,6 +45,7 @@ pub(super) fn redrive(task: &BatchTask, current: &BatchTaskStatus, wall: Timesta
     status.aborts = 0;
     status.next_attempt_after = None;
     status.holder = None;
+    status.current_renewal = None;
     status.effective_mode = Some(task.spec.mode);
     let (type_, was) = if current.phase == Some(TaskPhase::Rejected) {
         (
