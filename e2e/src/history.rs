@@ -14,6 +14,9 @@
 //!   seen `Expired`; at most one attempt's commit per task (exactly-once
 //!   effect); every registration carries a token some lease of the task had;
 //! - task graphs and resource locks: see [`crate::history_graph`];
+//! - renewals per worker: no renewal keeps a revoked attempt alive, and
+//!   the operator revokes before it ends one — see
+//!   [`crate::history_workers`];
 //! - speculative execution: every compensation ran or was kept by the one
 //!   round that committed, none half-run — see [`crate::history_speculative`];
 //! - optionally, every task ends `Succeeded`, `DeadLettered` or `Rejected`.
@@ -25,7 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, WorkerLease};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -39,6 +42,8 @@ pub enum Change {
     LeaseDeleted(Box<TaskLease>),
     Task(Box<BatchTask>),
     TaskDeleted(Box<BatchTask>),
+    Worker(Box<WorkerLease>),
+    WorkerDeleted(Box<WorkerLease>),
 }
 
 /// A change and when the watch delivered it (seconds since the epoch).
@@ -65,6 +70,7 @@ pub struct StorageWrite {
 struct Log {
     leases: Vec<Recorded>,
     tasks: Vec<Recorded>,
+    workers: Vec<Recorded>,
     watch_errors: Vec<String>,
 }
 
@@ -105,8 +111,18 @@ impl History {
             |t| Change::TaskDeleted(Box::new(t)),
             |log| &mut log.tasks,
         );
+        let (worker_ready, worker_listed) = tokio::sync::oneshot::channel();
+        let workers = spawn_watch::<WorkerLease>(
+            Api::namespaced(client.clone(), namespace),
+            log.clone(),
+            worker_ready,
+            |w| Change::Worker(Box::new(w)),
+            |w| Change::WorkerDeleted(Box::new(w)),
+            |log| &mut log.workers,
+        );
         let listed = async {
             lease_listed.await?;
+            worker_listed.await?;
             task_listed.await
         };
         tokio::time::timeout(std::time::Duration::from_secs(30), listed)
@@ -115,7 +131,7 @@ impl History {
         Ok(Self {
             namespace: namespace.to_owned(),
             log,
-            watches: vec![leases, tasks],
+            watches: vec![leases, tasks, workers],
         })
     }
 
@@ -182,6 +198,12 @@ impl History {
         )
     }
 
+    /// The recorded WorkerLease changes so far.
+    pub fn workers(&self) -> Vec<Recorded> {
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.workers.clone()
+    }
+
     /// Every check of the module docs; the list of violations (empty: ok).
     pub async fn violations(&self, opts: &Checks) -> anyhow::Result<Vec<String>> {
         let (leases, tasks, errors) = self.snapshot();
@@ -194,6 +216,10 @@ impl History {
             );
         }
         out.extend(check_leases(&leases));
+        out.extend(crate::history_workers::check_worker_leases(
+            &self.workers(),
+            &leases,
+        ));
         out.extend(crate::history_graph::check_graph(&tasks));
         out.extend(crate::history_graph::check_lock_leases(&leases));
         let uids: BTreeSet<String> = tasks

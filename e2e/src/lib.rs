@@ -22,6 +22,7 @@ pub mod history;
 pub mod history_controls;
 pub mod history_graph;
 pub mod history_speculative;
+pub mod history_workers;
 pub mod identity;
 pub mod kubectl;
 pub mod node;

@@ -1,0 +1,220 @@
+//! The history checker's rules for renewals per worker (design,
+//! "Fleets"): WorkerLease versions recorded from a watch, judged with the
+//! TaskLease versions.
+//!
+//! Versions of different objects are ordered by `resourceVersion`: on this
+//! control plane it is etcd's revision, one counter for every object, so
+//! "the revocation landed before the expiry" can be checked across kinds.
+//!
+//! Checked:
+//! - a worker's renewal (a version whose `spec.renewTime` differs from the
+//!   object's previous one) never lists an attempt revoked in it: once the
+//!   operator's revocation landed, no renewal may keep that attempt alive;
+//! - an attempt renewed per worker that the operator ended (a `Held` lease
+//!   seen next `Expired`, or `Released` with its holder) was revoked first
+//!   in its holder's WorkerLease — unless, at the end, that WorkerLease had
+//!   never listed the attempt or was gone.
+
+use std::collections::BTreeMap;
+
+use batchlease_api::worker_lease::worker_lease_name;
+use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
+use kube::ResourceExt;
+
+use crate::history::{Change, Recorded};
+
+fn rv(o: &impl ResourceExt) -> u64 {
+    o.resource_version()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// One recorded WorkerLease version (or its deletion).
+struct Version<'a> {
+    rv: u64,
+    gone: bool,
+    w: &'a WorkerLease,
+}
+
+/// Every rule of the module docs over recorded WorkerLease and TaskLease
+/// changes.
+pub fn check_worker_leases(workers: &[Recorded], leases: &[Recorded]) -> Vec<String> {
+    let mut out = Vec::new();
+    // name → versions in watch order.
+    let mut by_name: BTreeMap<String, Vec<Version<'_>>> = BTreeMap::new();
+    for r in workers {
+        let (w, gone) = match &r.change {
+            Change::Worker(w) => (w.as_ref(), false),
+            Change::WorkerDeleted(w) => (w.as_ref(), true),
+            _ => continue,
+        };
+        by_name.entry(w.name_any()).or_default().push(Version {
+            rv: rv(w),
+            gone,
+            w,
+        });
+    }
+    for (name, versions) in &by_name {
+        for pair in versions.windows(2) {
+            let (prev, next) = (&pair[0], &pair[1]);
+            let renewal = !next.gone
+                && prev.w.uid() == next.w.uid()
+                && prev.w.spec.renew_time != next.w.spec.renew_time;
+            if !renewal {
+                continue;
+            }
+            for a in next.w.holds() {
+                if next.w.is_revoked(a) {
+                    out.push(format!(
+                        "WorkerLease {name}: a renewal (resourceVersion {}) lists attempt {} that was revoked",
+                        next.rv, a.name
+                    ));
+                }
+            }
+        }
+    }
+    // Ends of attempts renewed per worker, by the operator.
+    let mut last: BTreeMap<String, &TaskLease> = BTreeMap::new();
+    for r in leases {
+        let Change::Lease(l) = &r.change else {
+            continue;
+        };
+        let uid = l.uid().unwrap_or_default();
+        let before = last.insert(uid, l.as_ref());
+        let was_held =
+            before.is_some_and(|b| b.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held));
+        let phase = l.status.as_ref().and_then(|s| s.phase);
+        let ended_by_operator = matches!(phase, Some(LeasePhase::Expired | LeasePhase::Released));
+        if !(was_held && ended_by_operator && l.renewed_per_worker()) {
+            continue;
+        }
+        let Some(holder) = l.spec.holder_identity.as_deref() else {
+            continue;
+        };
+        let attempt = AttemptRef::of(l);
+        let end = rv(l.as_ref());
+        let Some(versions) = by_name.get(&worker_lease_name(holder)) else {
+            continue;
+        };
+        let earlier: Vec<&Version<'_>> = versions.iter().filter(|v| v.rv < end).collect();
+        let Some(at_end) = earlier.last() else {
+            continue;
+        };
+        if at_end.gone {
+            continue;
+        }
+        let uid = at_end.w.uid();
+        let listed = earlier
+            .iter()
+            .any(|v| v.w.uid() == uid && v.w.holds().contains(&attempt));
+        if listed && !at_end.w.is_revoked(&attempt) {
+            out.push(format!(
+                "lease {} of {holder} ended {:?} (resourceVersion {end}) while its WorkerLease (resourceVersion {}) listed it unrevoked",
+                attempt.name, phase, at_end.rv
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchlease_api::{Renewal, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec, WorkerLeaseStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+    fn at(s: i64) -> MicroTime {
+        MicroTime(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    fn attempt() -> AttemptRef {
+        AttemptRef {
+            name: "t-1".into(),
+            uid: "l1".into(),
+        }
+    }
+
+    fn worker(rv: u64, renew: i64, holds: bool, revoked: bool) -> Recorded {
+        let mut w = WorkerLease::new(
+            &worker_lease_name("w/1"),
+            WorkerLeaseSpec {
+                holder_identity: "w/1".into(),
+                queues: vec![],
+                lease_duration_seconds: 30,
+                renew_time: Some(at(renew)),
+                holds: if holds { vec![attempt()] } else { vec![] },
+            },
+        );
+        w.metadata.uid = Some("w1".into());
+        w.metadata.resource_version = Some(rv.to_string());
+        w.status = Some(WorkerLeaseStatus {
+            revoked: if revoked { vec![attempt()] } else { vec![] },
+        });
+        Recorded {
+            at: 0.0,
+            change: Change::Worker(Box::new(w)),
+        }
+    }
+
+    fn lease(rv: u64, phase: LeasePhase) -> Recorded {
+        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
+        l.metadata.uid = Some("l1".into());
+        l.metadata.resource_version = Some(rv.to_string());
+        l.spec.holder_identity = Some("w/1".into());
+        l.spec.renewal = Some(Renewal::Worker);
+        l.status = Some(TaskLeaseStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        Recorded {
+            at: 0.0,
+            change: Change::Lease(Box::new(l)),
+        }
+    }
+
+    #[test]
+    fn what_the_rules_accept_and_refuse() {
+        let held = lease(10, LeasePhase::Held);
+        let ok = [
+            worker(11, 1, true, false),
+            worker(12, 2, true, false),
+            // The revocation: holds unchanged, renewTime unchanged.
+            worker(13, 2, true, true),
+            // The worker's next renewal drops it.
+            worker(15, 3, false, true),
+        ];
+        let leases = [held.clone(), lease(14, LeasePhase::Expired)];
+        assert_eq!(check_worker_leases(&ok, &leases), Vec::<String>::new());
+
+        let renewed_revoked = [
+            worker(11, 1, true, false),
+            worker(13, 1, true, true),
+            worker(15, 2, true, true),
+        ];
+        let v = check_worker_leases(&renewed_revoked, &[]);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("lists attempt t-1 that was revoked"), "{v:?}");
+
+        let not_revoked = [worker(11, 1, true, false), worker(12, 2, true, false)];
+        let v = check_worker_leases(&not_revoked, &leases);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("listed it unrevoked"), "{v:?}");
+
+        // Revoked only after the expiry: still a violation.
+        let late = [worker(11, 1, true, false), worker(15, 1, true, true)];
+        assert_eq!(check_worker_leases(&late, &leases).len(), 1);
+
+        // Never listed, or gone at the end: nothing to revoke on.
+        let never = [worker(11, 1, false, false)];
+        assert!(check_worker_leases(&never, &leases).is_empty());
+        let mut gone = worker(12, 1, true, false);
+        if let Change::Worker(w) = gone.change {
+            gone.change = Change::WorkerDeleted(w);
+        }
+        assert!(check_worker_leases(&[worker(11, 1, true, false), gone], &leases).is_empty());
+
+        // A completion by the holder needs no revocation.
+        let completed = [held, lease(14, LeasePhase::Completed)];
+        assert!(check_worker_leases(&not_revoked, &completed).is_empty());
+    }
+}
