@@ -57,6 +57,11 @@ mod spawn;
 pub mod speculate;
 mod subgraph;
 mod worker;
+mod worker_lease;
+// Public for simulated workers, which renew a WorkerLease with the SDK's
+// own requests.
+#[doc(hidden)]
+pub mod worker_lease_ops;
 
 pub use attempt::Ended;
 // For the fleet simulator's hollow workers, which must try offers in the
