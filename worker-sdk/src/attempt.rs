@@ -23,6 +23,7 @@ use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops::{self, Completion};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
 use crate::registry::Registry;
+use crate::worker_lease::Membership;
 
 mod completion;
 mod heartbeat;
@@ -66,10 +67,13 @@ pub(crate) struct Attempt {
     /// Where work that must outlive a dropped handler runs (a speculative
     /// round's compensations).
     pub background: tokio_util::task::TaskTracker,
+    /// Renewed per worker: its registration with the WorkerLease renewer
+    /// (the fence's clock is then `KillClock::per_worker`).
+    pub membership: Option<Membership>,
 }
 
 impl Attempt {
-    pub async fn run<H, F>(self, handler: H) -> Ended
+    pub async fn run<H, F>(mut self, handler: H) -> Ended
     where
         H: FnOnce(TaskContext) -> F,
         F: Future<Output = Result<Output, TaskError>>,
@@ -127,6 +131,7 @@ impl Attempt {
                 checkpoint: pending_checkpoint.clone(),
                 fence: self.fence.clone(),
                 metrics: self.metrics.clone(),
+                membership: self.membership.take(),
             }
             .run(done.clone(), finished),
         );
@@ -367,6 +372,7 @@ mod tests {
             registry: None,
             heartbeat_on: None,
             background: tokio_util::task::TaskTracker::new(),
+            membership: None,
         }
     }
 

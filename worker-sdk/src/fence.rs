@@ -164,6 +164,23 @@ impl KillClock {
         self.last_write_sent
     }
 
+    /// When the attempt's heartbeat next writes its TaskLease. Per lease:
+    /// [`KillClock::next_renewal`]. Renewed per worker: when a refresh is
+    /// due (`refresh` after the last write), or `TTL/3` after the last
+    /// write when a checkpoint not yet written is pending — a write per
+    /// unit of progress, at most one per `TTL/3`, not one per unit of time.
+    pub fn next_write(&self, new_checkpoint: bool) -> Instant {
+        let Some(refresh) = self.refresh else {
+            return self.next_renewal();
+        };
+        let refresh_at = self.last_write_sent + refresh;
+        if new_checkpoint {
+            refresh_at.min(self.last_write_sent + self.renew_every())
+        } else {
+            refresh_at
+        }
+    }
+
     /// When the kill switch fires, and why.
     pub fn kill_at(&self) -> (Instant, KillReason) {
         let mut renewal_bound = self.last_ok_sent + self.ttl * 2 / 3;
@@ -393,22 +410,58 @@ mod tests {
     fn kill_at_per_worker_table() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
-        // (ttl, WorkerLease renewals fed at, TaskLease writes at, deadline,
-        //  expected kill offset, reason)
-        let cases: [(u64, &[u64], &[u64], Option<u64>, u64, KillReason); 8] = [
+        /// (ttl, WorkerLease renewals fed at, TaskLease writes at,
+        /// deadline, expected kill offset, reason)
+        type Case = (
+            u64,
+            &'static [u64],
+            &'static [u64],
+            Option<u64>,
+            u64,
+            KillReason,
+        );
+        let cases: [Case; 8] = [
             // Only the claim: as per lease.
             (30, &[], &[], None, 20, KillReason::RenewalsFailed),
             // Fed by naming renewals, bounded by the refresh: 0 + 120 + 20.
             (30, &[100, 130], &[], None, 140, KillReason::RenewalsFailed),
             (30, &[10], &[], None, 30, KillReason::RenewalsFailed),
             // A TaskLease write moves both bounds.
-            (30, &[100, 130], &[110], None, 150, KillReason::RenewalsFailed),
-            (30, &[200, 250], &[110], None, 250, KillReason::RenewalsFailed),
+            (
+                30,
+                &[100, 130],
+                &[110],
+                None,
+                150,
+                KillReason::RenewalsFailed,
+            ),
+            (
+                30,
+                &[200, 250],
+                &[110],
+                None,
+                250,
+                KillReason::RenewalsFailed,
+            ),
             // A long TTL: R = TTL.
             (300, &[900], &[0], None, 500, KillReason::RenewalsFailed),
             // The deadline still wins when sooner.
-            (30, &[100, 130], &[], Some(135), 135, KillReason::DeadlineExceeded),
-            (30, &[100, 130], &[], Some(141), 140, KillReason::RenewalsFailed),
+            (
+                30,
+                &[100, 130],
+                &[],
+                Some(135),
+                135,
+                KillReason::DeadlineExceeded,
+            ),
+            (
+                30,
+                &[100, 130],
+                &[],
+                Some(141),
+                140,
+                KillReason::RenewalsFailed,
+            ),
         ];
         for (ttl, fed, writes, deadline, want, reason) in cases {
             let mut c = KillClock::new(s(ttl), t0, deadline.map(s)).per_worker();
@@ -437,6 +490,24 @@ mod tests {
         c.renew_per_lease();
         assert!(!c.is_per_worker());
         assert_eq!(c.kill_at().0, t0 + s(150));
+        // When the TaskLease is written.
+        let mut c = KillClock::new(s(30), t0, None).per_worker();
+        c.renewed(t0 + s(100));
+        assert_eq!(c.next_write(false), t0 + s(120), "a refresh");
+        assert_eq!(
+            c.next_write(true),
+            t0 + s(10),
+            "a checkpoint, T/3 after the claim"
+        );
+        c.written(t0 + s(50));
+        assert_eq!(c.next_write(false), t0 + s(170));
+        assert_eq!(c.next_write(true), t0 + s(60));
+        let long = KillClock::new(s(600), t0, None).per_worker();
+        assert_eq!(long.next_write(false), t0 + s(600), "R = TTL past 120 s");
+        let mut per_lease = KillClock::new(s(30), t0, None);
+        per_lease.renewed(t0 + s(40));
+        assert_eq!(per_lease.next_write(false), t0 + s(50));
+        assert_eq!(per_lease.next_write(true), t0 + s(50));
         // A late acknowledgement of an older write never moves it back.
         let mut c = KillClock::new(s(30), t0, None).per_worker();
         c.written(t0 + s(50));

@@ -86,4 +86,6 @@ pub use spawn::LABEL_PARENT;
 #[doc(hidden)]
 pub use spawn::{Parent, create_children};
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
-pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder, shutdown_signal};
+pub use worker::{
+    DEFAULT_DRAIN_GRACE, RENEW_PER_WORKER_ENV, Worker, WorkerBuilder, shutdown_signal,
+};

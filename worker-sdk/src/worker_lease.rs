@@ -144,10 +144,7 @@ impl WorkerLeases {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -177,5 +174,66 @@ impl Membership {
 impl Drop for Membership {
     fn drop(&mut self) {
         self.leases.deregister(&self.attempt);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::fence::KillClock;
+
+    pub(super) fn attempt(name: &str) -> AttemptRef {
+        AttemptRef {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }
+    }
+
+    pub(super) fn fence(at: Instant) -> Fence {
+        Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(30), at, None).per_worker(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn registration_follows_the_worker_lease() {
+        let leases = WorkerLeases::default();
+        let t0 = Instant::now();
+        // No live WorkerLease yet: renewed per lease, which is always safe.
+        let f = fence(t0);
+        let m = leases.register(attempt("a"), f.clone(), t0);
+        assert_eq!(m.mode(), Mode::PerLease);
+        assert!(!f.clock().is_per_worker());
+        assert!(!leases.claims_per_worker());
+
+        leases.lock().live = true;
+        assert!(leases.claims_per_worker());
+        let f = fence(t0);
+        let m2 = leases.register(attempt("b"), f.clone(), t0);
+        assert_eq!(m2.mode(), Mode::Worker);
+        assert!(f.clock().is_per_worker());
+        assert_eq!(f.kill_reason(), None);
+
+        // Claimed before the WorkerLease was found gone: never named in
+        // its successor.
+        leases.lock().lost_at = Some(t0 + Duration::from_secs(5));
+        let f = fence(t0 + Duration::from_secs(1));
+        let _m3 = leases.register(attempt("c"), f.clone(), t0 + Duration::from_secs(1));
+        assert_eq!(f.kill_reason(), Some(KillReason::LeaseLost));
+        let f = fence(t0 + Duration::from_secs(6));
+        let m4 = leases.register(attempt("d"), f.clone(), t0 + Duration::from_secs(6));
+        assert_eq!(m4.mode(), Mode::Worker);
+
+        // Dropping a membership deregisters it.
+        assert_eq!(leases.lock().entries.len(), 4);
+        drop(m);
+        drop(m2);
+        assert_eq!(leases.lock().entries.len(), 2);
+        assert!(!leases.lock().entries.contains_key(&attempt("a")));
+        assert!(!leases.full());
     }
 }

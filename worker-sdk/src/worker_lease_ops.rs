@@ -186,12 +186,19 @@ mod tests {
             owner,
             Timestamp::from_second(1).unwrap(),
         );
-        assert_eq!(w.worker(), Some("pod-1/00beef"), "well-formed: named for its holder");
+        assert_eq!(
+            w.worker(),
+            Some("pod-1/00beef"),
+            "well-formed: named for its holder"
+        );
         assert!(w.holds().is_empty());
         assert_eq!(w.spec.lease_duration_seconds, 90);
         assert_eq!(w.spec.queues, ["a"]);
         let o = &w.metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!((o.kind.as_str(), o.name.as_str(), o.uid.as_str()), ("Pod", "pod-1", "uid-1"));
+        assert_eq!(
+            (o.kind.as_str(), o.name.as_str(), o.uid.as_str()),
+            ("Pod", "pod-1", "uid-1")
+        );
     }
 
     #[test]

@@ -192,7 +192,7 @@ mod tests {
         assert_eq!(try_budget(&[]), s(5));
         assert_eq!(try_budget(&[held(30, 0), held(12, 0)]), s(2));
         assert_eq!(retry_after(&[]), s(1));
-        assert_eq!(retry_after(&[held(5, 0)]), Duration::from_millis(416));
+        assert_eq!(retry_after(&[held(5, 0)]), s(5) / 12);
         assert_eq!(retry_after(&[held(1, 0)]), Duration::from_millis(100));
     }
 
@@ -206,7 +206,11 @@ mod tests {
             (&[u64::MAX], 3600),
         ];
         for (ttls, want) in cases {
-            assert_eq!(lease_duration_seconds(ttls.iter().map(|&t| s(t))), want, "{ttls:?}");
+            assert_eq!(
+                lease_duration_seconds(ttls.iter().map(|&t| s(t))),
+                want,
+                "{ttls:?}"
+            );
         }
     }
 
@@ -274,7 +278,11 @@ mod tests {
             (a("t-2", "u1"), true, OnCopy::Keep),
         ];
         for (attempt, named, want) in cases {
-            assert_eq!(on_copy(&attempt, named, &revoked), want, "{attempt:?} {named}");
+            assert_eq!(
+                on_copy(&attempt, named, &revoked),
+                want,
+                "{attempt:?} {named}"
+            );
         }
         assert_eq!(on_copy(&a("t-1", "u1"), true, &[]), OnCopy::Keep);
     }

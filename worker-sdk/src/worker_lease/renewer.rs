@@ -63,8 +63,18 @@ impl Renewer {
             retry_at = None;
             let Some(current) = ours.as_ref() else {
                 let sent = Instant::now();
-                let desired = ops::object(&self.identity, &self.queues, ops::pod_owner(), Timestamp::now());
-                match timeout(plan::try_budget(&[]), ops::create_or_adopt(&self.api, &desired)).await {
+                let desired = ops::object(
+                    &self.identity,
+                    &self.queues,
+                    ops::pod_owner(),
+                    Timestamp::now(),
+                );
+                match timeout(
+                    plan::try_budget(&[]),
+                    ops::create_or_adopt(&self.api, &desired),
+                )
+                .await
+                {
                     Ok(Ok(Adopted::Ours(w))) => {
                         info!(worker_lease = %name, identity = %self.identity, "worker lease ready: attempts are renewed per worker");
                         last_renew_time = w.spec.renew_time.as_ref().map(|t| t.0);
@@ -99,7 +109,11 @@ impl Renewer {
             last_renew_time = Some(renew_time);
             let budget = plan::try_budget(&held);
             let sent = Instant::now();
-            let written = timeout(budget, ops::renew(&self.api, current, holds, duration, renew_time)).await;
+            let written = timeout(
+                budget,
+                ops::renew(&self.api, current, holds, duration, renew_time),
+            )
+            .await;
             match written {
                 Ok(Ok(Written::Stored(stored))) => {
                     let answered = Instant::now();
@@ -226,10 +240,8 @@ impl Renewer {
                 })
                 .collect()
         };
-        let reasons = futures::future::join_all(
-            doomed.iter().map(|(a, _)| self.revoked_reason(a)),
-        )
-        .await;
+        let reasons =
+            futures::future::join_all(doomed.iter().map(|(a, _)| self.revoked_reason(a))).await;
         for ((attempt, fence), reason) in doomed.into_iter().zip(reasons) {
             warn!(lease = %attempt.name, uid = %attempt.uid, reason = reason.as_str(), "attempt revoked by the operator: stopping it");
             fence.kill(reason);
@@ -288,4 +300,117 @@ struct Named {
     attempt: AttemptRef,
     held: Held,
     fence: Fence,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::fence::KillClock;
+
+    fn renewer(leases: &WorkerLeases) -> Renewer {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        Renewer {
+            api: Api::namespaced(client.clone(), "ns"),
+            task_leases: Api::namespaced(client, "ns"),
+            identity: "pod-1/00beef".into(),
+            queues: vec!["q".into()],
+            leases: leases.clone(),
+        }
+    }
+
+    fn attempt(name: &str) -> AttemptRef {
+        AttemptRef {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }
+    }
+
+    fn fence(ttl: u64, at: Instant) -> Fence {
+        Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(ttl), at, None).per_worker(),
+        )
+    }
+
+    /// A renewal answered within T/6 feeds only the attempts it named;
+    /// a slower answer feeds only those whose T/6 it met.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_feeds_what_it_named_in_time() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let t0 = Instant::now();
+        let (short, long) = (fence(30, t0), fence(300, t0));
+        let _a = leases.register(attempt("a"), short.clone(), t0);
+        let _b = leases.register(attempt("b"), long.clone(), t0);
+        let named = r.named();
+        assert_eq!(named.len(), 2);
+        let late = fence(30, t0);
+        let _c = leases.register(attempt("c"), late.clone(), t0);
+        let sent = t0 + Duration::from_secs(10);
+        // Answered 6 s after its send: past 30/6, within 300/6.
+        r.fed(&named, sent, sent + Duration::from_secs(6));
+        assert_eq!(short.clock().kill_at().0, t0 + Duration::from_secs(20));
+        assert_eq!(long.clock().kill_at().0, sent + Duration::from_secs(200));
+        assert_eq!(
+            late.clock().kill_at().0,
+            t0 + Duration::from_secs(20),
+            "not named"
+        );
+        r.fed(&named, sent, sent + Duration::from_secs(1));
+        assert_eq!(short.clock().kill_at().0, sent + Duration::from_secs(20));
+        assert_eq!(leases.lock().entries[&attempt("a")].since, sent);
+    }
+
+    /// 403/422: every named attempt goes back to per-lease renewals and is
+    /// never named again; 404: every named attempt is killed.
+    #[tokio::test(start_paused = true)]
+    async fn refusals_hand_back_or_kill_what_was_named() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let t0 = Instant::now();
+        let (a, b) = (fence(30, t0), fence(30, t0));
+        let mut ma = leases.register(attempt("a"), a.clone(), t0);
+        assert_eq!(r.fall_back(), 1);
+        assert_eq!(ma.mode(), Mode::PerLease);
+        ma.changed().await;
+        assert!(!a.clock().is_per_worker());
+        assert!(r.named().is_empty(), "never named again");
+        assert!(!leases.claims_per_worker());
+
+        leases.lock().live = true;
+        let _mb = leases.register(attempt("b"), b.clone(), t0);
+        r.lost(t0 + Duration::from_secs(3), None);
+        assert_eq!(b.kill_reason(), Some(KillReason::LeaseLost));
+        assert_eq!(
+            a.kill_reason(),
+            None,
+            "renewed per lease: not the WorkerLease's"
+        );
+        assert!(r.named().is_empty());
+        assert_eq!(leases.lock().lost_at, Some(t0 + Duration::from_secs(3)));
+    }
+
+    /// A copy showing an attempt revoked kills it (its TaskLease cannot be
+    /// read here: `LeaseLost`) and it is never named again; others go on.
+    #[tokio::test]
+    async fn a_revoked_attempt_is_killed_and_never_named_again() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let t0 = Instant::now();
+        let (a, b) = (fence(30, t0), fence(30, t0));
+        let _ma = leases.register(attempt("a"), a.clone(), t0);
+        let _mb = leases.register(attempt("b"), b.clone(), t0);
+        let mut copy = ops::object("pod-1/00beef", &[], None, Timestamp::now());
+        copy.revoke(attempt("a"));
+        r.on_copy(&copy).await;
+        assert_eq!(a.kill_reason(), Some(KillReason::LeaseLost));
+        assert_eq!(b.kill_reason(), None);
+        let named: Vec<AttemptRef> = r.named().into_iter().map(|n| n.attempt).collect();
+        assert_eq!(named, [attempt("b")]);
+    }
 }
