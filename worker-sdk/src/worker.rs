@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::keys::LABEL_QUEUE;
-use batchlease_api::{
-    AttemptRef, BatchTask, LeasePhase, Renewal, TaskLease, WatchBackoff, check_current,
-};
+use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, WatchBackoff, check_current};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -22,17 +20,19 @@ use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::attempt::{Attempt, Ended};
+use crate::attempt::Ended;
 use crate::claim_brake::{self, ClaimBrake};
 use crate::claim_order::claim_order;
 use crate::context::{Output, TaskContext};
 use crate::error::{Error, TaskError};
-use crate::fence::{Fence, KillClock};
 use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops;
 use crate::metrics::WorkerMetrics;
 use crate::registry::Registry;
 use crate::worker_lease::{Renewer, WorkerLeases};
+
+mod start;
+use start::AttemptStart;
 
 /// Configures a [`Worker`].
 pub struct WorkerBuilder {
@@ -636,70 +636,6 @@ enum Claim {
     /// API errors on `offers` offers (the last one given): look again after
     /// a backoff.
     Failed { offers: usize, error: Error },
-}
-
-/// What a spawned attempt needs besides the lease and its task.
-struct AttemptStart {
-    leases: Api<TaskLease>,
-    heartbeat_on: Option<(Arc<HeartbeatRuntime>, Api<TaskLease>)>,
-    identity: String,
-    metrics: WorkerMetrics,
-    interrupt: CancellationToken,
-    registry: Option<Arc<dyn Registry>>,
-    background: tokio_util::task::TaskTracker,
-    worker_leases: Option<WorkerLeases>,
-}
-
-impl AttemptStart {
-    async fn run<H, F>(
-        self,
-        held: TaskLease,
-        task: BatchTask,
-        claim_sent: Instant,
-        handler: H,
-    ) -> Ended
-    where
-        H: FnOnce(TaskContext) -> F,
-        F: Future<Output = Result<Output, TaskError>>,
-    {
-        let ttl = Duration::from_secs(u64::try_from(held.spec.lease_duration_seconds).unwrap_or(5));
-        let deadline = task
-            .spec
-            .active_deadline_seconds
-            .and_then(|d| u64::try_from(d).ok())
-            .map(Duration::from_secs);
-        // Renewed per worker when the claim (as stored) says so.
-        let per_worker = self
-            .worker_leases
-            .as_ref()
-            .filter(|_| held.renewed_per_worker());
-        let mut clock = KillClock::new(ttl, claim_sent, deadline);
-        if per_worker.is_some() {
-            clock = clock.per_worker();
-        }
-        // Resource locks belong to the task's namespace (the lease's too).
-        let fence = Fence::new(held.spec.fencing_token, clock).with_resources(
-            task.namespace().unwrap_or_default(),
-            held.spec.resource_tokens.clone(),
-        );
-        let membership =
-            per_worker.map(|w| w.register(AttemptRef::of(&held), fence.clone(), claim_sent));
-        Attempt {
-            api: self.leases,
-            identity: self.identity,
-            lease: held,
-            task,
-            fence,
-            metrics: self.metrics,
-            interrupt: self.interrupt,
-            registry: self.registry,
-            heartbeat_on: self.heartbeat_on,
-            background: self.background,
-            membership,
-        }
-        .run(handler)
-        .await
-    }
 }
 
 /// Resolves at the first SIGTERM (the kubelet stopping the pod) or SIGINT
