@@ -474,6 +474,56 @@ mod tests {
         assert_eq!(fence.kill_reason(), None);
     }
 
+    /// Renewed per worker, the renewer feeds the fence from outside (the
+    /// heartbeat writes nothing before a refresh is due) and a revocation
+    /// ends the attempt at once, with its reason; the attempt then leaves
+    /// the renewer.
+    #[tokio::test(start_paused = true)]
+    async fn renewed_per_worker_the_renewer_keeps_it_alive_and_revokes_it() {
+        use crate::worker_lease::WorkerLeases;
+        let start = Instant::now();
+        let fence = Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(30), start, None).per_worker(),
+        );
+        let leases = WorkerLeases::default();
+        leases.set_live_for_tests();
+        let membership = leases.register(
+            batchlease_api::AttemptRef::of(&held_lease()),
+            fence.clone(),
+            start,
+        );
+        let feeder = {
+            let fence = fence.clone();
+            tokio::spawn(async move {
+                for _ in 0..6 {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    fence.renewed(Instant::now());
+                }
+                fence.kill(KillReason::Cancelled);
+            })
+        };
+        let attempt = Attempt {
+            membership: Some(membership),
+            ..attempt(fence)
+        };
+        let ended = attempt
+            .run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>())
+            .await;
+        assert_eq!(ended, Ended::Killed(KillReason::Cancelled));
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(60) && elapsed < Duration::from_millis(60_100),
+            "{elapsed:?}"
+        );
+        feeder.await.unwrap();
+        assert_eq!(
+            leases.registered_for_tests(),
+            0,
+            "deregistered after its verdict"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn active_deadline_kills_first_when_it_is_sooner() {
         let (ended, elapsed, dropped, _) = run_until_killed(Some(Duration::from_secs(7))).await;

@@ -138,6 +138,18 @@ impl WorkerLeases {
         }
     }
 
+    /// Marks the WorkerLease live, as a successful create does.
+    #[cfg(test)]
+    pub(crate) fn set_live_for_tests(&self) {
+        self.lock().live = true;
+    }
+
+    /// How many attempts are registered.
+    #[cfg(test)]
+    pub(crate) fn registered_for_tests(&self) -> usize {
+        self.lock().entries.len()
+    }
+
     fn deregister(&self, attempt: &AttemptRef) {
         self.lock().entries.remove(attempt);
         self.shared.wake.notify_one();

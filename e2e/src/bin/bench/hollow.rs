@@ -277,7 +277,8 @@ impl Hollow {
             &self.identity,
             batchlease_api::Renewal::Lease,
         )
-        .await {
+        .await
+        {
             Ok(Some(held)) => {
                 Stats::inc(&self.stats.claims);
                 self.stats.claimed.lock().await.insert(
