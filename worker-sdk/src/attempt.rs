@@ -23,6 +23,7 @@ use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops::{self, Completion};
 use crate::metrics::{OutcomeLabels, ReasonLabels, WorkerMetrics};
 use crate::registry::Registry;
+use crate::worker_lease::Membership;
 
 mod completion;
 mod heartbeat;
@@ -66,10 +67,13 @@ pub(crate) struct Attempt {
     /// Where work that must outlive a dropped handler runs (a speculative
     /// round's compensations).
     pub background: tokio_util::task::TaskTracker,
+    /// Renewed per worker: its registration with the WorkerLease renewer
+    /// (the fence's clock is then `KillClock::per_worker`).
+    pub membership: Option<Membership>,
 }
 
 impl Attempt {
-    pub async fn run<H, F>(self, handler: H) -> Ended
+    pub async fn run<H, F>(mut self, handler: H) -> Ended
     where
         H: FnOnce(TaskContext) -> F,
         F: Future<Output = Result<Output, TaskError>>,
@@ -127,6 +131,7 @@ impl Attempt {
                 checkpoint: pending_checkpoint.clone(),
                 fence: self.fence.clone(),
                 metrics: self.metrics.clone(),
+                membership: self.membership.take(),
             }
             .run(done.clone(), finished),
         );
@@ -367,6 +372,7 @@ mod tests {
             registry: None,
             heartbeat_on: None,
             background: tokio_util::task::TaskTracker::new(),
+            membership: None,
         }
     }
 
@@ -466,6 +472,56 @@ mod tests {
         // an attempt nobody runs any more, and nothing keeps renewing.
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert_eq!(fence.kill_reason(), None);
+    }
+
+    /// Renewed per worker, the renewer feeds the fence from outside (the
+    /// heartbeat writes nothing before a refresh is due) and a revocation
+    /// ends the attempt at once, with its reason; the attempt then leaves
+    /// the renewer.
+    #[tokio::test(start_paused = true)]
+    async fn renewed_per_worker_the_renewer_keeps_it_alive_and_revokes_it() {
+        use crate::worker_lease::WorkerLeases;
+        let start = Instant::now();
+        let fence = Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(30), start, None).per_worker(),
+        );
+        let leases = WorkerLeases::default();
+        leases.set_live_for_tests();
+        let membership = leases.register(
+            batchlease_api::AttemptRef::of(&held_lease()),
+            fence.clone(),
+            start,
+        );
+        let feeder = {
+            let fence = fence.clone();
+            tokio::spawn(async move {
+                for _ in 0..6 {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    fence.renewed(Instant::now());
+                }
+                fence.kill(KillReason::Cancelled);
+            })
+        };
+        let attempt = Attempt {
+            membership: Some(membership),
+            ..attempt(fence)
+        };
+        let ended = attempt
+            .run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>())
+            .await;
+        assert_eq!(ended, Ended::Killed(KillReason::Cancelled));
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(60) && elapsed < Duration::from_millis(60_100),
+            "{elapsed:?}"
+        );
+        feeder.await.unwrap();
+        assert_eq!(
+            leases.registered_for_tests(),
+            0,
+            "deregistered after its verdict"
+        );
     }
 
     #[tokio::test(start_paused = true)]

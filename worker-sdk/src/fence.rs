@@ -58,14 +58,34 @@ impl KillReason {
 }
 
 /// Pure timing of the kill switch.
+///
+/// Per lease (the default) the clock is fed by the attempt's own writes of
+/// its TaskLease. Renewed per worker ([`KillClock::per_worker`]) it is fed
+/// by the WorkerLease renewals that named the attempt too, and bounded by
+/// the last write of the TaskLease itself: such an attempt writes its
+/// TaskLease at least every [`KillClock::refresh_every`], so one whose
+/// TaskLease was deleted (every write then fails) stops at most
+/// `refresh + 2/3·TTL` after its last successful write was sent — a bound
+/// the operator counts on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KillClock {
     ttl: Duration,
     /// When the last successful renewal (or the claim) was sent.
     last_ok_sent: Instant,
+    /// When the last successful write of the TaskLease itself (or the
+    /// claim) was sent.
+    last_write_sent: Instant,
+    /// Renewed per worker: how often the TaskLease itself is written at
+    /// least (`max(TTL, 120 s)`). `None`: renewed per lease.
+    refresh: Option<Duration>,
     /// `claim sent + activeDeadlineSeconds`, if set.
     deadline: Option<Instant>,
 }
+
+/// The least period of an attempt's own TaskLease writes when it is
+/// renewed per worker: `max(TTL, REFRESH_FLOOR)` keeps `kubectl get
+/// taskleases`' RENEWED column at most that old.
+pub const REFRESH_FLOOR: Duration = Duration::from_secs(120);
 
 impl KillClock {
     /// The clock of an attempt whose claim was sent at `claim_sent`.
@@ -73,6 +93,8 @@ impl KillClock {
         Self {
             ttl,
             last_ok_sent: claim_sent,
+            last_write_sent: claim_sent,
+            refresh: None,
             // Checked: a deadline too far to represent is no deadline
             // (the schema caps it at a year; this keeps a hostile or
             // future value from panicking every claimant).
@@ -96,14 +118,75 @@ impl KillClock {
         self.last_ok_sent + self.renew_every()
     }
 
-    /// A renewal sent at `sent` succeeded.
+    /// A renewal sent at `sent` succeeded: a write of the TaskLease, or
+    /// (renewed per worker) a WorkerLease renewal that named the attempt
+    /// and was answered in time.
     pub fn renewed(&mut self, sent: Instant) {
         self.last_ok_sent = self.last_ok_sent.max(sent);
     }
 
+    /// A write of the TaskLease itself sent at `sent` succeeded: a renewal
+    /// and, renewed per worker, the start of a new refresh period.
+    pub fn written(&mut self, sent: Instant) {
+        self.renewed(sent);
+        self.last_write_sent = self.last_write_sent.max(sent);
+    }
+
+    /// The same clock for an attempt renewed per worker: its TaskLease is
+    /// written at least every `max(TTL, 120 s)`, and the kill switch fires
+    /// `2/3·TTL` after that period too (see the type's doc).
+    #[must_use]
+    pub fn per_worker(mut self) -> Self {
+        self.refresh = Some(self.ttl.max(REFRESH_FLOOR));
+        self
+    }
+
+    /// Back to renewals per lease (the WorkerLease refused a renewal for a
+    /// reason other than a conflict): the refresh bound goes, as every
+    /// write from now on is a TaskLease write.
+    pub fn renew_per_lease(&mut self) {
+        self.refresh = None;
+    }
+
+    /// Whether the attempt is renewed per worker.
+    pub fn is_per_worker(&self) -> bool {
+        self.refresh.is_some()
+    }
+
+    /// Renewed per worker: how often the TaskLease is written at least.
+    pub fn refresh_every(&self) -> Option<Duration> {
+        self.refresh
+    }
+
+    /// When the last successful write of the TaskLease (or the claim) was
+    /// sent.
+    pub fn last_written(&self) -> Instant {
+        self.last_write_sent
+    }
+
+    /// When the attempt's heartbeat next writes its TaskLease. Per lease:
+    /// [`KillClock::next_renewal`]. Renewed per worker: when a refresh is
+    /// due (`refresh` after the last write), or `TTL/3` after the last
+    /// write when a checkpoint not yet written is pending — a write per
+    /// unit of progress, at most one per `TTL/3`, not one per unit of time.
+    pub fn next_write(&self, new_checkpoint: bool) -> Instant {
+        let Some(refresh) = self.refresh else {
+            return self.next_renewal();
+        };
+        let refresh_at = self.last_write_sent + refresh;
+        if new_checkpoint {
+            refresh_at.min(self.last_write_sent + self.renew_every())
+        } else {
+            refresh_at
+        }
+    }
+
     /// When the kill switch fires, and why.
     pub fn kill_at(&self) -> (Instant, KillReason) {
-        let renewal_bound = self.last_ok_sent + self.ttl * 2 / 3;
+        let mut renewal_bound = self.last_ok_sent + self.ttl * 2 / 3;
+        if let Some(refresh) = self.refresh {
+            renewal_bound = renewal_bound.min(self.last_write_sent + refresh + self.ttl * 2 / 3);
+        }
         match self.deadline {
             Some(d) if d <= renewal_bound => (d, KillReason::DeadlineExceeded),
             _ => (renewal_bound, KillReason::RenewalsFailed),
@@ -252,11 +335,21 @@ impl Fence {
     }
 
     pub(crate) fn renewed(&self, sent: Instant) {
-        self.inner
-            .clock
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .renewed(sent);
+        self.with_clock(|c| c.renewed(sent));
+    }
+
+    /// A write of the TaskLease itself, sent at `sent`, succeeded.
+    pub(crate) fn written(&self, sent: Instant) {
+        self.with_clock(|c| c.written(sent));
+    }
+
+    /// Renewed per lease from now on (see [`KillClock::renew_per_lease`]).
+    pub(crate) fn renew_per_lease(&self) {
+        self.with_clock(KillClock::renew_per_lease);
+    }
+
+    fn with_clock(&self, f: impl FnOnce(&mut KillClock)) {
+        f(&mut self.inner.clock.lock().unwrap_or_else(|e| e.into_inner()));
     }
 }
 
@@ -308,6 +401,118 @@ mod tests {
         c.renewed(t0 + Duration::from_secs(6));
         assert_eq!(c.kill_at().0, t0 + Duration::from_secs(32));
         assert_eq!(c.renew_every(), Duration::from_secs(10));
+    }
+
+    /// Renewed per worker: the kill instant is the earlier of 2/3·T after
+    /// the last feeding and R + 2/3·T after the last TaskLease write, R =
+    /// max(T, 120 s).
+    #[test]
+    fn kill_at_per_worker_table() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        /// (ttl, WorkerLease renewals fed at, TaskLease writes at,
+        /// deadline, expected kill offset, reason)
+        type Case = (
+            u64,
+            &'static [u64],
+            &'static [u64],
+            Option<u64>,
+            u64,
+            KillReason,
+        );
+        let cases: [Case; 8] = [
+            // Only the claim: as per lease.
+            (30, &[], &[], None, 20, KillReason::RenewalsFailed),
+            // Fed by naming renewals, bounded by the refresh: 0 + 120 + 20.
+            (30, &[100, 130], &[], None, 140, KillReason::RenewalsFailed),
+            (30, &[10], &[], None, 30, KillReason::RenewalsFailed),
+            // A TaskLease write moves both bounds.
+            (
+                30,
+                &[100, 130],
+                &[110],
+                None,
+                150,
+                KillReason::RenewalsFailed,
+            ),
+            (
+                30,
+                &[200, 250],
+                &[110],
+                None,
+                250,
+                KillReason::RenewalsFailed,
+            ),
+            // A long TTL: R = TTL.
+            (300, &[900], &[0], None, 500, KillReason::RenewalsFailed),
+            // The deadline still wins when sooner.
+            (
+                30,
+                &[100, 130],
+                &[],
+                Some(135),
+                135,
+                KillReason::DeadlineExceeded,
+            ),
+            (
+                30,
+                &[100, 130],
+                &[],
+                Some(141),
+                140,
+                KillReason::RenewalsFailed,
+            ),
+        ];
+        for (ttl, fed, writes, deadline, want, reason) in cases {
+            let mut c = KillClock::new(s(ttl), t0, deadline.map(s)).per_worker();
+            assert!(c.is_per_worker());
+            for &f in fed {
+                c.renewed(t0 + s(f));
+            }
+            for &w in writes {
+                c.written(t0 + s(w));
+            }
+            assert_eq!(
+                c.kill_at(),
+                (t0 + s(want), reason),
+                "ttl {ttl} fed {fed:?} writes {writes:?} deadline {deadline:?}"
+            );
+        }
+        assert_eq!(
+            KillClock::new(s(30), t0, None).per_worker().refresh_every(),
+            Some(REFRESH_FLOOR)
+        );
+        assert_eq!(KillClock::new(s(30), t0, None).refresh_every(), None);
+        // Falling back to per-lease renewals drops the refresh bound.
+        let mut c = KillClock::new(s(30), t0, None).per_worker();
+        c.renewed(t0 + s(130));
+        assert_eq!(c.kill_at().0, t0 + s(140));
+        c.renew_per_lease();
+        assert!(!c.is_per_worker());
+        assert_eq!(c.kill_at().0, t0 + s(150));
+        // When the TaskLease is written.
+        let mut c = KillClock::new(s(30), t0, None).per_worker();
+        c.renewed(t0 + s(100));
+        assert_eq!(c.next_write(false), t0 + s(120), "a refresh");
+        assert_eq!(
+            c.next_write(true),
+            t0 + s(10),
+            "a checkpoint, T/3 after the claim"
+        );
+        c.written(t0 + s(50));
+        assert_eq!(c.next_write(false), t0 + s(170));
+        assert_eq!(c.next_write(true), t0 + s(60));
+        let long = KillClock::new(s(600), t0, None).per_worker();
+        assert_eq!(long.next_write(false), t0 + s(600), "R = TTL past 120 s");
+        let mut per_lease = KillClock::new(s(30), t0, None);
+        per_lease.renewed(t0 + s(40));
+        assert_eq!(per_lease.next_write(false), t0 + s(50));
+        assert_eq!(per_lease.next_write(true), t0 + s(50));
+        // A late acknowledgement of an older write never moves it back.
+        let mut c = KillClock::new(s(30), t0, None).per_worker();
+        c.written(t0 + s(50));
+        c.written(t0 + s(40));
+        assert_eq!(c.last_written(), t0 + s(50));
     }
 
     #[tokio::test(start_paused = true)]

@@ -65,12 +65,23 @@ async fn still_ours(
 
 /// Claims an `Offered` lease. `Ok(None)`: another worker won (409) or the
 /// offer is gone.
+///
+/// `renewal` is how the claimant will keep it alive: `Renewal::Worker`
+/// turns an offer stamped `Lease` into one renewed through the holder's
+/// WorkerLease (only such an offer: the CRD refuses any other change of
+/// `spec.renewal`); `Renewal::Lease` claims as always, renewed per lease.
 pub async fn claim(
     api: &Api<TaskLease>,
     offered: &TaskLease,
     holder: &str,
+    renewal: batchlease_api::Renewal,
 ) -> Result<Option<TaskLease>, Error> {
     let mut l = offered.clone();
+    if renewal == batchlease_api::Renewal::Worker
+        && l.spec.renewal == Some(batchlease_api::Renewal::Lease)
+    {
+        l.spec.renewal = Some(batchlease_api::Renewal::Worker);
+    }
     let t = now();
     l.spec.holder_identity = Some(holder.into());
     l.spec.acquire_time = Some(t.clone());

@@ -57,6 +57,11 @@ mod spawn;
 pub mod speculate;
 mod subgraph;
 mod worker;
+mod worker_lease;
+// Public for simulated workers, which renew a WorkerLease with the SDK's
+// own requests.
+#[doc(hidden)]
+pub mod worker_lease_ops;
 
 pub use attempt::Ended;
 // For the fleet simulator's hollow workers, which must try offers in the
@@ -81,4 +86,6 @@ pub use spawn::LABEL_PARENT;
 #[doc(hidden)]
 pub use spawn::{Parent, create_children};
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
-pub use worker::{DEFAULT_DRAIN_GRACE, Worker, WorkerBuilder, shutdown_signal};
+pub use worker::{
+    DEFAULT_DRAIN_GRACE, RENEW_PER_WORKER_ENV, Worker, WorkerBuilder, shutdown_signal,
+};

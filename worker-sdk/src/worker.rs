@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchlease_api::keys::LABEL_QUEUE;
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, WatchBackoff, check_current};
+use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, WatchBackoff, check_current};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -20,16 +20,19 @@ use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::attempt::{Attempt, Ended};
+use crate::attempt::Ended;
 use crate::claim_brake::{self, ClaimBrake};
 use crate::claim_order::claim_order;
 use crate::context::{Output, TaskContext};
 use crate::error::{Error, TaskError};
-use crate::fence::{Fence, KillClock};
 use crate::heartbeat_runtime::HeartbeatRuntime;
 use crate::lease_ops;
 use crate::metrics::WorkerMetrics;
 use crate::registry::Registry;
+use crate::worker_lease::{Renewer, WorkerLeases};
+
+mod start;
+use start::AttemptStart;
 
 /// Configures a [`Worker`].
 pub struct WorkerBuilder {
@@ -41,6 +44,7 @@ pub struct WorkerBuilder {
     drain_grace: Duration,
     metrics: WorkerMetrics,
     registry: Option<Arc<dyn Registry>>,
+    renew_per_worker: bool,
 }
 
 impl WorkerBuilder {
@@ -59,7 +63,30 @@ impl WorkerBuilder {
             drain_grace: DEFAULT_DRAIN_GRACE,
             metrics: WorkerMetrics::default(),
             registry: None,
+            renew_per_worker: renew_per_worker_from_env(
+                std::env::var(RENEW_PER_WORKER_ENV).ok().as_deref(),
+            ),
         }
+    }
+
+    /// Renews the attempts through one `WorkerLease` per worker process
+    /// instead of one write per TaskLease every TTL/3 (design "Fleets"):
+    /// a fleet's renewal writes then grow with its workers, not with its
+    /// tasks. Off by default (the default can also be set with
+    /// `BATCHLEASE_RENEW_PER_WORKER=1` or `true`; this call overrides it).
+    ///
+    /// Only offers stamped for it (`spec.renewal: Lease`, by an operator
+    /// that honours WorkerLeases) are claimed so, and only while the
+    /// WorkerLease is live; others are renewed per lease as always. Such an
+    /// attempt still writes its TaskLease for a new checkpoint (at most
+    /// once per TTL/3) and every `max(TTL, 120 s)`. If the API server
+    /// refuses the WorkerLease (403, 422: RBAC or admission changed), its
+    /// attempts go back to per-lease renewals. The WorkerLease replaces
+    /// the presence record: the worker needs RBAC on `workerleases`.
+    #[must_use]
+    pub fn renew_per_worker(mut self, on: bool) -> Self {
+        self.renew_per_worker = on;
+        self
     }
 
     /// Registers each attempt's fencing token in `registry` (e.g. a
@@ -155,8 +182,21 @@ impl WorkerBuilder {
             drain_grace: self.drain_grace,
             metrics: self.metrics,
             registry: self.registry,
+            renew_per_worker: self.renew_per_worker,
         })
     }
+}
+
+/// The environment variable that turns [`WorkerBuilder::renew_per_worker`]
+/// on by default.
+pub const RENEW_PER_WORKER_ENV: &str = "BATCHLEASE_RENEW_PER_WORKER";
+
+/// Pure: whether `BATCHLEASE_RENEW_PER_WORKER`'s value turns it on.
+fn renew_per_worker_from_env(value: Option<&str>) -> bool {
+    matches!(
+        value.map(str::trim).map(str::to_ascii_lowercase).as_deref(),
+        Some("1" | "true")
+    )
 }
 
 /// `spec.holderIdentity`'s `maxLength`.
@@ -213,6 +253,7 @@ pub struct Worker {
     drain_grace: Duration,
     metrics: WorkerMetrics,
     registry: Option<Arc<dyn Registry>>,
+    renew_per_worker: bool,
 }
 
 impl Worker {
@@ -266,15 +307,40 @@ impl Worker {
             });
         }
         // The presence record ends with `run` too (deleted on the way out).
+        // Renewed per worker, the WorkerLease is the presence record: its
+        // renewer runs on the heartbeat runtime with the heartbeat client,
+        // and deletes it once every attempt has stopped.
         let stop_presence = CancellationToken::new();
-        let presence = tokio::spawn(crate::presence::run(
-            Api::namespaced(self.client.clone(), &self.namespace),
-            self.identity.clone(),
-            self.queues.clone(),
-            stop_presence.clone(),
-        ));
+        let (presence, worker_leases) = if self.renew_per_worker {
+            let leases = WorkerLeases::default();
+            let renewer = Renewer {
+                api: Api::namespaced(self.heartbeats.client(), &self.namespace),
+                task_leases: Api::namespaced(self.heartbeats.client(), &self.namespace),
+                identity: self.identity.clone(),
+                queues: self.queues.clone(),
+                leases: leases.clone(),
+            };
+            let runtime = self
+                .heartbeats
+                .handle()
+                .unwrap_or_else(tokio::runtime::Handle::current);
+            (
+                runtime.spawn(renewer.run(stop_presence.clone())),
+                Some(leases),
+            )
+        } else {
+            (
+                tokio::spawn(crate::presence::run(
+                    Api::namespaced(self.client.clone(), &self.namespace),
+                    self.identity.clone(),
+                    self.queues.clone(),
+                    stop_presence.clone(),
+                )),
+                None,
+            )
+        };
         let _stop_presence = stop_presence.clone().drop_guard();
-        info!(identity = %self.identity, queues = ?self.queues, slots = self.slots, "worker started");
+        info!(identity = %self.identity, queues = ?self.queues, slots = self.slots, renew_per_worker = self.renew_per_worker, "worker started");
         let slots = Arc::new(Semaphore::new(self.slots));
         let interrupt = CancellationToken::new();
         // Compensations of speculative rounds whose handler was dropped:
@@ -310,8 +376,10 @@ impl Worker {
             self.metrics.claims_paused.set(0);
             while let Ok(permit) = slots.clone().try_acquire_owned() {
                 let skip: HashSet<String> = just_claimed.keys().cloned().collect();
-                let (held, task, sent) = match self.claim_one(&leases, &tasks, &store, &skip).await
-                {
+                let claimed = self
+                    .claim_one(&leases, &tasks, &store, &skip, worker_leases.as_ref())
+                    .await;
+                let (held, task, sent) = match claimed {
                     Claim::Claimed(held, task, sent) => {
                         failed_rounds = 0;
                         // Our cache shows it offered until the watch
@@ -343,6 +411,7 @@ impl Worker {
                     interrupt: interrupt.clone(),
                     registry: self.registry.clone(),
                     background: background.clone(),
+                    worker_leases: worker_leases.clone(),
                 };
                 let handler = handler.clone();
                 running.spawn(async move {
@@ -353,7 +422,8 @@ impl Worker {
             }
         }
         stop_watch.cancel();
-        // A draining worker serves no queue any more.
+        // A draining worker serves no queue any more (the WorkerLease,
+        // though, is renewed until its last attempt has stopped).
         stop_presence.cancel();
         info!(running = running.len(), grace = ?self.drain_grace, "draining: no more claims");
         let drained = tokio::time::timeout(self.drain_grace, async {
@@ -423,7 +493,16 @@ impl Worker {
         tasks: &Api<BatchTask>,
         store: &Store<TaskLease>,
         just_claimed: &HashSet<String>,
+        worker_leases: Option<&WorkerLeases>,
     ) -> Claim {
+        if worker_leases.is_some_and(WorkerLeases::full) {
+            // A WorkerLease lists at most MAX_HOLDS attempts.
+            debug!(
+                max = batchlease_api::worker_lease::MAX_HOLDS,
+                "holding as many attempts as a worker lease lists: not claiming"
+            );
+            return Claim::Nothing;
+        }
         let offered: Vec<Arc<TaskLease>> = store
             .state()
             .into_iter()
@@ -473,10 +552,19 @@ impl Worker {
                 debug!(lease = %candidate.name_any(), why = why.as_str(), "not the task's current lease; not claiming");
                 continue;
             }
+            // Renewed per worker only while the WorkerLease is live, and
+            // only an offer stamped for it.
+            let renewal = if worker_leases.is_some_and(WorkerLeases::claims_per_worker)
+                && candidate.spec.renewal == Some(Renewal::Lease)
+            {
+                Renewal::Worker
+            } else {
+                Renewal::Lease
+            };
             let sent = Instant::now();
             let claimed = match timeout(
                 READ_BUDGET,
-                lease_ops::claim(api, &candidate, &self.identity),
+                lease_ops::claim(api, &candidate, &self.identity, renewal),
             )
             .await
             {
@@ -550,61 +638,6 @@ enum Claim {
     Failed { offers: usize, error: Error },
 }
 
-/// What a spawned attempt needs besides the lease and its task.
-struct AttemptStart {
-    leases: Api<TaskLease>,
-    heartbeat_on: Option<(Arc<HeartbeatRuntime>, Api<TaskLease>)>,
-    identity: String,
-    metrics: WorkerMetrics,
-    interrupt: CancellationToken,
-    registry: Option<Arc<dyn Registry>>,
-    background: tokio_util::task::TaskTracker,
-}
-
-impl AttemptStart {
-    async fn run<H, F>(
-        self,
-        held: TaskLease,
-        task: BatchTask,
-        claim_sent: Instant,
-        handler: H,
-    ) -> Ended
-    where
-        H: FnOnce(TaskContext) -> F,
-        F: Future<Output = Result<Output, TaskError>>,
-    {
-        let ttl = Duration::from_secs(u64::try_from(held.spec.lease_duration_seconds).unwrap_or(5));
-        let deadline = task
-            .spec
-            .active_deadline_seconds
-            .and_then(|d| u64::try_from(d).ok())
-            .map(Duration::from_secs);
-        // Resource locks belong to the task's namespace (the lease's too).
-        let fence = Fence::new(
-            held.spec.fencing_token,
-            KillClock::new(ttl, claim_sent, deadline),
-        )
-        .with_resources(
-            task.namespace().unwrap_or_default(),
-            held.spec.resource_tokens.clone(),
-        );
-        Attempt {
-            api: self.leases,
-            identity: self.identity,
-            lease: held,
-            task,
-            fence,
-            metrics: self.metrics,
-            interrupt: self.interrupt,
-            registry: self.registry,
-            heartbeat_on: self.heartbeat_on,
-            background: self.background,
-        }
-        .run(handler)
-        .await
-    }
-}
-
 /// Resolves at the first SIGTERM (the kubelet stopping the pod) or SIGINT
 /// (^C): the `shutdown` future every worker binary hands to
 /// [`Worker::run`], which then drains. Where no SIGTERM handler can be
@@ -663,6 +696,22 @@ mod tests {
             matches!(e, Error::Config(m) if m.contains("runtime")),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn renewals_per_worker_are_turned_on_by_1_or_true() {
+        for (value, on) in [
+            (None, false),
+            (Some(""), false),
+            (Some("0"), false),
+            (Some("false"), false),
+            (Some("yes"), false),
+            (Some("1"), true),
+            (Some("true"), true),
+            (Some(" TRUE "), true),
+        ] {
+            assert_eq!(renew_per_worker_from_env(value), on, "{value:?}");
+        }
     }
 
     #[test]

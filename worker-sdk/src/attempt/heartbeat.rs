@@ -2,6 +2,13 @@
 //! the handler's latest checkpoint, then the completion; the kill switch
 //! when no renewal succeeds in time.
 //!
+//! Renewed per worker (the claim set `spec.renewal: Worker`), the
+//! WorkerLease's renewals keep the attempt alive and this loop writes the
+//! TaskLease only for a new checkpoint (at most once per TTL/3) and for a
+//! refresh every `max(TTL, 120 s)` (`KillClock::next_write`); the renewer
+//! feeds or kills the fence from outside, and may hand the attempt back to
+//! per-lease renewals.
+//!
 //! Apart from the attempt's running (`super`) because it is a loop of its
 //! own, run on the heartbeat runtime, that shares nothing with the handler
 //! but the fence, the checkpoint and the completion it is sent.
@@ -22,6 +29,7 @@ use crate::error::Error;
 use crate::fence::{Fence, KillReason};
 use crate::lease_ops::{self, Completion, Renewal};
 use crate::metrics::WorkerMetrics;
+use crate::worker_lease::{Membership, Mode};
 
 /// How the heartbeat ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +51,17 @@ pub(super) struct Heartbeat {
     pub(super) checkpoint: Arc<Mutex<Option<JsonObject>>>,
     pub(super) fence: Fence,
     pub(super) metrics: WorkerMetrics,
+    /// Its registration with the WorkerLease renewer, when renewed per
+    /// worker; dropped (deregistered) with the heartbeat, after its verdict.
+    pub(super) membership: Option<Membership>,
+}
+
+/// Resolves when the renewer hands the attempt to per-lease renewals.
+async fn handed_back(membership: Option<&mut Membership>) {
+    match membership {
+        Some(m) => m.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Heartbeat {
@@ -70,15 +89,37 @@ impl Heartbeat {
         let per_try = (every / 2).max(Duration::from_millis(500));
         let mut next = clock.next_renewal();
         let mut completion: Option<Completion> = None;
+        let mut per_worker = clock.is_per_worker()
+            && self
+                .membership
+                .as_ref()
+                .is_some_and(|m| m.mode() == Mode::Worker);
+        // Renewed per worker: the checkpoint last written to the lease.
+        let mut written: Option<JsonObject> = None;
         loop {
-            let (kill_at, reason) = self.fence.clock().kill_at();
+            let (kill_at, _) = self.fence.clock().kill_at();
             tokio::select! {
                 // Past the deadline, the kill switch wins over a late write.
                 biased;
                 _ = done.cancelled() => return Verdict::Killed,
                 _ = sleep_until(kill_at) => {
+                    // Renewed per worker, the renewer may have fed the
+                    // clock meanwhile: look again.
+                    let (at, reason) = self.fence.clock().kill_at();
+                    if at > Instant::now() {
+                        continue;
+                    }
                     self.fence.kill(reason);
                     return Verdict::Killed;
+                }
+                // Killed from outside: revoked on the WorkerLease, or the
+                // fence found past its instant.
+                _ = self.fence.killed().cancelled() => return Verdict::Killed,
+                _ = handed_back(self.membership.as_mut()), if per_worker => {
+                    info!(lease = %self.lease.name_any(), "renewed per lease from now on (the worker lease was refused)");
+                    per_worker = false;
+                    next = next.min(self.fence.clock().next_renewal());
+                    continue;
                 }
                 c = &mut finished, if completion.is_none() => match c {
                     Ok(c) => {
@@ -93,6 +134,22 @@ impl Heartbeat {
             }
             if Instant::now() < next {
                 continue;
+            }
+            if per_worker && completion.is_none() {
+                // Write only a refresh or a new checkpoint; look again for
+                // a checkpoint every TTL/3 meanwhile.
+                let pending = self
+                    .checkpoint
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                let new_checkpoint = pending.is_some() && pending != written;
+                let due = self.fence.clock().next_write(new_checkpoint);
+                let now = Instant::now();
+                if now < due {
+                    next = due.min(now + every);
+                    continue;
+                }
             }
             let sent = Instant::now();
             // A write that cannot finish before the kill switch is useless,
@@ -149,12 +206,17 @@ impl Heartbeat {
                 .clone();
             match timeout(
                 budget,
-                lease_ops::renew(&self.api, &self.lease, &self.identity, cp),
+                lease_ops::renew(&self.api, &self.lease, &self.identity, cp.clone()),
             )
             .await
             {
                 Ok(Ok(Renewal::Renewed(stored))) => {
-                    self.fence.renewed(sent);
+                    if per_worker {
+                        self.fence.written(sent);
+                        written = cp;
+                    } else {
+                        self.fence.renewed(sent);
+                    }
                     self.metrics
                         .renewal_latency
                         .observe(sent.elapsed().as_secs_f64());

@@ -271,7 +271,14 @@ impl Hollow {
             .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
             .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
             .map_or(Duration::ZERO, Duration::from_millis);
-        match lease_ops::claim(&self.leases, offer, &self.identity).await {
+        match lease_ops::claim(
+            &self.leases,
+            offer,
+            &self.identity,
+            batchlease_api::Renewal::Lease,
+        )
+        .await
+        {
             Ok(Some(held)) => {
                 Stats::inc(&self.stats.claims);
                 self.stats.claimed.lock().await.insert(

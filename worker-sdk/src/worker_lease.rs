@@ -1,0 +1,251 @@
+//! Renewals per worker (design "Fleets", opt-in with
+//! `WorkerBuilder::renew_per_worker`): one WorkerLease per worker process
+//! keeps alive every attempt it names, instead of one renewal per
+//! TaskLease every TTL/3.
+//!
+//! Attempts register here ([`WorkerLeases::register`]) and are told, through
+//! their fence, when a renewal naming them was answered in time (their
+//! kill clock is fed with its send instant) or that the operator revoked
+//! them (killed, never named again); or, when the API server refuses the
+//! WorkerLease for a reason a retry cannot fix (403, 422), that they must
+//! renew per lease again. The renewal loop is in `renewer`; its decisions
+//! in `plan`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use batchlease_api::AttemptRef;
+use batchlease_api::worker_lease::MAX_HOLDS;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use crate::fence::{Fence, KillReason};
+
+pub(crate) mod plan;
+mod renewer;
+
+pub(crate) use renewer::Renewer;
+
+/// How a registered attempt is kept alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Named by the WorkerLease's renewals.
+    Worker,
+    /// Renewed per lease, by its own heartbeat: the WorkerLease was
+    /// refused, or was not there when the attempt registered.
+    PerLease,
+}
+
+/// The renewer's side of the attempts, shared with them.
+#[derive(Clone, Default)]
+pub(crate) struct WorkerLeases {
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes the renewal loop: an attempt registered or deregistered.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<AttemptRef, Entry>,
+    /// The WorkerLease exists and its renewals are not refused: new claims
+    /// may be renewed per worker.
+    live: bool,
+    /// When the request that found the WorkerLease gone was sent: an
+    /// attempt claimed before it was kept alive by an object that is no
+    /// more, and is never named in its successor.
+    lost_at: Option<Instant>,
+}
+
+struct Entry {
+    fence: Fence,
+    /// When it was last kept alive by a request known to be sent: its
+    /// claim, then each renewal that fed it.
+    since: Instant,
+    state: EntryState,
+    mode: watch::Sender<Mode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EntryState {
+    Named,
+    PerLease,
+    Killed,
+}
+
+impl WorkerLeases {
+    /// Whether a claim may be renewed per worker now: the WorkerLease is
+    /// live and has room.
+    pub(crate) fn claims_per_worker(&self) -> bool {
+        let s = self.lock();
+        s.live && s.entries.len() < MAX_HOLDS
+    }
+
+    /// Whether the process holds as many attempts as a WorkerLease may
+    /// list: no more claims until one ends.
+    pub(crate) fn full(&self) -> bool {
+        self.lock().entries.len() >= MAX_HOLDS
+    }
+
+    /// Registers the attempt `attempt`, claimed (renewed per worker) by a
+    /// request sent at `claim_sent`, whose fence the renewer feeds or
+    /// kills. Deregistered when the returned membership is dropped.
+    pub(crate) fn register(
+        &self,
+        attempt: AttemptRef,
+        fence: Fence,
+        claim_sent: Instant,
+    ) -> Membership {
+        let mut s = self.lock();
+        let state = if s.lost_at.is_some_and(|lost| claim_sent <= lost) {
+            // Claimed while the WorkerLease that would keep it alive was
+            // being found gone: as its 404 killed the others.
+            fence.kill(KillReason::LeaseLost);
+            EntryState::Killed
+        } else if s.live {
+            EntryState::Named
+        } else {
+            // Per-lease renewals are always safe: a compare-and-swap on
+            // the TaskLease itself.
+            fence.renew_per_lease();
+            EntryState::PerLease
+        };
+        let mode = if state == EntryState::Named {
+            Mode::Worker
+        } else {
+            Mode::PerLease
+        };
+        let (tx, rx) = watch::channel(mode);
+        s.entries.insert(
+            attempt.clone(),
+            Entry {
+                fence,
+                since: claim_sent,
+                state,
+                mode: tx,
+            },
+        );
+        drop(s);
+        self.shared.wake.notify_one();
+        Membership {
+            leases: self.clone(),
+            attempt,
+            mode: rx,
+        }
+    }
+
+    /// Marks the WorkerLease live, as a successful create does.
+    #[cfg(test)]
+    pub(crate) fn set_live_for_tests(&self) {
+        self.lock().live = true;
+    }
+
+    /// How many attempts are registered.
+    #[cfg(test)]
+    pub(crate) fn registered_for_tests(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    fn deregister(&self, attempt: &AttemptRef) {
+        self.lock().entries.remove(attempt);
+        self.shared.wake.notify_one();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// An attempt's registration with the renewer; dropping it deregisters
+/// the attempt (once it has stopped: its completion acknowledged, or
+/// killed), which is then never named again.
+pub(crate) struct Membership {
+    leases: WorkerLeases,
+    attempt: AttemptRef,
+    mode: watch::Receiver<Mode>,
+}
+
+impl Membership {
+    /// How the attempt is kept alive now.
+    pub(crate) fn mode(&self) -> Mode {
+        *self.mode.borrow()
+    }
+
+    /// Resolves when the mode changes (to per lease), never otherwise.
+    pub(crate) async fn changed(&mut self) {
+        if self.mode.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        self.leases.deregister(&self.attempt);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::fence::KillClock;
+
+    pub(super) fn attempt(name: &str) -> AttemptRef {
+        AttemptRef {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }
+    }
+
+    pub(super) fn fence(at: Instant) -> Fence {
+        Fence::new(
+            1,
+            KillClock::new(Duration::from_secs(30), at, None).per_worker(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn registration_follows_the_worker_lease() {
+        let leases = WorkerLeases::default();
+        let t0 = Instant::now();
+        // No live WorkerLease yet: renewed per lease, which is always safe.
+        let f = fence(t0);
+        let m = leases.register(attempt("a"), f.clone(), t0);
+        assert_eq!(m.mode(), Mode::PerLease);
+        assert!(!f.clock().is_per_worker());
+        assert!(!leases.claims_per_worker());
+
+        leases.lock().live = true;
+        assert!(leases.claims_per_worker());
+        let f = fence(t0);
+        let m2 = leases.register(attempt("b"), f.clone(), t0);
+        assert_eq!(m2.mode(), Mode::Worker);
+        assert!(f.clock().is_per_worker());
+        assert_eq!(f.kill_reason(), None);
+
+        // Claimed before the WorkerLease was found gone: never named in
+        // its successor.
+        leases.lock().lost_at = Some(t0 + Duration::from_secs(5));
+        let f = fence(t0 + Duration::from_secs(1));
+        let _m3 = leases.register(attempt("c"), f.clone(), t0 + Duration::from_secs(1));
+        assert_eq!(f.kill_reason(), Some(KillReason::LeaseLost));
+        let f = fence(t0 + Duration::from_secs(6));
+        let m4 = leases.register(attempt("d"), f.clone(), t0 + Duration::from_secs(6));
+        assert_eq!(m4.mode(), Mode::Worker);
+
+        // Dropping a membership deregisters it.
+        assert_eq!(leases.lock().entries.len(), 4);
+        drop(m);
+        drop(m2);
+        assert_eq!(leases.lock().entries.len(), 2);
+        assert!(!leases.lock().entries.contains_key(&attempt("a")));
+        assert!(!leases.full());
+    }
+}
