@@ -182,6 +182,12 @@ impl TestNamespace {
         Ok((leases, tasks))
     }
 
+    /// The WorkerLease changes recorded so far (call [`Self::recorded`]
+    /// first to catch up).
+    pub fn recorded_workers(&self) -> Vec<crate::history::Recorded> {
+        self.history.workers()
+    }
+
     /// The recorded history's violations under `checks` (empty: ok).
     pub async fn violations(&self, checks: Checks) -> anyhow::Result<Vec<String>> {
         self.history.violations(&checks).await

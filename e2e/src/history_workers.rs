@@ -48,11 +48,10 @@ pub fn check_worker_leases(workers: &[Recorded], leases: &[Recorded]) -> Vec<Str
             Change::WorkerDeleted(w) => (w.as_ref(), true),
             _ => continue,
         };
-        by_name.entry(w.name_any()).or_default().push(Version {
-            rv: rv(w),
-            gone,
-            w,
-        });
+        by_name
+            .entry(w.name_any())
+            .or_default()
+            .push(Version { rv: rv(w), gone, w });
     }
     for (name, versions) in &by_name {
         for pair in versions.windows(2) {
@@ -81,8 +80,8 @@ pub fn check_worker_leases(workers: &[Recorded], leases: &[Recorded]) -> Vec<Str
         };
         let uid = l.uid().unwrap_or_default();
         let before = last.insert(uid, l.as_ref());
-        let was_held =
-            before.is_some_and(|b| b.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held));
+        let was_held = before
+            .is_some_and(|b| b.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held));
         let phase = l.status.as_ref().and_then(|s| s.phase);
         let ended_by_operator = matches!(phase, Some(LeasePhase::Expired | LeasePhase::Released));
         if !(was_held && ended_by_operator && l.renewed_per_worker()) {
@@ -120,7 +119,9 @@ pub fn check_worker_leases(workers: &[Recorded], leases: &[Recorded]) -> Vec<Str
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchlease_api::{Renewal, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec, WorkerLeaseStatus};
+    use batchlease_api::{
+        Renewal, TaskLeaseSpec, TaskLeaseStatus, WorkerLeaseSpec, WorkerLeaseStatus,
+    };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
     fn at(s: i64) -> MicroTime {

@@ -82,11 +82,6 @@ pub struct KillClock {
     deadline: Option<Instant>,
 }
 
-/// The least period of an attempt's own TaskLease writes when it is
-/// renewed per worker: `max(TTL, REFRESH_FLOOR)` keeps `kubectl get
-/// taskleases`' RENEWED column at most that old.
-pub const REFRESH_FLOOR: Duration = Duration::from_secs(120);
-
 impl KillClock {
     /// The clock of an attempt whose claim was sent at `claim_sent`.
     pub fn new(ttl: Duration, claim_sent: Instant, active_deadline: Option<Duration>) -> Self {
@@ -137,7 +132,9 @@ impl KillClock {
     /// `2/3·TTL` after that period too (see the type's doc).
     #[must_use]
     pub fn per_worker(mut self) -> Self {
-        self.refresh = Some(self.ttl.max(REFRESH_FLOOR));
+        // The operator counts a deleted lease's holder as running until its
+        // last observed write plus this plus the TTL: one rule, shared.
+        self.refresh = Some(batchlease_api::worker_lease::refresh_period(self.ttl));
         self
     }
 
@@ -480,7 +477,7 @@ mod tests {
         }
         assert_eq!(
             KillClock::new(s(30), t0, None).per_worker().refresh_every(),
-            Some(REFRESH_FLOOR)
+            Some(Duration::from_secs(120))
         );
         assert_eq!(KillClock::new(s(30), t0, None).refresh_every(), None);
         // Falling back to per-lease renewals drops the refresh bound.

@@ -124,6 +124,18 @@ async fn main() -> anyhow::Result<()> {
     let fleet_churn = arg("fleet-churn", 500, 20);
     let fleet_ttl = arg("fleet-ttl", 30, 6) as u64;
     let fleet_killswitch = arg("fleet-killswitch", 5, 1);
+    // Both protocols side by side by default: `--fleet-modes=lease` or
+    // `=worker` for one.
+    let fleet_modes: Vec<batchlease_api::Renewal> = std::env::args()
+        .find_map(|a| a.strip_prefix("--fleet-modes=").map(str::to_owned))
+        .unwrap_or_else(|| "lease,worker".into())
+        .split(',')
+        .filter_map(|m| match m.trim() {
+            "lease" => Some(batchlease_api::Renewal::Lease),
+            "worker" => Some(batchlease_api::Renewal::Worker),
+            _ => None,
+        })
+        .collect();
     // A quick run follows the e2e tests on their control plane: a test's
     // namespace that will not go soon must not hold it up.
     let quiet = Duration::from_secs(arg("quiet-seconds", 600, 30) as u64);
@@ -156,11 +168,11 @@ async fn main() -> anyhow::Result<()> {
         write_plot(
             &out,
             "rss-vs-tasks.svg",
-            plot::line(
+            plot::lines(
                 "Operator RSS vs. tasks cached",
                 "tasks (and their leases)",
                 "RSS (MiB)",
-                &rss,
+                &[("RSS".into(), rss)],
             ),
         )?;
         let series: Vec<(String, &[Duration])> = levels
@@ -266,32 +278,43 @@ async fn main() -> anyhow::Result<()> {
     if fleet_leases > 0 && !fleet_workers.is_empty() {
         let mut runs = Vec::new();
         for &workers in &fleet_workers {
-            eprintln!(
-                "== fleet: {workers} hollow workers, {fleet_leases} held leases, {fleet_churn} churn tasks"
-            );
-            let o = fleet::Opts {
-                workers,
-                leases: fleet_leases,
-                churn: fleet_churn,
-                ttl_seconds: fleet_ttl,
-                window,
-                conc,
-                killswitch: fleet_killswitch,
-            };
-            // A size today's protocol cannot serve is a result, not the
-            // end of the sweep: say how it failed and go on.
-            match fleet::run(&cluster, o, &mut report).await {
-                Ok(m) => runs.push(m),
-                Err(e) => {
-                    let first = format!("{e:#}");
-                    let first = first.lines().next().unwrap_or_default().to_owned();
-                    emit(
-                        &mut report,
-                        &format!(
-                            "fleet: {workers} workers, {fleet_leases} leases: did not complete: {first}\n"
-                        ),
-                    );
-                    common::quiet_cluster(&cluster).await?;
+            for &mode in &fleet_modes {
+                eprintln!(
+                    "== fleet ({}): {workers} hollow workers, {fleet_leases} held leases, {fleet_churn} churn tasks",
+                    fleet::mode_name(mode)
+                );
+                let o = fleet::Opts {
+                    workers,
+                    leases: fleet_leases,
+                    churn: fleet_churn,
+                    ttl_seconds: fleet_ttl,
+                    window,
+                    conc,
+                    // A real SDK worker's kill switch, measured once per size
+                    // (its lease is renewed per lease either way).
+                    killswitch: if mode == batchlease_api::Renewal::Lease {
+                        fleet_killswitch
+                    } else {
+                        0
+                    },
+                    mode,
+                };
+                // A size today's protocol cannot serve is a result, not the
+                // end of the sweep: say how it failed and go on.
+                match fleet::run(&cluster, o, &mut report).await {
+                    Ok(m) => runs.push(m),
+                    Err(e) => {
+                        let first = format!("{e:#}");
+                        let first = first.lines().next().unwrap_or_default().to_owned();
+                        emit(
+                            &mut report,
+                            &format!(
+                                "fleet ({}): {workers} workers, {fleet_leases} leases: did not complete: {first}\n",
+                                fleet::mode_name(mode)
+                            ),
+                        );
+                        common::quiet_cluster(&cluster).await?;
+                    }
                 }
             }
         }
@@ -306,7 +329,8 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// The fleet runs side by side: how each cost grows with the number of
-/// workers at the same number of held leases.
+/// workers at the same number of held leases, per protocol, and the ratio
+/// of renewals per worker to per lease at each size (measured in this run).
 fn fleet_summary(
     runs: &[fleet::Measured],
     out: &Option<PathBuf>,
@@ -314,12 +338,13 @@ fn fleet_summary(
 ) -> anyhow::Result<()> {
     let mut t = String::from(
         "fleet, side by side (same held leases, TTL, churn):\n\
-         | workers | held leases | kube-apiserver millicores per held lease | etcd millicores per held lease | TaskLease watch events/s while held | churn tasks/s | writes per task | watch events per task | kube-apiserver ms per task | offer p95 | failover p95 | kill switch max |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | renewed | workers | held leases | kube-apiserver millicores per held lease | etcd millicores per held lease | TaskLease watch events/s while held | churn tasks/s | writes per task | watch events per task | kube-apiserver ms per task | offer p95 | failover p95 | kill switch max |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in runs {
         t.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} ms | {:.0} ms | {} |\n",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} ms | {:.0} ms | {} |\n",
+            fleet::mode_name(r.opts.mode),
             r.opts.workers,
             r.opts.leases,
             r.apiserver_millicores_per_lease,
@@ -336,14 +361,58 @@ fn fleet_summary(
                 .map_or_else(|| "—".to_owned(), |d| format!("{:.0} ms", stats::ms(*d))),
         ));
     }
+    // Per size, per worker ÷ per lease, both from this run.
+    let find = |w: usize, m: batchlease_api::Renewal| {
+        runs.iter()
+            .find(|r| r.opts.workers == w && r.opts.mode == m)
+    };
+    let mut sizes: Vec<usize> = runs.iter().map(|r| r.opts.workers).collect();
+    sizes.dedup();
+    let mut ratios = String::from(
+        "\nrenewals per worker ÷ per lease, at each size (target: kube-apiserver CPU per held lease ≤ 0.20):\n\
+         | workers | kube-apiserver CPU per held lease | etcd CPU per held lease | TaskLease watch events/s while held | failover p95 (TTL + …) |\n\
+         |---:|---:|---:|---:|---:|\n",
+    );
+    for w in sizes {
+        let (Some(l), Some(p)) = (
+            find(w, batchlease_api::Renewal::Lease),
+            find(w, batchlease_api::Renewal::Worker),
+        ) else {
+            continue;
+        };
+        let ttl_ms = (p.opts.ttl_seconds * 1000) as f64;
+        ratios.push_str(&format!(
+            "| {w} | {:.2} | {:.2} | {:.2} | {:.0} ms |\n",
+            p.apiserver_millicores_per_lease / l.apiserver_millicores_per_lease.max(1e-9),
+            p.etcd_millicores_per_lease / l.etcd_millicores_per_lease.max(1e-9),
+            p.lease_watch_events_per_s / l.lease_watch_events_per_s.max(1e-9),
+            stats::ms(stats::quantile(&p.failover, 0.95)) - ttl_ms,
+        ));
+    }
+    t.push_str(&ratios);
     emit(report, &t);
-    let per = |f: fn(&fleet::Measured) -> f64| -> Vec<(f64, f64)> {
-        runs.iter().map(|r| (r.opts.workers as f64, f(r))).collect()
+    let per = |f: fn(&fleet::Measured) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        [
+            batchlease_api::Renewal::Lease,
+            batchlease_api::Renewal::Worker,
+        ]
+        .into_iter()
+        .map(|m| {
+            (
+                format!("renewed {}", fleet::mode_name(m)),
+                runs.iter()
+                    .filter(|r| r.opts.mode == m)
+                    .map(|r| (r.opts.workers as f64, f(r)))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .filter(|(_, p)| !p.is_empty())
+        .collect()
     };
     write_plot(
         out,
         "fleet-watch-events.svg",
-        plot::line(
+        plot::lines(
             "Watch events sent per task vs. workers",
             "workers",
             "watch events per task",
@@ -353,7 +422,7 @@ fn fleet_summary(
     write_plot(
         out,
         "fleet-apiserver-cpu.svg",
-        plot::line(
+        plot::lines(
             "kube-apiserver CPU per held lease vs. workers",
             "workers",
             "millicores per held lease",

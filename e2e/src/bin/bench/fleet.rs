@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, TaskPhase};
+use batchlease_api::{BatchTask, Renewal as Mode, TaskPhase};
 use batchlease_e2e::tasks::phase_of;
 use batchlease_e2e::{Cluster, TestNamespace, api_requests, wait_for};
 use kube::ResourceExt;
@@ -51,6 +51,17 @@ pub struct Opts {
     /// Kill-switch trials (a real SDK worker, its API connection cut)
     /// while the fleet holds its leases.
     pub killswitch: usize,
+    /// How the fleet keeps its leases alive: today's per-lease renewals,
+    /// or its workers' WorkerLeases (issue 27).
+    pub mode: Mode,
+}
+
+/// A protocol's name in the report.
+pub fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::Lease => "per lease",
+        Mode::Worker => "per worker",
+    }
 }
 
 /// What a run measured, for the comparison and the plots.
@@ -181,7 +192,8 @@ async fn measure(
     let (apiserver, etcd) = (component_pid("kube-apiserver"), component_pid("etcd"));
     let pids = [apiserver, etcd, op.pid(), Some(std::process::id())];
     let slots = o.leases.div_ceil(o.workers);
-    let fleet = Fleet::start(&cluster.client, &ns.name, o.workers, slots);
+    crate::hollow::set_ttl(o.ttl_seconds);
+    let fleet = Fleet::start(&cluster.client, &ns.name, o.workers, slots, o.mode);
     let s = fleet.stats.clone();
     let tasks: Api<BatchTask> = ns.api();
 
@@ -227,8 +239,8 @@ async fn measure(
     emit(
         report,
         &format!(
-            "fleet: {w} hollow workers × {slots} slots, {m:.0} leases held (TTL {ttl} s), filled in {fill_secs:.1} s; \
-             {:.0} s held window{note}: renewals {renewals:.1}/s ({:.4}/s per lease, 3/TTL = {:.4}); all requests {rate:.1}/s\n\
+            "fleet, renewed {mode}: {w} hollow workers × {slots} slots, {m:.0} leases held (TTL {ttl} s), filled in {fill_secs:.1} s; \
+             {:.0} s held window{note}: renewal writes {renewals:.1}/s ({:.4}/s per lease, 3/TTL = {:.4}); all requests {rate:.1}/s\n\
              CPU: kube-apiserver {:.3} cores ({:.3} millicores per held lease), etcd {:.3} cores ({:.3} per lease), operator {:.3} cores, \
              the fleet (this process) {:.3} cores; RSS: kube-apiserver {}, etcd {}\n\
              TaskLease watch events sent {:.1}/s ({:.2} per renewal)\n{table}{}",
@@ -248,6 +260,7 @@ async fn measure(
             held.events_table(),
             w = o.workers,
             ttl = o.ttl_seconds,
+            mode = mode_name(o.mode),
         ),
     );
 
@@ -264,7 +277,8 @@ async fn measure(
         emit(
             report,
             &format!(
-                "fleet kill switch: {} trials (TTL {} s, 2/3·TTL = {:.0} ms) while the {m:.0} leases are held: from the last renewal's renewTime {}\n",
+                "fleet kill switch ({}): {} trials (TTL {} s, 2/3·TTL = {:.0} ms) while the {m:.0} leases are held: from the last renewal's renewTime {}\n",
+                mode_name(o.mode),
                 o.killswitch,
                 crate::killswitch::TTL_SECONDS,
                 stats::ms(two_thirds),
@@ -342,9 +356,10 @@ async fn measure(
     emit(
         report,
         &format!(
-            "fleet churn: {} no-op tasks while the {m:.0} stay held: {tasks_per_s:.1} tasks/s; per task, the held leases' renewals subtracted at the held window's cost per renewal: \
+            "fleet churn ({}): {} no-op tasks while the {m:.0} stay held: {tasks_per_s:.1} tasks/s; per task, the held leases' renewals subtracted at the held window's cost per renewal: \
              protocol writes {writes:.2}, watch events sent {events:.1} (TaskLeases and BatchTasks), kube-apiserver CPU {api_ms:.1} ms; \
              claims lost to another worker {} ({:.2} per task); offer latency, create → claim answered: {}\n",
+            mode_name(o.mode),
             o.churn,
             Stats::get(&s.lost_races),
             Stats::get(&s.lost_races) as f64 / n,
@@ -381,7 +396,8 @@ async fn measure(
     emit(
         report,
         &format!(
-            "fleet failover: a worker holding {} leases frozen → each of its tasks held by another worker (TTL {} s): {}; p95 − TTL {:.0} ms\n",
+            "fleet failover ({}): a worker holding {} leases frozen → each of its tasks held by another worker (TTL {} s): {}; p95 − TTL {:.0} ms\n",
+            mode_name(o.mode),
             theirs.len(),
             o.ttl_seconds,
             stats::summary(&failover),

@@ -11,19 +11,33 @@
 //! own functions (`lease_ops`, `claim_order`, `presence_record`, exported
 //! hidden for this), so they cannot drift from what SDK workers send.
 //!
+//! Renewed per worker ([`Renewal::Worker`], issue 27) a hollow worker
+//! claims as the SDK does in that mode and renews its WorkerLease with the
+//! SDK's own write (`worker_lease_ops`) every TTL/3 (30 s while it holds
+//! nothing), listing what it holds; it writes each held TaskLease only
+//! every refresh period (`refresh_period`), the first at a random phase
+//! within it — as a fleet in steady state has them, so a window shorter
+//! than the period still sees its share of refreshes. A renewal refused
+//! with 409 is re-read and every revoked attempt dropped at once.
+//!
 //! Cheaper than the SDK on the simulator's side only: a hollow worker
 //! keeps the offers of its watch, not a copy of every lease, so the
 //! process holding 1,000 watches stays small; the API server still sends
 //! each of them every event.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use batchlease_api::keys::{LABEL_QUEUE, presence_name};
-use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease, WatchBackoff};
+use batchlease_api::worker_lease::{refresh_period, worker_lease_name};
+use batchlease_api::{
+    AttemptRef, BatchTask, LeaseOutcome, LeasePhase, Renewal as Mode, TaskLease, WatchBackoff,
+    WorkerLease,
+};
 use batchlease_worker_sdk::lease_ops::{self, Renewal};
+use batchlease_worker_sdk::worker_lease_ops::{self, Adopted, Written};
 use batchlease_worker_sdk::{PRESENCE_PERIOD, claim_order, presence_record};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -84,7 +98,7 @@ impl Drop for Fleet {
 impl Fleet {
     /// Starts `n` hollow workers in `ns` with `slots` slots each, sharing
     /// `client` (each watch is a connection of its own).
-    pub fn start(client: &Client, ns: &str, n: usize, slots: usize) -> Fleet {
+    pub fn start(client: &Client, ns: &str, n: usize, slots: usize, mode: Mode) -> Fleet {
         let stats = Arc::new(Stats::default());
         let stop = CancellationToken::new();
         let mut workers = Vec::with_capacity(n);
@@ -100,6 +114,9 @@ impl Fleet {
                 leases: Api::namespaced(client.clone(), ns),
                 tasks: Api::namespaced(client.clone(), ns),
                 presence: Api::namespaced(client.clone(), ns),
+                worker_leases: Api::namespaced(client.clone(), ns),
+                mode,
+                held: std::sync::Mutex::default(),
                 identity: identity.clone(),
                 slots: sem.clone(),
                 stats: stats.clone(),
@@ -156,6 +173,11 @@ struct Hollow {
     leases: Api<TaskLease>,
     tasks: Api<BatchTask>,
     presence: Api<Lease>,
+    worker_leases: Api<WorkerLease>,
+    mode: Mode,
+    /// Renewed per worker: the attempts held, each with the token that
+    /// stops its hold when the operator revoked it.
+    held: std::sync::Mutex<BTreeMap<AttemptRef, CancellationToken>>,
     identity: String,
     slots: Arc<Semaphore>,
     stats: Arc<Stats>,
@@ -167,7 +189,10 @@ struct Hollow {
 impl Hollow {
     async fn run(self) {
         let me = Arc::new(self);
-        tokio::spawn(me.clone().presence());
+        match me.mode {
+            Mode::Lease => drop(tokio::spawn(me.clone().presence())),
+            Mode::Worker => drop(tokio::spawn(me.clone().renew_worker_lease())),
+        }
         // As the SDK: the watch keeps the offers up to date on a task of
         // its own, and the claim loop reads them afresh before each claim
         // (a loop that handled one event per claim fell behind the stream
@@ -271,14 +296,7 @@ impl Hollow {
             .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
             .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
             .map_or(Duration::ZERO, Duration::from_millis);
-        match lease_ops::claim(
-            &self.leases,
-            offer,
-            &self.identity,
-            batchlease_api::Renewal::Lease,
-        )
-        .await
-        {
+        match lease_ops::claim(&self.leases, offer, &self.identity, self.mode).await {
             Ok(Some(held)) => {
                 Stats::inc(&self.stats.claims);
                 self.stats.claimed.lock().await.insert(
@@ -326,10 +344,33 @@ impl Hollow {
         let ttl =
             Duration::from_secs(u64::try_from(ours.spec.lease_duration_seconds).unwrap_or(30));
         let done = Instant::now() + hold;
-        let mut next = Instant::now() + ttl / 3;
+        // Renewed per worker: listed in the WorkerLease (its renewals keep
+        // it alive), and the lease itself written only every refresh
+        // period, the first at a random phase (see the module docs).
+        let per_worker = ours.renewed_per_worker();
+        let revoked = CancellationToken::new();
+        let (mut next, every) = if per_worker {
+            let r = refresh_period(ttl);
+            self.held_lock()
+                .insert(AttemptRef::of(&ours), revoked.clone());
+            (
+                Instant::now() + r.mul_f64(rand::rng().random_range(0.0..1.0)),
+                r,
+            )
+        } else {
+            (Instant::now() + ttl / 3, ttl / 3)
+        };
+        let attempt = AttemptRef::of(&ours);
+        let _unlist = scopeguard(|| {
+            self.held_lock().remove(&attempt);
+        });
         loop {
             let complete = tokio::select! {
                 () = self.freeze.cancelled() => return,
+                () = revoked.cancelled() => {
+                    Stats::inc(&self.stats.lost_leases);
+                    return;
+                }
                 () = tokio::time::sleep_until(done.min(next)) => done <= next,
             };
             if complete {
@@ -347,7 +388,7 @@ impl Hollow {
                 }
                 return;
             }
-            next = Instant::now() + ttl / 3;
+            next = Instant::now() + every;
             // The SDK's renewal: a conflict is re-read, and only a lease no
             // longer ours ends the hold.
             match lease_ops::renew(&self.leases, &ours, &self.identity, None).await {
@@ -360,6 +401,69 @@ impl Hollow {
                     return;
                 }
                 Err(_) => Stats::inc(&self.stats.failed_writes),
+            }
+        }
+    }
+
+    fn held_lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<AttemptRef, CancellationToken>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Renewals per worker: the WorkerLease created, then renewed by CAS
+    /// every TTL/3 while it holds anything (30 s idle), listing the
+    /// attempts held; a conflict re-reads it and ends every revoked one.
+    async fn renew_worker_lease(self: Arc<Self>) {
+        let desired =
+            worker_lease_ops::object(&self.identity, &[QUEUE.to_owned()], None, Timestamp::now());
+        let mut ours = loop {
+            match worker_lease_ops::create_or_adopt(&self.worker_leases, &desired).await {
+                Ok(Adopted::Ours(w)) => break *w,
+                _ => {
+                    Stats::inc(&self.stats.failed_writes);
+                    tokio::select! {
+                        () = self.freeze.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        };
+        let name = worker_lease_name(&self.identity);
+        let mut last = Timestamp::now();
+        loop {
+            let holds: Vec<AttemptRef> = self.held_lock().keys().cloned().collect();
+            // The fleet's leases share one TTL: the shortest one's pace.
+            let every = if holds.is_empty() {
+                Duration::from_secs(30)
+            } else {
+                Duration::from_secs(HELD_TTL.load(Ordering::Relaxed).max(1)) / 3
+            };
+            tokio::select! {
+                () = self.freeze.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let holds: Vec<AttemptRef> = self.held_lock().keys().cloned().collect();
+            // Strictly increasing, as the SDK's.
+            let now = Timestamp::now().max(last + Duration::from_micros(1));
+            last = now;
+            let ttl = i32::try_from(HELD_TTL.load(Ordering::Relaxed).max(5)).unwrap_or(30);
+            match worker_lease_ops::renew(&self.worker_leases, &ours, holds, ttl, now).await {
+                Ok(Written::Stored(w)) => {
+                    Stats::inc(&self.stats.renewals);
+                    ours = *w;
+                }
+                Ok(Written::Refused { code: 409, .. }) => {
+                    if let Ok(Some(fresh)) =
+                        worker_lease_ops::read(&self.worker_leases, &name).await
+                    {
+                        for a in fresh.revoked() {
+                            if let Some(stop) = self.held_lock().remove(a) {
+                                stop.cancel();
+                            }
+                        }
+                        ours = fresh;
+                    }
+                }
+                _ => Stats::inc(&self.stats.failed_writes),
             }
         }
     }
@@ -390,4 +494,26 @@ impl Hollow {
             }
         }
     }
+}
+
+/// The TTL of the fleet's leases (one for all), for the pace of WorkerLease
+/// renewals; set by [`Fleet::start`]'s caller through [`set_ttl`].
+static HELD_TTL: AtomicU64 = AtomicU64::new(30);
+
+/// Sets the TTL hollow workers renewing per worker pace themselves on.
+pub fn set_ttl(seconds: u64) {
+    HELD_TTL.store(seconds, Ordering::Relaxed);
+}
+
+/// Runs `f` when dropped (a hold's end, whichever way it ends).
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
 }

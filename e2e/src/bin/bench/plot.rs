@@ -184,30 +184,41 @@ pub fn cdf(
     out
 }
 
-/// `points` (x, y) joined by a line, each marked.
-pub fn line(title: &str, xlabel: &str, ylabel: &str, points: &[(f64, f64)]) -> String {
-    let xmax = nice(points.iter().map(|p| p.0).fold(0.0, f64::max));
-    let ymax = nice(points.iter().map(|p| p.1).fold(0.0, f64::max) * 1.1);
+/// Each series' `points` (x, y) joined by a line, each marked, with a
+/// legend naming the series when there is more than one.
+pub fn lines(
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> String {
+    let all = || series.iter().flat_map(|(_, p)| p.iter());
+    let xmax = nice(all().map(|p| p.0).fold(0.0, f64::max));
+    let ymax = nice(all().map(|p| p.1).fold(0.0, f64::max) * 1.1);
     let mut out = String::new();
     frame(&mut out, title, xlabel, ylabel, xmax, ymax);
-    let path: Vec<String> = points
-        .iter()
-        .map(|(x, y)| format!("{:.1},{:.1}", sx(*x, xmax), sy(*y, ymax)))
-        .collect();
-    let _ = writeln!(
-        out,
-        r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>"#,
-        path.join(" "),
-        COLOURS[0]
-    );
-    for (x, y) in points {
+    for (i, (name, points)) in series.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let path: Vec<String> = points
+            .iter()
+            .map(|(x, y)| format!("{:.1},{:.1}", sx(*x, xmax), sy(*y, ymax)))
+            .collect();
         let _ = writeln!(
             out,
-            r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="{}"/>"#,
-            sx(*x, xmax),
-            sy(*y, ymax),
-            COLOURS[0]
+            r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="2"/>"#,
+            path.join(" "),
         );
+        for (x, y) in points {
+            let _ = writeln!(
+                out,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="{colour}"/>"#,
+                sx(*x, xmax),
+                sy(*y, ymax),
+            );
+        }
+        if series.len() > 1 {
+            legend(&mut out, i, series.len(), name);
+        }
     }
     out.push_str("</svg>\n");
     out
@@ -237,5 +248,21 @@ mod tests {
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
         assert_eq!(svg.matches(" L").count(), 4, "{svg}");
         assert!(svg.contains("TTL") && svg.contains("a (n = 2)"));
+    }
+
+    #[test]
+    fn lines_draw_each_series_and_name_them() {
+        let svg = lines(
+            "t",
+            "x",
+            "y",
+            &[
+                ("per lease".into(), vec![(10.0, 1.0), (100.0, 2.0)]),
+                ("per worker".into(), vec![(10.0, 0.1), (100.0, 0.2)]),
+            ],
+        );
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert_eq!(svg.matches("<circle").count(), 4);
+        assert!(svg.contains("per lease") && svg.contains("per worker"));
     }
 }

@@ -1,0 +1,306 @@
+//! Renewals per worker end to end (issue 27, design "Fleets"): demo workers
+//! that renew through one WorkerLease each, against the real operator,
+//! control plane and PostgreSQL; every namespace's history is checked at
+//! the end, WorkerLeases included (`history_workers`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use batchlease_api::worker_lease::worker_lease_name;
+use batchlease_api::{AttemptRef, LeasePhase, Renewal, TaskLease, TaskPhase, WorkerLease};
+use batchlease_e2e::history::Change;
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::process::Process;
+use batchlease_e2e::tasks::{self, wait_holder, wait_lease, wait_phase};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use kube::ResourceExt;
+use kube::api::Api;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(60);
+/// The lease TTL of these tests' tasks: short, so expiry and the kill
+/// switch happen within seconds.
+const TTL: u64 = 6;
+
+async fn setup(prefix: &str) -> (TestNamespace, Operator, tokio_postgres::Client) {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace(prefix).await.unwrap();
+    let op = Operator::start(&ns.name, "op").unwrap();
+    op.wait_leading(T).await.unwrap();
+    let db = pg::connect().await.unwrap();
+    (ns, op, db)
+}
+
+/// A demo worker that renews per worker, with `slots` slots.
+fn per_worker(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
+    let opts = WorkerOpts {
+        slots,
+        env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())],
+        ..Default::default()
+    };
+    workers::start(&ns.name, identity, &opts).unwrap()
+}
+
+/// A task of `steps` steps of `step_ms` each (a checkpoint after each).
+async fn job(ns: &TestNamespace, name: &str, steps: u64, step_ms: u64) {
+    tasks::create(
+        ns,
+        name,
+        json!({"queue": "demo", "leaseDurationSeconds": TTL,
+               "payload": {"steps": steps, "stepMillis": step_ms}}),
+    )
+    .await
+    .unwrap();
+}
+
+async fn worker_lease(ns: &TestNamespace, identity: &str) -> Option<WorkerLease> {
+    ns.api::<WorkerLease>()
+        .get_opt(&worker_lease_name(identity))
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn tasks_longer_than_their_ttl_live_on_worker_renewals_alone() {
+    let (ns, op, db) = setup("wl-live").await;
+    let w: Vec<Process> = (1..=2)
+        .map(|i| per_worker(&ns, &format!("w{i}"), 2))
+        .collect();
+    let logs = || op.logs_with(&w.iter().collect::<Vec<_>>());
+    // 12 s of work each (two TTLs), a checkpoint every 6 s: without
+    // renewals a lease would expire halfway.
+    for i in 1..=3 {
+        job(&ns, &format!("job{i}"), 2, 6000).await;
+    }
+    for i in 1..=3 {
+        wait_phase(&ns, &format!("job{i}"), TaskPhase::Succeeded, T, logs)
+            .await
+            .unwrap();
+    }
+    let (leases, _) = ns.recorded().await.unwrap();
+    let workers_seen = ns.recorded_workers();
+    for i in 1..=3 {
+        let name = format!("job{i}-1");
+        let versions: Vec<&TaskLease> = leases
+            .iter()
+            .filter_map(|r| match &r.change {
+                Change::Lease(l) if l.name_any() == name => Some(l.as_ref()),
+                _ => None,
+            })
+            .collect();
+        let last = versions.last().unwrap();
+        assert_eq!(
+            (
+                last.spec.renewal,
+                last.status.as_ref().and_then(|s| s.phase)
+            ),
+            (Some(Renewal::Worker), Some(LeasePhase::Completed)),
+            "{name}: claimed to be renewed per worker, completed by its first attempt"
+        );
+        // Written by its holder: the claim, at most a checkpoint each T/3
+        // (two here), the completion — not a renewal every TTL/3.
+        let by_holder = versions
+            .iter()
+            .filter(|l| l.spec.holder_identity.is_some())
+            .count();
+        assert!(
+            by_holder <= 4,
+            "{name}: {by_holder} versions written by its holder"
+        );
+        // Kept alive by its holder's WorkerLease, which listed it.
+        let holder = last.spec.holder_identity.clone().unwrap();
+        let attempt = AttemptRef::of(last);
+        let renewals_naming_it = workers_seen
+            .iter()
+            .filter(|r| match &r.change {
+                Change::Worker(wl) => {
+                    wl.spec.holder_identity == holder && wl.holds().contains(&attempt)
+                }
+                _ => false,
+            })
+            .count();
+        assert!(
+            renewals_naming_it >= 3,
+            "{name}: its holder's WorkerLease listed it {renewals_naming_it} times in 12 s at TTL {TTL}"
+        );
+    }
+    // Each worker has its WorkerLease, which names its holder and queues,
+    // and lists nothing once its attempts are done.
+    for i in 1..=2 {
+        let id = format!("w{i}");
+        let wl = worker_lease(&ns, &id)
+            .await
+            .expect("a WorkerLease per worker");
+        assert_eq!(wl.spec.holder_identity, id);
+        assert_eq!(wl.spec.queues, ["demo"]);
+    }
+    for i in 1..=3 {
+        let uid = tasks::uid(&ns, &format!("job{i}")).await.unwrap();
+        assert_eq!(pg::audit(&db, &uid).await.unwrap().len(), 1, "one commit");
+    }
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_paused_worker_is_revoked_before_its_lease_expires_and_cannot_commit() {
+    let (ns, op, db) = setup("wl-pause").await;
+    let zombie = per_worker(&ns, "zombie", 1);
+    job(&ns, "job", 40, 250).await;
+    wait_holder(&ns, "job", "zombie", T, || op.logs_with(&[&zombie]))
+        .await
+        .unwrap();
+    let attempt = AttemptRef::of(&ns.api::<TaskLease>().get("job-1").await.unwrap());
+    // A stop-the-world pause longer than the TTL: its WorkerLease stops.
+    zombie.signal("STOP").unwrap();
+    wait_lease(&ns, "job-1", LeasePhase::Expired, T, || {
+        op.logs_with(&[&zombie])
+    })
+    .await
+    .unwrap();
+    let wl = worker_lease(&ns, "zombie").await.unwrap();
+    assert!(
+        wl.is_revoked(&attempt),
+        "revoked on the WorkerLease before the expiry: {:?}",
+        wl.status
+    );
+    let rescuer = per_worker(&ns, "rescuer", 1);
+    let logs = || op.logs_with(&[&zombie, &rescuer]);
+    wait_phase(&ns, "job", TaskPhase::Succeeded, T, logs)
+        .await
+        .unwrap();
+    // The zombie wakes: its kill switch has fired, or its next renewal
+    // finds the attempt revoked. Nothing of it reaches PostgreSQL.
+    zombie.signal("CONT").unwrap();
+    wait_for(
+        "the zombie stops its attempt",
+        T,
+        || zombie.logs(),
+        || {
+            let text = zombie.log_text();
+            async move {
+                Ok((text.contains("kill switch fired")
+                    || text.contains("attempt revoked by the operator"))
+                .then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    assert_eq!(
+        pg::audit(&db, &uid).await.unwrap(),
+        [(2, "rescuer".to_owned())],
+        "only the second attempt committed"
+    );
+    // Its renewals go on, without the revoked attempt (the history check
+    // refuses a renewal that lists it).
+    let wl = ns.api::<WorkerLease>();
+    let name = worker_lease_name("zombie");
+    wait_for(
+        "the zombie renews its WorkerLease without the revoked attempt",
+        T,
+        || zombie.logs(),
+        || {
+            let wl = wl.clone();
+            let name = name.clone();
+            let attempt = attempt.clone();
+            async move {
+                let w = wl.get(&name).await?;
+                Ok((!w.holds().contains(&attempt)).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    drop((zombie, rescuer));
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancel_revokes_an_attempt_renewed_per_worker() {
+    let (ns, op, _db) = setup("wl-cancel").await;
+    let w = per_worker(&ns, "w", 1);
+    job(&ns, "job", 400, 100).await;
+    wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
+        .await
+        .unwrap();
+    let attempt = AttemptRef::of(&ns.api::<TaskLease>().get("job-1").await.unwrap());
+    ns.api::<batchlease_api::BatchTask>()
+        .patch(
+            "job",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await
+        .unwrap();
+    wait_phase(&ns, "job", TaskPhase::Cancelled, T, || op.logs_with(&[&w]))
+        .await
+        .unwrap();
+    let wl = worker_lease(&ns, "w").await.unwrap();
+    assert!(wl.is_revoked(&attempt), "{:?}", wl.status);
+    wait_for(
+        "the worker stops the cancelled attempt",
+        T,
+        || w.logs(),
+        || {
+            let text = w.log_text();
+            async move {
+                Ok(text
+                    .contains("attempt revoked by the operator")
+                    .then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_deleted_worker_lease_stops_its_attempts_and_the_task_runs_again() {
+    let (ns, op, db) = setup("wl-deleted").await;
+    let w = per_worker(&ns, "w", 1);
+    job(&ns, "job", 30, 400).await;
+    wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
+        .await
+        .unwrap();
+    // Someone (an admin, not the holder) deletes the WorkerLease: the
+    // operator counts that as a renewal seen then; the worker, at its next
+    // renewal, stops the attempt and creates the object again.
+    let wl: Api<WorkerLease> = ns.api();
+    wl.delete(&worker_lease_name("w"), &Default::default())
+        .await
+        .unwrap();
+    wait_for(
+        "the worker stops its attempt and creates its WorkerLease again",
+        T,
+        || w.logs(),
+        || {
+            let text = w.log_text();
+            async move { Ok(text.contains("worker lease gone").then_some(())) }
+        },
+    )
+    .await
+    .unwrap();
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T * 2, || {
+        op.logs_with(&[&w])
+    })
+    .await
+    .unwrap();
+    let st = done.status.unwrap();
+    assert!(
+        st.fencing_token >= 2,
+        "the stopped attempt was replaced: {:?}",
+        st.history
+    );
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    let commits = pg::audit(&db, &uid).await.unwrap();
+    assert_eq!(commits.len(), 1, "{commits:?}");
+    assert_eq!(commits[0].0, st.fencing_token);
+    drop(w);
+    ns.finish().await.unwrap();
+}
