@@ -32,6 +32,9 @@ pub struct StartOpts {
     pub slots: usize,
     /// A queue other than the kind's own.
     pub queue: Option<String>,
+    /// Renew per worker (`BATCHLEASE_RENEW_PER_WORKER`; the Rust SDK's
+    /// demo worker only).
+    pub renew_per_worker: bool,
 }
 
 /// Every kind, in the order reports list them.
@@ -93,6 +96,11 @@ impl Kind {
                     slots,
                     drain_grace_seconds: 2,
                     kubeconfig: opts.kubeconfig.clone(),
+                    env: if opts.renew_per_worker {
+                        vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())]
+                    } else {
+                        Vec::new()
+                    },
                     ..Default::default()
                 },
             ),

@@ -233,7 +233,7 @@ async fn main() -> anyhow::Result<()> {
         let mut runs = Vec::new();
         for kind in batchlease_e2e::conformance::KINDS {
             eprintln!("== kill switch ({}): {killswitch_n} trials", kind.label());
-            let k = killswitch::run(&cluster, killswitch_n, kind).await?;
+            let k = killswitch::run(&cluster, killswitch_n, kind, false).await?;
             emit(
                 &mut report,
                 &format!(
@@ -290,13 +290,8 @@ async fn main() -> anyhow::Result<()> {
                     ttl_seconds: fleet_ttl,
                     window,
                     conc,
-                    // A real SDK worker's kill switch, measured once per size
-                    // (its lease is renewed per lease either way).
-                    killswitch: if mode == batchlease_api::Renewal::Lease {
-                        fleet_killswitch
-                    } else {
-                        0
-                    },
+                    // A real SDK worker's kill switch, renewing as the fleet.
+                    killswitch: fleet_killswitch,
                     mode,
                 };
                 // A size today's protocol cannot serve is a result, not the

@@ -271,6 +271,7 @@ async fn measure(
             cluster,
             o.killswitch,
             batchlease_e2e::conformance::Kind::RustSdk,
+            o.mode == Mode::Worker,
         )
         .await?;
         let two_thirds = Duration::from_secs(crate::killswitch::TTL_SECONDS) * 2 / 3;

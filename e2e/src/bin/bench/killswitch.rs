@@ -70,9 +70,30 @@ fn plain(log: &str) -> String {
     out
 }
 
-/// Waits until `worker` has logged a renewal of `lease` as acknowledged,
-/// looking every 5 ms (the cut should follow it closely).
-async fn acked_renewal(worker: &Process, lease: &str) -> anyhow::Result<()> {
+/// Waits until `worker` has logged a renewal of `lease` as acknowledged
+/// (renewed per worker: a renewal of its WorkerLease listing one attempt,
+/// after `after` such lines), looking every 5 ms (the cut should follow
+/// it closely).
+async fn acked_renewal(worker: &Process, lease: &str, per_worker: bool) -> anyhow::Result<()> {
+    if per_worker {
+        // The first renewal listing it may have been sent before the claim
+        // was acknowledged; wait for the second.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let n = plain(&worker.log_text())
+                .lines()
+                .filter(|l| l.contains("worker lease renewed") && l.contains("holds=1"))
+                .count();
+            if n >= 2 {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        anyhow::bail!(
+            "{lease}: no acknowledged WorkerLease renewal in 60 s\n{}",
+            worker.logs()
+        );
+    }
     let line = format!("renewed lease={lease}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
@@ -89,9 +110,18 @@ async fn acked_renewal(worker: &Process, lease: &str) -> anyhow::Result<()> {
 
 /// `trials` cuts, each with a worker of its own behind a proxy of its own
 /// (a cut connection is not reused), on a queue of its own.
-pub async fn run(cluster: &Cluster, trials: usize, kind: Kind) -> anyhow::Result<KillSwitch> {
+pub async fn run(
+    cluster: &Cluster,
+    trials: usize,
+    kind: Kind,
+    per_worker: bool,
+) -> anyhow::Result<KillSwitch> {
     let ns = cluster
-        .namespace(&format!("bench-killswitch-{}", kind.label()))
+        .namespace(&format!(
+            "bench-killswitch-{}{}",
+            kind.label(),
+            if per_worker { "-pw" } else { "" }
+        ))
         .await?;
     let op = Operator::start_with(&ns.name, "op", vec!["--events=important".into()])?;
     op.wait_leading(Duration::from_secs(60)).await?;
@@ -105,6 +135,7 @@ pub async fn run(cluster: &Cluster, trials: usize, kind: Kind) -> anyhow::Result
             queue: Some(queue.clone()),
             slots: 1,
             kubeconfig: Some(proxied_kubeconfig(&proxy, &dir)?),
+            renew_per_worker: per_worker,
         };
         let worker = kind.start_opts(&ns.name, &format!("k{i}"), &opts)?;
         let name = format!("k{i:03}");
@@ -116,18 +147,35 @@ pub async fn run(cluster: &Cluster, trials: usize, kind: Kind) -> anyhow::Result
         )
         .await?;
         let lease = format!("{name}-1");
-        acked_renewal(&worker, &lease).await?;
+        acked_renewal(&worker, &lease, per_worker).await?;
         proxy.cut();
         let cut = Timestamp::now();
-        // The worker can renew no more: the lease's renewTime is that of
-        // the renewal it logged.
-        let renew = leases
-            .get(&lease)
-            .await?
-            .spec
-            .renew_time
-            .map(|t| t.0)
-            .context("a held lease without renewTime")?;
+        // The worker can renew no more: the lease's (or, renewed per
+        // worker, its WorkerLease's) renewTime is that of the renewal it
+        // logged.
+        let renew = if per_worker {
+            let holder = leases
+                .get(&lease)
+                .await?
+                .spec
+                .holder_identity
+                .context("a held lease without holder")?;
+            ns.api::<batchlease_api::WorkerLease>()
+                .get(&batchlease_api::worker_lease::worker_lease_name(&holder))
+                .await?
+                .spec
+                .renew_time
+                .map(|t| t.0)
+                .context("a WorkerLease without renewTime")?
+        } else {
+            leases
+                .get(&lease)
+                .await?
+                .spec
+                .renew_time
+                .map(|t| t.0)
+                .context("a held lease without renewTime")?
+        };
         let fired = wait_for(
             "the kill switch after the cut",
             Duration::from_secs(4 * TTL_SECONDS),
