@@ -104,6 +104,9 @@ impl WorkerSeen {
                 .map(|l| l.holds().iter().cloned().collect())
                 .unwrap_or_default(),
             ended: self.ended.clone(),
+            revoked: last
+                .map(|l| l.revoked().iter().cloned().collect())
+                .unwrap_or_default(),
             at: now,
         })
     }
@@ -127,6 +130,12 @@ pub struct Renewal {
     /// Attempts not credited: their listing was seen to end at an earlier
     /// observation.
     pub ended: BTreeSet<AttemptRef>,
+    /// Attempts not credited: revoked in the observed version. Once the
+    /// revocation landed no renewal can keep them alive (a renewal based
+    /// on an older version fails), so this one and every later one says
+    /// nothing of them — and crediting them would keep an attempt its
+    /// worker stopped listing alive for as long as the worker renews.
+    pub revoked: BTreeSet<AttemptRef>,
     pub at: Instant,
 }
 
@@ -165,6 +174,7 @@ pub fn next_worker_seen(
         namespace: lease.metadata.namespace.clone(),
         names: holds.clone(),
         ended: ended_before,
+        revoked: lease.revoked().iter().cloned().collect(),
         at: now,
     });
     Some(WorkerObservation {
@@ -206,6 +216,7 @@ pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
     };
     let credited = seen.per_worker_held()
         && !renewal.ended.contains(&attempt)
+        && !renewal.revoked.contains(&attempt)
         && seen.holder() == renewal.holder
         // Observed before the claim was: it says nothing of this attempt.
         && renewal.at >= seen.observation.claimed_at;
@@ -227,6 +238,8 @@ struct State {
     /// Attempts whose WorkerLease a read found gone: when (see
     /// [`WorkerTracker::found_gone`]).
     found_gone: HashMap<(String, AttemptRef), Instant>,
+    /// The first list is in.
+    synced: bool,
 }
 
 /// The WorkerLeases as the watch shows them, crediting each renewal it
@@ -240,6 +253,22 @@ impl WorkerTracker {
     /// A (re)list of the watch begins.
     pub fn list_started(&self) {
         self.lock().listed = Some(HashSet::new());
+    }
+
+    /// Whether `w` is a version this tracker observed (and credited):
+    /// same object, same `renewTime` as its record. A copy the operator
+    /// read itself may carry a renewal the watch has not shown yet.
+    pub fn observed(&self, w: &WorkerLease) -> bool {
+        let key = (w.namespace().unwrap_or_default(), w.name_any());
+        self.lock().seen.get(&key).is_some_and(|s| {
+            s.uid == w.uid().unwrap_or_default() && s.renew_marker == renew_marker(w)
+        })
+    }
+
+    /// Whether the watch delivered its first complete list: before, an
+    /// attempt's WorkerLease renewals may not have been credited yet.
+    pub fn listed(&self) -> bool {
+        self.lock().synced
     }
 
     /// A WorkerLease event from the watch (apply or initial list).
@@ -281,6 +310,7 @@ impl WorkerTracker {
         let Some(listed) = state.listed.take() else {
             return;
         };
+        state.synced = true;
         let gone: Vec<(Key, WorkerSeen)> = state
             .seen
             .iter()

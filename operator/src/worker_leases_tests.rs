@@ -112,6 +112,7 @@ fn credit_table() {
         namespace: Some("ns".into()),
         names: names(listed),
         ended: names(ended),
+        revoked: BTreeSet::new(),
         at,
     };
     let credited = |r: &Renewal, l: &TaskLease| credit(&seen, l, r).observation;
@@ -140,6 +141,14 @@ fn credit_table() {
         (
             "another worker",
             renewal("w2", &["t-1"], &[], t1),
+            held.clone(),
+        ),
+        (
+            "revoked in the observed version",
+            Renewal {
+                revoked: names(&["t-1"]),
+                ..renewal("w1", &["t-1"], &[], t1)
+            },
             held.clone(),
         ),
         (

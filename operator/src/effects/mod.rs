@@ -286,8 +286,10 @@ async fn release(
 ) -> Result<Action, Error> {
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    // A cancel's release is not timed by renewals (the task ends a TTL
+    // after the last one observed), so no expiry to check again.
     if let Some(cached) = cached_held(ctx, lease)
-        && revoke::revoke(ctx, &cached).await? == revoke::Revoked::Renewed
+        && revoke::revoke(ctx, &cached, None).await? == revoke::Revoked::Renewed
     {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
@@ -340,8 +342,12 @@ async fn expire(
 ) -> Result<Action, Error> {
     let ns = lease.namespace().unwrap_or_default();
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    // Past its deadline an attempt ends whatever its renewals (its kill
+    // switch fires at the deadline too); otherwise the timing is checked
+    // again against the copy the revocation is based on.
+    let timed = (reason == ExpiryReason::LeaseExpired).then(|| crate::observe::lease_ttl(lease));
     if let Some(cached) = cached_held(ctx, lease)
-        && revoke::revoke(ctx, &cached).await? == revoke::Revoked::Renewed
+        && revoke::revoke(ctx, &cached, timed).await? == revoke::Revoked::Renewed
     {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }

@@ -15,6 +15,8 @@ use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::reflector::ObjectRef;
+use std::time::Duration;
+
 use tokio::time::Instant;
 use tracing::{debug, info};
 
@@ -44,61 +46,113 @@ pub fn needs_revocation(lease: &TaskLease) -> Option<&str> {
 
 /// Revokes `cached`'s attempt (the lease as the cache shows it, still
 /// held) on its holder's WorkerLease, if it is renewed per worker.
-pub async fn revoke(ctx: &Ctx, cached: &TaskLease) -> Result<Revoked, Error> {
+///
+/// `expiry`: the TTL when the attempt ends for want of renewals. Then the
+/// timing is checked again against the copy the CAS is based on: the
+/// decision was made on what had been observed before, and a renewal the
+/// watch delivered since (it is credited before the cache stores it) must
+/// stop the expiry, or the CAS would succeed on the very version that fed
+/// the attempt's kill clock just now.
+pub async fn revoke(
+    ctx: &Ctx,
+    cached: &TaskLease,
+    expiry: Option<Duration>,
+) -> Result<Revoked, Error> {
     let Some(holder) = needs_revocation(cached) else {
         return Ok(Revoked::Done);
     };
     let ns = cached.namespace().unwrap_or_default();
+    // Until the WorkerLease watch has listed once, renewals may not have
+    // been credited at all (a new leader): decide again shortly.
+    if !ctx.workers.listed() {
+        return Ok(Revoked::Renewed);
+    }
     let name = worker_lease_name(holder);
     let attempt = AttemptRef::of(cached);
     let api: Api<WorkerLease> = Api::namespaced(ctx.client.clone(), &ns);
-    let observed = match ctx.worker_leases.get(&ObjectRef::new(&name).within(&ns)) {
+    let mut observed = match ctx.worker_leases.get(&ObjectRef::new(&name).within(&ns)) {
         Some(w) => Some((*w).clone()),
         // Not in the cache: created since (or never seen) — read it.
-        None => {
-            bounded(ctx, "worker lease read", async {
-                api.get_opt(&name).await.map_err(|source| Error::Kube {
-                    what: "worker lease read",
-                    source,
-                })
-            })
-            .await?
-        }
+        None => read(ctx, &api, &name).await?,
     };
-    let Some(mut w) = observed.filter(|w| w.worker() == Some(holder)) else {
-        if ctx.workers.found_gone(&ns, &attempt, Instant::now()) {
+    // At most a few CASes: a conflict with another revocation (not a
+    // renewal) is tried again on the fresh copy.
+    for _ in 0..3 {
+        let Some(mut w) = observed.take().filter(|w| w.worker() == Some(holder)) else {
+            if ctx.workers.found_gone(&ns, &attempt, Instant::now()) {
+                return Ok(Revoked::Done);
+            }
+            debug!(lease = %attempt.name, holder, "no WorkerLease of the holder: counting a renewal now, ending the attempt a TTL later");
+            return Ok(renewed(ctx, &ns, &attempt));
+        };
+        if w.is_revoked(&attempt) {
             return Ok(Revoked::Done);
         }
-        debug!(lease = %attempt.name, holder, "no WorkerLease of the holder: counting a renewal now, ending the attempt a TTL later");
-        ctx.tracker.touch(&ns, &attempt.name, Instant::now());
-        return Ok(Revoked::Renewed);
-    };
-    if w.is_revoked(&attempt) {
-        return Ok(Revoked::Done);
+        // A copy the watch has not shown (read by us) may carry a renewal
+        // nobody credited: it counts as one observed now.
+        if !ctx.workers.observed(&w) {
+            return Ok(renewed(ctx, &ns, &attempt));
+        }
+        if let Some(ttl) = expiry
+            && let Some(obs) = ctx.tracker.observation(&ns, &attempt.name)
+            && Instant::now().saturating_duration_since(obs.last_renewal) < ttl
+        {
+            debug!(lease = %attempt.name, holder, "a renewal was credited since the decision: not revoking");
+            return Ok(Revoked::Renewed);
+        }
+        let base = w.clone();
+        w.revoke(attempt.clone());
+        ctx.leadership.ensure()?;
+        let written = bounded(ctx, "worker lease revoke", async {
+            Ok(api.replace_status(&name, &PostParams::default(), &w).await)
+        })
+        .await?;
+        match written {
+            Ok(_) => {
+                ctx.metrics.revocations.inc();
+                info!(namespace = %ns, lease = %attempt.name, holder, worker_lease = %name, "attempt revoked on its holder's WorkerLease");
+                return Ok(Revoked::Done);
+            }
+            // The object went after our copy: its deletion, once the watch
+            // shows it, counts as a renewal then.
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                return Ok(renewed(ctx, &ns, &attempt));
+            }
+            // Someone wrote after our copy: a renewal (a new renewTime, or
+            // another object) is one observed now; another revocation is
+            // not, and the CAS is tried again on the fresh copy.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                ctx.metrics.write_conflicts.inc();
+                let fresh = read(ctx, &api, &name).await?;
+                let same = fresh.as_ref().is_some_and(|f| {
+                    f.uid() == base.uid() && f.spec.renew_time == base.spec.renew_time
+                });
+                if !same {
+                    debug!(lease = %attempt.name, holder, "revocation lost to a renewal of the WorkerLease; not ending the attempt");
+                    return Ok(renewed(ctx, &ns, &attempt));
+                }
+                observed = fresh;
+            }
+            Err(e) => return Err(crate::context::classify(ctx, e, "worker lease revoke")),
+        }
     }
-    w.revoke(attempt.clone());
-    ctx.leadership.ensure()?;
-    let written = bounded(ctx, "worker lease revoke", async {
-        Ok(api.replace_status(&name, &PostParams::default(), &w).await)
+    Ok(Revoked::Renewed)
+}
+
+/// Counts a renewal of `attempt` observed now: the attempt is not ended.
+fn renewed(ctx: &Ctx, ns: &str, attempt: &AttemptRef) -> Revoked {
+    ctx.tracker.touch(ns, &attempt.name, Instant::now());
+    Revoked::Renewed
+}
+
+async fn read(ctx: &Ctx, api: &Api<WorkerLease>, name: &str) -> Result<Option<WorkerLease>, Error> {
+    bounded(ctx, "worker lease read", async {
+        api.get_opt(name).await.map_err(|source| Error::Kube {
+            what: "worker lease read",
+            source,
+        })
     })
-    .await?;
-    match written {
-        Ok(_) => {
-            ctx.metrics.revocations.inc();
-            info!(namespace = %ns, lease = %attempt.name, holder, worker_lease = %name, "attempt revoked on its holder's WorkerLease");
-            Ok(Revoked::Done)
-        }
-        // 409: the holder renewed after our copy (a renewal observed now);
-        // 404: the object went after our copy (its deletion, once the
-        // watch shows it, counts as a renewal then).
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-            ctx.metrics.write_conflicts.inc();
-            ctx.tracker.touch(&ns, &attempt.name, Instant::now());
-            debug!(lease = %attempt.name, holder, code = s.code, "revocation lost to a renewal of the WorkerLease; not ending the attempt");
-            Ok(Revoked::Renewed)
-        }
-        Err(e) => Err(crate::context::classify(ctx, e, "worker lease revoke")),
-    }
+    .await
 }
 
 #[cfg(test)]
