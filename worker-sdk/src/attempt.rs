@@ -30,7 +30,7 @@ mod heartbeat;
 
 #[cfg(test)]
 pub(crate) use completion::completion_for_tests;
-use completion::{clip, completion_of, interrupted, registration_failed};
+use completion::{clip, completion_of, given_back, interrupted, registration_failed};
 use heartbeat::{Heartbeat, Verdict};
 
 /// How an attempt ended, for the caller's bookkeeping.
@@ -246,9 +246,13 @@ impl Attempt {
                 count_kill(&self.metrics, reason);
                 warn!(lease = %lease_name, token, reason = reason.as_str(), "kill switch fired: handler dropped, nothing more is written");
                 // The lease may still be ours (e.g. a slow claim ate the
-                // clock while the API server is reachable): hand it back at
-                // once, best effort, so nobody waits a TTL for nothing. The
-                // CAS on our last copy cannot touch a lease that moved on.
+                // clock while the API server is reachable, or the
+                // WorkerLease renewing it was deleted): hand it back at
+                // once, best effort, so nobody waits a TTL for nothing —
+                // renewed per worker, nobody would wait at all, as the
+                // operator credits every renewal of the worker's next
+                // WorkerLease to a lease still Held by it. The CAS on our
+                // last copy cannot touch a lease that moved on.
                 give_back(&self.api, &last_copy, reason).await;
                 Ended::Killed(reason)
             }
@@ -268,48 +272,24 @@ fn count_kill(metrics: &WorkerMetrics, reason: KillReason) {
 }
 
 /// After the kill switch: complete the lease (from our last copy, so only a
-/// lease nobody else wrote since matches) as `Interrupted`, or as
-/// `Failed` when the attempt ran out of its deadline. Bounded, best effort.
+/// lease nobody else wrote since matches) as `completion::given_back` says
+/// — `Interrupted`, or `Failed` when the attempt ran out of its deadline.
+/// Bounded, best effort: a lease that moved on refuses the CAS, harmlessly.
 async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) {
-    // The lease is gone or the operator released it: nothing to give back.
-    if matches!(reason, KillReason::LeaseLost | KillReason::Cancelled) {
+    let Some(c) = given_back(reason) else {
         return;
-    }
-    let c = match reason {
-        KillReason::WriteRefused => Completion {
-            outcome: LeaseOutcome::Failed,
-            reason: Some("LeaseWriteRefused".into()),
-            message: Some(
-                "the API server refused the attempt's renewal as invalid; see the worker's log"
-                    .into(),
-            ),
-            permanent: false,
-            result: None,
-            checkpoint: None,
-        },
-        KillReason::DeadlineExceeded => Completion {
-            outcome: LeaseOutcome::Failed,
-            reason: Some("ActiveDeadlineExceeded".into()),
-            message: Some("the attempt ran past activeDeadlineSeconds".into()),
-            permanent: false,
-            result: None,
-            checkpoint: None,
-        },
-        _ => Completion {
-            outcome: LeaseOutcome::Interrupted,
-            reason: Some("KillSwitch".into()),
-            message: Some("the worker could not renew in time and stopped its work".into()),
-            permanent: false,
-            result: None,
-            checkpoint: None,
-        },
     };
+    let name = lease.name_any();
     match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, lease, &c)).await {
-        Ok(Ok(())) => info!(lease = %lease.name_any(), "lease given back after the kill switch"),
-        Ok(Err(e)) => {
-            debug!(lease = %lease.name_any(), error = %e, "lease not given back (it moved on)")
+        Ok(Ok(())) => {
+            info!(lease = %name, reason = reason.as_str(), outcome = outcome_label(c.outcome), "lease given back after the kill switch")
         }
-        Err(_) => debug!(lease = %lease.name_any(), "giving the lease back timed out"),
+        Ok(Err(e)) => {
+            debug!(lease = %name, reason = reason.as_str(), error = %e, "lease not given back (it moved on)")
+        }
+        Err(_) => {
+            debug!(lease = %name, reason = reason.as_str(), "giving the lease back timed out")
+        }
     }
 }
 

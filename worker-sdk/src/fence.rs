@@ -42,6 +42,18 @@ pub enum KillReason {
     /// The operator released the lease because the task was cancelled
     /// (`spec.cancel`).
     Cancelled,
+    /// Renewed per worker: the operator revoked the attempt on the worker's
+    /// WorkerLease, which it does before it ends the attempt (its expiry,
+    /// a cancel, a lost or stray lease). Which end it is, the worker does
+    /// not read: the kill must not wait on a read, and the give-back's
+    /// compare-and-swap settles the one question that matters — whether
+    /// the lease is still ours.
+    Revoked,
+    /// Renewed per worker: the WorkerLease that kept the attempt alive is
+    /// gone (deleted, or re-created as another object) and its renewals
+    /// with it. The TaskLease may well still be held by us: unlike
+    /// [`KillReason::LeaseLost`] it is given back.
+    WorkerLeaseLost,
 }
 
 impl KillReason {
@@ -53,6 +65,8 @@ impl KillReason {
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::WriteRefused => "write_refused",
             Self::Cancelled => "cancelled",
+            Self::Revoked => "revoked",
+            Self::WorkerLeaseLost => "worker_lease_lost",
         }
     }
 }

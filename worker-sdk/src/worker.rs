@@ -315,7 +315,6 @@ impl Worker {
             let leases = WorkerLeases::default();
             let renewer = Renewer {
                 api: Api::namespaced(self.heartbeats.client(), &self.namespace),
-                task_leases: Api::namespaced(self.heartbeats.client(), &self.namespace),
                 identity: self.identity.clone(),
                 queues: self.queues.clone(),
                 leases: leases.clone(),

@@ -6,10 +6,14 @@
 //! Attempts register here ([`WorkerLeases::register`]) and are told, through
 //! their fence, when a renewal naming them was answered in time (their
 //! kill clock is fed with its send instant) or that the operator revoked
-//! them (killed, never named again); or, when the API server refuses the
+//! them (killed at once, never named or fed again) or that the WorkerLease
+//! keeping them alive is gone (killed); or, when the API server refuses the
 //! WorkerLease for a reason a retry cannot fix (403, 422), that they must
-//! renew per lease again. The renewal loop is in `renewer`; its decisions
-//! in `plan`.
+//! renew per lease again. An attempt the renewer killed gives its TaskLease
+//! back after its handler was dropped (the attempt's give-back, one CAS):
+//! while it stays Held by this worker, the operator would credit it with
+//! every renewal of the worker's next WorkerLease. The renewal loop is in
+//! `renewer`; its decisions in `plan`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -59,6 +63,10 @@ struct State {
     /// attempt claimed before it was kept alive by an object that is no
     /// more, and is never named in its successor.
     lost_at: Option<Instant>,
+    /// `status.revoked` of the copy last seen: an attempt that registers
+    /// after that copy was read (its claim answered late) is killed at its
+    /// registration instead of being named, and fed, until the next copy.
+    revoked: Vec<AttemptRef>,
 }
 
 struct Entry {
@@ -101,10 +109,17 @@ impl WorkerLeases {
         claim_sent: Instant,
     ) -> Membership {
         let mut s = self.lock();
-        let state = if s.lost_at.is_some_and(|lost| claim_sent <= lost) {
+        let state = if s.revoked.contains(&attempt) {
+            // Revoked before it even registered (a cancel right after the
+            // claim): a revocation is final.
+            fence.kill(KillReason::Revoked);
+            tracing::warn!(lease = %attempt.name, uid = %attempt.uid, reason = KillReason::Revoked.as_str(), "attempt revoked by the operator: stopping it");
+            EntryState::Killed
+        } else if s.lost_at.is_some_and(|lost| claim_sent <= lost) {
             // Claimed while the WorkerLease that would keep it alive was
-            // being found gone: as its 404 killed the others.
-            fence.kill(KillReason::LeaseLost);
+            // being found gone: as its 404 killed the others (and given
+            // back: the TaskLease is likely still held by us).
+            fence.kill(KillReason::WorkerLeaseLost);
             EntryState::Killed
         } else if s.live {
             EntryState::Named
@@ -235,15 +250,28 @@ mod tests {
         leases.lock().lost_at = Some(t0 + Duration::from_secs(5));
         let f = fence(t0 + Duration::from_secs(1));
         let _m3 = leases.register(attempt("c"), f.clone(), t0 + Duration::from_secs(1));
-        assert_eq!(f.kill_reason(), Some(KillReason::LeaseLost));
+        assert_eq!(f.kill_reason(), Some(KillReason::WorkerLeaseLost));
         let f = fence(t0 + Duration::from_secs(6));
         let m4 = leases.register(attempt("d"), f.clone(), t0 + Duration::from_secs(6));
         assert_eq!(m4.mode(), Mode::Worker);
 
+        // Revoked in the copy last seen, before it registered: killed at
+        // once, never named.
+        leases.lock().revoked = vec![attempt("e")];
+        let f = fence(t0 + Duration::from_secs(7));
+        let m5 = leases.register(attempt("e"), f.clone(), t0 + Duration::from_secs(7));
+        assert_eq!(f.kill_reason(), Some(KillReason::Revoked));
+        assert_eq!(m5.mode(), Mode::PerLease, "not named");
+        assert_eq!(
+            leases.lock().entries[&attempt("e")].state,
+            EntryState::Killed
+        );
+
         // Dropping a membership deregisters it.
-        assert_eq!(leases.lock().entries.len(), 4);
+        assert_eq!(leases.lock().entries.len(), 5);
         drop(m);
         drop(m2);
+        drop(m5);
         assert_eq!(leases.lock().entries.len(), 2);
         assert!(!leases.lock().entries.contains_key(&attempt("a")));
         assert!(!leases.full());

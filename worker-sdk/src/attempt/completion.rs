@@ -9,6 +9,7 @@ use batchlease_api::{JsonObject, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHA
 
 use crate::context::Output;
 use crate::error::{Error, TaskError};
+use crate::fence::KillReason;
 use crate::lease_ops::Completion;
 
 pub(super) fn interrupted() -> TaskError {
@@ -113,6 +114,58 @@ pub(super) fn refused_completion(message: &str) -> Completion {
 
 pub(super) const COMPLETION_REFUSED: &str = "CompletionRefused";
 
+/// What an attempt stopped by its kill switch for `reason` gives back: the
+/// completion its heartbeat's last copy of the lease is written with (one
+/// CAS, so only a lease still held by us and unwritten since takes it), or
+/// `None` when there is nothing to give back. Exhaustive on purpose: every
+/// new reason decides.
+pub(super) fn given_back(reason: KillReason) -> Option<Completion> {
+    let (outcome, reason, message) = match reason {
+        // The lease is gone or not ours, or the operator released it: the
+        // CAS could only fail.
+        KillReason::LeaseLost | KillReason::Cancelled => return None,
+        KillReason::WriteRefused => (
+            LeaseOutcome::Failed,
+            "LeaseWriteRefused",
+            "the API server refused the attempt's renewal as invalid; see the worker's log",
+        ),
+        KillReason::DeadlineExceeded => (
+            LeaseOutcome::Failed,
+            "ActiveDeadlineExceeded",
+            "the attempt ran past activeDeadlineSeconds",
+        ),
+        KillReason::RenewalsFailed => (
+            LeaseOutcome::Interrupted,
+            "KillSwitch",
+            "the worker could not renew in time and stopped its work",
+        ),
+        // Renewed per worker and still Held by us: nothing else would ever
+        // end it, as the operator credits every renewal of the worker's
+        // next WorkerLease to every lease still Held by the worker.
+        KillReason::WorkerLeaseLost => (
+            LeaseOutcome::Interrupted,
+            "WorkerLeaseLost",
+            "the worker's WorkerLease, which kept the attempt alive, was deleted or replaced; the worker stopped its work",
+        ),
+        // The operator ends what it revoked; a give-back that lands first
+        // (the lease still Held by us, unwritten since) only ends it
+        // sooner, and otherwise fails.
+        KillReason::Revoked => (
+            LeaseOutcome::Interrupted,
+            "Revoked",
+            "the operator revoked the attempt on the worker's WorkerLease; the worker stopped its work",
+        ),
+    };
+    Some(Completion {
+        outcome,
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        permanent: false,
+        result: None,
+        checkpoint: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +180,51 @@ mod tests {
         assert_eq!(c.outcome, LeaseOutcome::Failed);
         let drained = completion_for_tests(Err(interrupted()));
         assert_eq!(drained.outcome, LeaseOutcome::Interrupted);
+    }
+
+    /// Every kill gives the lease back, but for one whose lease is known
+    /// not to be ours: a WorkerLease lost or a revocation leaves the
+    /// TaskLease Held by us, possibly for good.
+    #[test]
+    fn a_killed_attempt_gives_back_unless_the_lease_is_not_ours() {
+        use LeaseOutcome::{Failed, Interrupted};
+        // (reason, expected outcome and reason; None: nothing given back)
+        let cases = [
+            (KillReason::LeaseLost, None),
+            (KillReason::Cancelled, None),
+            (
+                KillReason::RenewalsFailed,
+                Some((Interrupted, "KillSwitch")),
+            ),
+            (
+                KillReason::WorkerLeaseLost,
+                Some((Interrupted, "WorkerLeaseLost")),
+            ),
+            (KillReason::Revoked, Some((Interrupted, "Revoked"))),
+            (
+                KillReason::WriteRefused,
+                Some((Failed, "LeaseWriteRefused")),
+            ),
+            (
+                KillReason::DeadlineExceeded,
+                Some((Failed, "ActiveDeadlineExceeded")),
+            ),
+        ];
+        for (reason, want) in cases {
+            let c = given_back(reason);
+            assert_eq!(
+                c.as_ref()
+                    .map(|c| (c.outcome, c.reason.as_deref().unwrap_or_default())),
+                want,
+                "{reason:?}"
+            );
+            if let Some(c) = c {
+                assert!(!c.permanent, "{reason:?}: a give-back never ends the task");
+                assert!(c.result.is_none() && c.checkpoint.is_none());
+                assert!(c.reason.unwrap().chars().count() <= MAX_REASON_CHARS);
+                assert!(c.message.unwrap().chars().count() <= MAX_MESSAGE_CHARS);
+            }
+        }
     }
 
     /// An oversized or non-object result, or an over-long message, used to

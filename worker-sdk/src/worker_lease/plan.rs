@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use batchlease_api::AttemptRef;
+use batchlease_api::{AttemptRef, WorkerLease};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use tokio::time::Instant;
 
@@ -106,24 +106,57 @@ pub fn feeds(sent: Instant, answered: Instant, ttl: Duration) -> bool {
 }
 
 /// What to do with a registered attempt when a copy of the WorkerLease
-/// (a conflict's re-read, or a stored renewal) shows it.
+/// (the one a renewal is about to be based on, its stored answer, a
+/// conflict's re-read) shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnCopy {
-    /// Not revoked: keep naming it.
+    /// Not revoked: keep it as it is.
     Keep,
-    /// Revoked by the operator: kill it at once, never name it again.
+    /// Revoked by the operator: kill it at once, never name or feed it
+    /// again.
     Kill,
-    /// Already killed or handed to per-lease renewals: nothing to do.
+    /// Already killed: nothing to do.
     Ignore,
 }
 
 /// The decision for `attempt` in a copy whose `status.revoked` is
-/// `revoked`; `named` whether the renewer still names it.
-pub fn on_copy(attempt: &AttemptRef, named: bool, revoked: &[AttemptRef]) -> OnCopy {
-    match (named, revoked.contains(attempt)) {
+/// `revoked`; `live` whether it is still running as far as the renewer
+/// knows (named, or handed to per-lease renewals: a revocation is final
+/// either way, as the operator ends what it revoked).
+pub fn on_copy(attempt: &AttemptRef, live: bool, revoked: &[AttemptRef]) -> OnCopy {
+    match (live, revoked.contains(attempt)) {
         (false, _) => OnCopy::Ignore,
         (true, true) => OnCopy::Kill,
         (true, false) => OnCopy::Keep,
+    }
+}
+
+/// A conflict's re-read `fresh` of the copy `ours` that a renewal by
+/// `identity` was based on: `Ok` with it when it is the same object,
+/// written by someone else since (the operator revoking) — apply its
+/// revocations and renew on it; `Err(why)` when the object that kept the
+/// attempts alive is no more, as after a 404.
+///
+/// The same holder is not enough: a WorkerLease deleted and created again
+/// under its name (another `metadata.uid`) carries none of the old one's
+/// revocations, and the operator counts none of the old one's renewals
+/// for it — renewing on it would name, and feed, attempts the operator
+/// may already have ended. Without both UIDs nothing proves it the same
+/// object: lost, which is always safe.
+pub fn reread(
+    ours: &WorkerLease,
+    identity: &str,
+    fresh: Option<WorkerLease>,
+) -> Result<WorkerLease, &'static str> {
+    let Some(fresh) = fresh else {
+        return Err("deleted");
+    };
+    if fresh.spec.holder_identity != identity {
+        return Err("taken by another holder");
+    }
+    match (ours.metadata.uid.as_deref(), fresh.metadata.uid.as_deref()) {
+        (Some(a), Some(b)) if a == b => Ok(fresh),
+        _ => Err("re-created (another metadata.uid)"),
     }
 }
 
@@ -264,27 +297,67 @@ mod tests {
     }
 
     #[test]
-    fn revoked_attempts_are_killed_once_and_only_if_named() {
+    fn revoked_attempts_are_killed_once_whether_named_or_per_lease() {
         let a = |n: &str, u: &str| AttemptRef {
             name: n.into(),
             uid: u.into(),
         };
         let revoked = [a("t-1", "u1")];
+        // (attempt, live, expected)
         let cases = [
             (a("t-1", "u1"), true, OnCopy::Kill),
             (a("t-1", "u1"), false, OnCopy::Ignore),
             // Same name, another attempt (the task was re-created).
             (a("t-1", "u2"), true, OnCopy::Keep),
             (a("t-2", "u1"), true, OnCopy::Keep),
+            (a("t-2", "u1"), false, OnCopy::Ignore),
         ];
-        for (attempt, named, want) in cases {
+        for (attempt, live, want) in cases {
             assert_eq!(
-                on_copy(&attempt, named, &revoked),
+                on_copy(&attempt, live, &revoked),
                 want,
-                "{attempt:?} {named}"
+                "{attempt:?} {live}"
             );
         }
         assert_eq!(on_copy(&a("t-1", "u1"), true, &[]), OnCopy::Keep);
+    }
+
+    #[test]
+    fn a_reread_is_the_same_object_only_by_holder_and_uid() {
+        let w = |holder: &str, uid: Option<&str>| {
+            let mut w = WorkerLease::new(
+                "w",
+                batchlease_api::WorkerLeaseSpec {
+                    holder_identity: holder.into(),
+                    queues: vec![],
+                    lease_duration_seconds: 90,
+                    renew_time: None,
+                    holds: vec![],
+                },
+            );
+            w.metadata.uid = uid.map(Into::into);
+            w
+        };
+        let ours = w("me", Some("u1"));
+        let recreated = Err("re-created (another metadata.uid)");
+        // (fresh, expected)
+        let cases = [
+            (Some(w("me", Some("u1"))), Ok(())),
+            (None, Err("deleted")),
+            (Some(w("other", Some("u1"))), Err("taken by another holder")),
+            // Deleted and created again with our holder: not ours to renew.
+            (Some(w("me", Some("u2"))), recreated),
+            (Some(w("me", None)), recreated),
+        ];
+        for (fresh, want) in cases {
+            let why = format!("{fresh:?}");
+            assert_eq!(reread(&ours, "me", fresh).map(|_| ()), want, "{why}");
+        }
+        // Our copy without a UID (never one the API server stored): lost.
+        assert_eq!(
+            reread(&w("me", None), "me", Some(w("me", None))).map(|_| ()),
+            recreated
+        );
     }
 
     #[test]

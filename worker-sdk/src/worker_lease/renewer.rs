@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use batchlease_api::worker_lease::worker_lease_name;
-use batchlease_api::{AttemptRef, TaskLease, WorkerLease};
+use batchlease_api::{AttemptRef, WorkerLease};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use tokio::time::{Instant, sleep_until, timeout};
@@ -16,7 +16,6 @@ use tracing::{debug, error, info, warn};
 use super::plan::{self, Held, OnCopy, Refusal};
 use super::{EntryState, Mode, WorkerLeases};
 use crate::fence::{Fence, KillReason};
-use crate::lease_ops;
 use crate::worker_lease_ops::{self as ops, Adopted, Written};
 
 /// How often the WorkerLease is tried again while it cannot be created or
@@ -27,13 +26,9 @@ pub(crate) const FALLBACK_RETRY: Duration = Duration::from_secs(30);
 /// Bound on the delete when the worker stops (as the presence record's).
 const DELETE_BUDGET: Duration = Duration::from_secs(2);
 
-/// Bound on reading a revoked attempt's TaskLease (for the kill reason).
-const REASON_READ_BUDGET: Duration = Duration::from_secs(2);
-
 /// The renewal loop of one worker's WorkerLease.
 pub(crate) struct Renewer {
     pub(crate) api: Api<WorkerLease>,
-    pub(crate) task_leases: Api<TaskLease>,
     pub(crate) identity: String,
     pub(crate) queues: Vec<String>,
     pub(crate) leases: WorkerLeases,
@@ -79,6 +74,8 @@ impl Renewer {
                         info!(worker_lease = %name, identity = %self.identity, "worker lease ready: attempts are renewed per worker");
                         last_renew_time = w.spec.renew_time.as_ref().map(|t| t.0);
                         last_ok_sent = sent;
+                        // An adopted object may carry revocations.
+                        self.revoke(&w);
                         ours = Some(*w);
                         fallback = false;
                         self.leases.lock().live = true;
@@ -99,7 +96,11 @@ impl Renewer {
                 }
                 continue;
             };
-            // One renewal.
+            // One renewal. Revocations first: an attempt the copy this CAS
+            // is based on shows revoked is never named (nor fed), even one
+            // registered after that copy was read — the CAS would land on
+            // a version the operator has already revoked it in.
+            self.revoke(current);
             let named = self.named();
             let held: Vec<Held> = named.iter().map(|n| n.held).collect();
             let holds: Vec<AttemptRef> = named.iter().map(|n| n.attempt.clone()).collect();
@@ -117,6 +118,8 @@ impl Renewer {
             match written {
                 Ok(Ok(Written::Stored(stored))) => {
                     let answered = Instant::now();
+                    // Never feed what the answer shows revoked.
+                    self.revoke(&stored);
                     self.fed(&named, sent, answered);
                     last_ok_sent = sent;
                     if fallback {
@@ -124,26 +127,27 @@ impl Renewer {
                         fallback = false;
                     }
                     self.leases.lock().live = true;
-                    self.on_copy(&stored).await;
                     debug!(worker_lease = %name, holds = named.len(), "worker lease renewed");
                     ours = Some(*stored);
                 }
                 Ok(Ok(Written::Refused { code, message })) => match plan::refusal(code) {
                     Refusal::Conflict => match timeout(budget, ops::read(&self.api, &name)).await {
-                        Ok(Ok(Some(fresh))) if fresh.spec.holder_identity == self.identity => {
-                            debug!(worker_lease = %name, "worker lease conflict: renewing on the fresh copy");
-                            self.on_copy(&fresh).await;
-                            if let Some(t) = fresh.spec.renew_time.as_ref() {
-                                last_renew_time = last_renew_time.max(Some(t.0));
+                        Ok(Ok(fresh)) => match plan::reread(current, &self.identity, fresh) {
+                            Ok(fresh) => {
+                                debug!(worker_lease = %name, "worker lease conflict: renewing on the fresh copy");
+                                self.revoke(&fresh);
+                                if let Some(t) = fresh.spec.renew_time.as_ref() {
+                                    last_renew_time = last_renew_time.max(Some(t.0));
+                                }
+                                ours = Some(fresh);
+                                retry_at = Some(Instant::now());
                             }
-                            ours = Some(fresh);
-                            retry_at = Some(Instant::now());
-                        }
-                        Ok(Ok(other)) => {
-                            self.lost(sent, other.map(|w| w.spec.holder_identity));
-                            ours = None;
-                            retry_at = Some(Instant::now());
-                        }
+                            Err(why) => {
+                                self.lost(sent, why);
+                                ours = None;
+                                retry_at = Some(Instant::now());
+                            }
+                        },
                         Ok(Err(e)) => {
                             warn!(worker_lease = %name, error = %batchlease_api::Chain(&e), "worker lease re-read failed; retrying");
                             retry_at = Some(Instant::now() + plan::retry_after(&held));
@@ -151,7 +155,7 @@ impl Renewer {
                         Err(_) => retry_at = Some(Instant::now()),
                     },
                     Refusal::Gone => {
-                        self.lost(sent, None);
+                        self.lost(sent, "deleted");
                         ours = None;
                         retry_at = Some(Instant::now());
                     }
@@ -210,72 +214,81 @@ impl Renewer {
     }
 
     /// A renewal sent at `sent` that named `named` was answered at
-    /// `answered`: feed each one's kill clock it may feed.
+    /// `answered`: feed each one's kill clock it may feed — only while the
+    /// renewer still names it. One killed meanwhile (revoked in the stored
+    /// answer, which [`Renewer::revoke`] applies first, or its WorkerLease
+    /// lost) is fed nothing: a dead fence stays dead, but its `since` must
+    /// not move, nor a clock be fed past a revocation the worker has seen.
     fn fed(&self, named: &[Named], sent: Instant, answered: Instant) {
         let mut s = self.leases.lock();
         for n in named {
+            let Some(e) = s
+                .entries
+                .get_mut(&n.attempt)
+                .filter(|e| e.state == EntryState::Named)
+            else {
+                continue;
+            };
             if !plan::feeds(sent, answered, n.held.ttl) {
                 continue;
             }
             n.fence.renewed(sent);
-            if let Some(e) = s.entries.get_mut(&n.attempt) {
-                e.since = e.since.max(sent);
+            e.since = e.since.max(sent);
+        }
+    }
+
+    /// Applies the revocations of the copy `w`: every registered attempt it
+    /// shows revoked is killed now and never named again, and they are
+    /// remembered so that one registering later is killed at its
+    /// registration. No read, no await: the fence refuses (and the
+    /// handler's token fires) before this returns. The operator's cause
+    /// (an expiry, a cancel, …) is not looked up — a bounded read of each
+    /// TaskLease used to run first, holding off both the kill and the next
+    /// renewal of every other attempt; the give-back after the kill (a CAS
+    /// on the attempt's last copy) settles whether the lease was still
+    /// ours, the only question the cause answered.
+    fn revoke(&self, w: &WorkerLease) {
+        let revoked = w.revoked();
+        let mut s = self.leases.lock();
+        if s.revoked.as_slice() != revoked {
+            s.revoked = revoked.to_vec();
+        }
+        let mut killed = Vec::new();
+        for (a, e) in &mut s.entries {
+            if plan::on_copy(a, e.state != EntryState::Killed, revoked) == OnCopy::Kill {
+                e.state = EntryState::Killed;
+                e.fence.kill(KillReason::Revoked);
+                killed.push(a.clone());
             }
         }
-    }
-
-    /// Kills every registered attempt the copy `w` shows revoked, each
-    /// with the reason its TaskLease gives (read once, bounded).
-    async fn on_copy(&self, w: &WorkerLease) {
-        let doomed: Vec<(AttemptRef, Fence)> = {
-            let mut s = self.leases.lock();
-            s.entries
-                .iter_mut()
-                .filter(|(a, e)| {
-                    plan::on_copy(a, e.state != EntryState::Killed, w.revoked()) == OnCopy::Kill
-                })
-                .map(|(a, e)| {
-                    e.state = EntryState::Killed;
-                    (a.clone(), e.fence.clone())
-                })
-                .collect()
-        };
-        let reasons =
-            futures::future::join_all(doomed.iter().map(|(a, _)| self.revoked_reason(a))).await;
-        for ((attempt, fence), reason) in doomed.into_iter().zip(reasons) {
-            warn!(lease = %attempt.name, uid = %attempt.uid, reason = reason.as_str(), "attempt revoked by the operator: stopping it");
-            fence.kill(reason);
+        drop(s);
+        for a in killed {
+            warn!(lease = %a.name, uid = %a.uid, reason = KillReason::Revoked.as_str(), "attempt revoked by the operator: stopping it");
         }
     }
 
-    async fn revoked_reason(&self, attempt: &AttemptRef) -> KillReason {
-        match timeout(REASON_READ_BUDGET, self.task_leases.get_opt(&attempt.name)).await {
-            Ok(Ok(Some(l)))
-                if AttemptRef::of(&l) == *attempt && lease_ops::released_by_cancel(&l) =>
-            {
-                KillReason::Cancelled
-            }
-            _ => KillReason::LeaseLost,
-        }
-    }
-
-    /// The WorkerLease is gone (or was replaced by another holder's):
-    /// every attempt it kept alive is killed; it is created afresh with
-    /// nothing held.
-    fn lost(&self, sent: Instant, foreign: Option<String>) {
+    /// The WorkerLease is gone — deleted, another holder's, or created
+    /// again as another object (`why`): every attempt it kept alive is
+    /// killed (and gives its lease back: it may still be held by us, and
+    /// the operator would credit it with every renewal of the next
+    /// object), never to be named in the object created afresh, which
+    /// holds nothing.
+    fn lost(&self, sent: Instant, why: &'static str) {
         let mut s = self.leases.lock();
         s.live = false;
         s.lost_at = Some(sent);
+        // The revocations went with the old object.
+        s.revoked.clear();
         let mut killed = 0usize;
         for e in s.entries.values_mut() {
             if e.state == EntryState::Named {
                 e.state = EntryState::Killed;
-                e.fence.kill(KillReason::LeaseLost);
+                e.fence.kill(KillReason::WorkerLeaseLost);
                 killed += 1;
             }
         }
         drop(s);
-        warn!(identity = %self.identity, killed, foreign_holder = ?foreign, "worker lease gone: its attempts were stopped; creating it again");
+        warn!(identity = %self.identity, killed, why, reason = KillReason::WorkerLeaseLost.as_str(), "worker lease gone: its attempts were stopped; creating it again");
     }
 
     /// Hands every named attempt to per-lease renewals; how many.
@@ -312,8 +325,7 @@ mod tests {
         let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
         let client = kube::Client::try_from(config).unwrap();
         Renewer {
-            api: Api::namespaced(client.clone(), "ns"),
-            task_leases: Api::namespaced(client, "ns"),
+            api: Api::namespaced(client, "ns"),
             identity: "pod-1/00beef".into(),
             queues: vec!["q".into()],
             leases: leases.clone(),
@@ -383,8 +395,8 @@ mod tests {
 
         leases.lock().live = true;
         let _mb = leases.register(attempt("b"), b.clone(), t0);
-        r.lost(t0 + Duration::from_secs(3), None);
-        assert_eq!(b.kill_reason(), Some(KillReason::LeaseLost));
+        r.lost(t0 + Duration::from_secs(3), "deleted");
+        assert_eq!(b.kill_reason(), Some(KillReason::WorkerLeaseLost));
         assert_eq!(
             a.kill_reason(),
             None,
@@ -394,10 +406,10 @@ mod tests {
         assert_eq!(leases.lock().lost_at, Some(t0 + Duration::from_secs(3)));
     }
 
-    /// A copy showing an attempt revoked kills it (its TaskLease cannot be
-    /// read here: `LeaseLost`) and it is never named again; others go on.
-    #[tokio::test]
-    async fn a_revoked_attempt_is_killed_and_never_named_again() {
+    /// A copy showing an attempt revoked kills it at once, without any
+    /// read (`Revoked`), and it is never named or fed again; others go on.
+    #[tokio::test(start_paused = true)]
+    async fn a_revoked_attempt_is_killed_at_once_and_never_named_again() {
         let leases = WorkerLeases::default();
         leases.lock().live = true;
         let r = renewer(&leases);
@@ -405,12 +417,60 @@ mod tests {
         let (a, b) = (fence(30, t0), fence(30, t0));
         let _ma = leases.register(attempt("a"), a.clone(), t0);
         let _mb = leases.register(attempt("b"), b.clone(), t0);
+        let named = r.named();
         let mut copy = ops::object("pod-1/00beef", &[], None, Timestamp::now());
         copy.revoke(attempt("a"));
-        r.on_copy(&copy).await;
-        assert_eq!(a.kill_reason(), Some(KillReason::LeaseLost));
+        r.revoke(&copy);
+        assert_eq!(a.kill_reason(), Some(KillReason::Revoked));
+        assert!(a.check().is_err(), "the fence refuses at once");
         assert_eq!(b.kill_reason(), None);
-        let named: Vec<AttemptRef> = r.named().into_iter().map(|n| n.attempt).collect();
-        assert_eq!(named, [attempt("b")]);
+        let names: Vec<AttemptRef> = r.named().into_iter().map(|n| n.attempt).collect();
+        assert_eq!(names, [attempt("b")]);
+        // A renewal that named both, answered in time after the copy
+        // showed `a` revoked, feeds only `b`.
+        let sent = t0 + Duration::from_secs(10);
+        r.fed(&named, sent, sent);
+        assert_eq!(leases.lock().entries[&attempt("a")].since, t0);
+        assert_eq!(leases.lock().entries[&attempt("b")].since, sent);
+        assert_eq!(b.clock().kill_at().0, sent + Duration::from_secs(20));
+    }
+
+    /// The reviewer's interleaving: a conflict's re-read already shows `c`
+    /// revoked when `c` registers (its claim answered late). It is killed
+    /// at registration, and a copy applied again before the next renewal
+    /// builds its holds kills what slipped through; nothing revoked is
+    /// ever named.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_revoked_before_it_registers_is_never_named() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let t0 = Instant::now();
+        let mut fresh = ops::object("pod-1/00beef", &[], None, Timestamp::now());
+        fresh.revoke(attempt("c"));
+        r.revoke(&fresh);
+        let c = fence(30, t0);
+        let _mc = leases.register(attempt("c"), c.clone(), t0);
+        assert_eq!(c.kill_reason(), Some(KillReason::Revoked));
+        assert!(r.named().is_empty());
+        // Registered before the revocation was seen, named, then the copy
+        // the next renewal is based on shows it revoked.
+        let d = fence(30, t0);
+        let _md = leases.register(attempt("d"), d.clone(), t0);
+        assert_eq!(r.named().len(), 1);
+        fresh.revoke(attempt("d"));
+        r.revoke(&fresh);
+        assert!(r.named().is_empty());
+        assert_eq!(d.kill_reason(), Some(KillReason::Revoked));
+        // A lost WorkerLease forgets the old object's revocations (the
+        // recreated one has its own) but kills what the old one named.
+        let e = fence(30, t0);
+        let _me = leases.register(attempt("e"), e.clone(), t0);
+        r.lost(
+            t0 + Duration::from_secs(1),
+            "re-created (another metadata.uid)",
+        );
+        assert_eq!(e.kill_reason(), Some(KillReason::WorkerLeaseLost));
+        assert!(leases.lock().revoked.is_empty());
     }
 }
