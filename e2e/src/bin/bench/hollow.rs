@@ -117,6 +117,7 @@ impl Fleet {
                 worker_leases: Api::namespaced(client.clone(), ns),
                 mode,
                 held: std::sync::Mutex::default(),
+                claimed: Notify::new(),
                 identity: identity.clone(),
                 slots: sem.clone(),
                 stats: stats.clone(),
@@ -178,6 +179,9 @@ struct Hollow {
     /// Renewed per worker: the attempts held, each with the token that
     /// stops its hold when the operator revoked it.
     held: std::sync::Mutex<BTreeMap<AttemptRef, CancellationToken>>,
+    /// An attempt was claimed: the next WorkerLease renewal is due within
+    /// TTL/3 of it (the SDK's rule), not at the idle pace.
+    claimed: Notify,
     identity: String,
     slots: Arc<Semaphore>,
     stats: Arc<Stats>,
@@ -353,6 +357,7 @@ impl Hollow {
             let r = refresh_period(ttl);
             self.held_lock()
                 .insert(AttemptRef::of(&ours), revoked.clone());
+            self.claimed.notify_one();
             (
                 Instant::now() + r.mul_f64(rand::rng().random_range(0.0..1.0)),
                 r,
@@ -429,18 +434,24 @@ impl Hollow {
         };
         let name = worker_lease_name(&self.identity);
         let mut last = Timestamp::now();
+        let mut sent = Instant::now();
         loop {
-            let holds: Vec<AttemptRef> = self.held_lock().keys().cloned().collect();
-            // The fleet's leases share one TTL: the shortest one's pace.
-            let every = if holds.is_empty() {
-                Duration::from_secs(30)
-            } else {
-                Duration::from_secs(HELD_TTL.load(Ordering::Relaxed).max(1)) / 3
-            };
-            tokio::select! {
-                () = self.freeze.cancelled() => return,
-                () = tokio::time::sleep(every) => {}
+            // The fleet's leases share one TTL: the shortest one's pace,
+            // from when the last renewal was sent; 30 s while idle, and a
+            // claim brings the next one forward to within TTL/3 of it.
+            let busy = Duration::from_secs(HELD_TTL.load(Ordering::Relaxed).max(1)) / 3;
+            let idle = self.held_lock().is_empty();
+            let mut next = sent + if idle { Duration::from_secs(30) } else { busy };
+            loop {
+                tokio::select! {
+                    () = self.freeze.cancelled() => return,
+                    () = tokio::time::sleep_until(next) => break,
+                    () = self.claimed.notified() => {
+                        next = next.min(Instant::now() + busy);
+                    }
+                }
             }
+            sent = Instant::now();
             let holds: Vec<AttemptRef> = self.held_lock().keys().cloned().collect();
             // Strictly increasing, as the SDK's.
             let now = Timestamp::now().max(last + Duration::from_micros(1));
