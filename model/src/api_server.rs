@@ -2,9 +2,11 @@
 //! and their TaskLeases, with `resourceVersion` compare-and-swap and the CRDs'
 //! rules that matter to the protocol (final leases frozen, a held lease
 //! never offered again, holder set once, Completed only from Held, phase
-//! never removed, the task's token never decreasing), and of the
-//! `coordination.k8s.io/v1` Leases that lock resources, in the operator's
-//! namespace (create fails if one exists, update is a compare-and-swap).
+//! never removed, the task's token never decreasing, `spec.renewal` turned
+//! only from Lease to Worker by the claim), of the `coordination.k8s.io/v1`
+//! Leases that lock resources, in the operator's namespace (create fails
+//! if one exists, update is a compare-and-swap), and of the WorkerLeases
+//! (spec and status subresource, one resourceVersion).
 //!
 //! Objects are kept as their JSON text: real `BatchTask`/`TaskLease`
 //! values go in and come out (so the operator's real `decide` reads what

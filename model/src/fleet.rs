@@ -197,6 +197,11 @@ impl Cluster {
         let Worker::Holding(a) = &s.workers[w] else {
             return;
         };
+        // The refresh of the TaskLease's own `renewTime` (any tick: "at
+        // least every R"). Offered only in bounds that delete TaskLeases,
+        // where it is what tells a holder of the deletion; elsewhere it is
+        // a renewal of the TaskLease, which the per-lease bounds check,
+        // and would only grow the state space.
         if self.alive(a, s.now) && a.last_refresh_sent < s.now && self.cfg.lease_deletions > 0 {
             actions.push(Action::Refresh(w));
         }

@@ -162,11 +162,11 @@ pub struct Config {
     /// A user may delete the first task, once, at any step; the garbage
     /// collector then deletes its leases, one step each.
     pub task_deletion: bool,
-    /// Renewals per worker (issue 27): workers renew a worker Lease
+    /// Renewals per worker (issue 27): workers renew a WorkerLease
     /// listing their attempts instead of each TaskLease (see [`fleet`]).
     pub per_worker: bool,
     pub worker_rule: fleet::WorkerRule,
-    /// Faults of worker Leases (one budget): an attempt dropped from
+    /// Faults of WorkerLeases (one budget): an attempt dropped from
     /// `holds` while it runs, a renewal that lands late.
     pub worker_faults: u8,
     /// Times someone other than its worker deletes a WorkerLease.
@@ -322,7 +322,7 @@ pub struct State {
     pub cancel: cancel::CancelGhosts,
     /// Children's creates on their way, and ghosts of spawning.
     pub spawn: spawn::SpawnGhosts,
-    /// Workers' sides of their worker Leases, and ghosts of renewals per
+    /// Workers' sides of their WorkerLeases, and ghosts of renewals per
     /// worker.
     pub fleet: fleet::Fleet,
 }
@@ -371,13 +371,13 @@ pub enum Action {
     DeleteTask(usize),
     /// The garbage collector deletes a lease whose task is gone.
     CollectLease(String),
-    /// The operator's cache of worker Leases catches up.
+    /// The operator's cache of WorkerLeases catches up.
     SyncWorkerLeases,
-    /// Worker `w` sends a renewal of its worker Lease that lands later.
+    /// Worker `w` sends a renewal of its WorkerLease that lands later.
     SendRenewal(usize),
     /// Worker `w`'s renewal on its way lands.
     RenewLands(usize),
-    /// Worker `w` renews its worker Lease without its attempt (which it
+    /// Worker `w` renews its WorkerLease without its attempt (which it
     /// still runs).
     DropAttempt(usize),
     /// Someone deletes a WorkerLease.

@@ -638,9 +638,9 @@ fn a_swap_outside_the_fence_is_caught() {
     eprintln!("counterexample: {:?}", path.into_actions());
 }
 
-/// Renewals per worker (issue 27): two workers renew one worker Lease
+/// Renewals per worker (issue 27): two workers renew one WorkerLease
 /// each, listing the attempt they run, instead of its TaskLease; the
-/// operator sees worker Leases through a cache of its own. `faults`: how
+/// operator sees WorkerLeases through a cache of its own. `faults`: how
 /// many attempts dropped from `holds` while running, and late renewals.
 fn per_worker(ticks: u8, faults: u8) -> Config {
     Config {
@@ -653,9 +653,9 @@ fn per_worker(ticks: u8, faults: u8) -> Config {
 /// Renewals per worker, 6 s, one fault anywhere: a renewal drops the
 /// running attempt from `holds` (renewing one but not another), or a
 /// renewal lands late — a zombie's write naming an attempt the operator
-/// has expired meanwhile. The worker Lease stopping while the TaskLease
+/// has expired meanwhile. The WorkerLease stopping while the TaskLease
 /// looks live is any worker taking no step. Every property holds;
-/// worker-Lease renewals keep attempts alive, and an expiry revokes its
+/// WorkerLease renewals keep attempts alive, and an expiry revokes its
 /// attempt first.
 #[test]
 fn safe_with_renewals_per_worker() {
@@ -671,7 +671,7 @@ fn safe_with_renewals_per_worker() {
     );
 }
 
-/// Renewals per worker, 6 s, one answer lost: a claim's, or a worker-Lease
+/// Renewals per worker, 6 s, one answer lost: a claim's, or a WorkerLease
 /// renewal's (applied; the worker's copy is stale and its kill clock not
 /// fed).
 #[test]
@@ -689,7 +689,7 @@ fn safe_when_worker_lease_answers_are_lost() {
 
 /// The rule as the design first had it (a mutation): renewals credited by
 /// the production rule, the TaskLease expired by its own CAS alone. The
-/// operator's cache of worker Leases lags: it expires the lease while the
+/// operator's cache of WorkerLeases lags: it expires the lease while the
 /// worker's renewals, which it has not seen, keep the attempt alive — and
 /// the attempt writes to storage after its lease expired.
 #[test]
@@ -714,7 +714,7 @@ fn ignoring_worker_leases_is_caught() {
 }
 
 /// Crediting a renewal only to the attempts it lists (a mutation of the
-/// production rule): the operator first sees the worker Lease at the
+/// production rule): the operator first sees the WorkerLease at the
 /// renewal that dropped the running attempt; the versions before, which
 /// listed it and fed its kill clock, it never saw — it expires the lease
 /// and the attempt writes after.
