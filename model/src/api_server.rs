@@ -2,9 +2,11 @@
 //! and their TaskLeases, with `resourceVersion` compare-and-swap and the CRDs'
 //! rules that matter to the protocol (final leases frozen, a held lease
 //! never offered again, holder set once, Completed only from Held, phase
-//! never removed, the task's token never decreasing), and of the
-//! `coordination.k8s.io/v1` Leases that lock resources, in the operator's
-//! namespace (create fails if one exists, update is a compare-and-swap).
+//! never removed, the task's token never decreasing, `spec.renewal` turned
+//! only from Lease to Worker by the claim), of the `coordination.k8s.io/v1`
+//! Leases that lock resources, in the operator's namespace (create fails
+//! if one exists, update is a compare-and-swap), and of the WorkerLeases
+//! (spec and status subresource, one resourceVersion).
 //!
 //! Objects are kept as their JSON text: real `BatchTask`/`TaskLease`
 //! values go in and come out (so the operator's real `decide` reads what
@@ -12,7 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use batchlease_api::{BatchTask, LeasePhase, TaskLease};
+use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, WorkerLease};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 
@@ -57,11 +59,17 @@ pub struct ApiServer {
     /// no departure timing in the model — only a deleted task's lock does —
     /// and recording them would split the other bounds' states.
     pub deleted_leases: BTreeMap<String, String>,
-    /// Worker Leases (`coordination.k8s.io/v1`, in the tasks' namespace)
-    /// by name: one per worker in per-worker renewal mode (see
-    /// [`crate::fleet`]); create fails if one exists, update is a
-    /// compare-and-swap, anyone may delete one.
+    /// WorkerLeases (`batchlease.dev`, in the tasks' namespace) by name:
+    /// one per worker in per-worker renewal mode (see [`crate::fleet`]).
+    /// Create fails if one exists and drops `status`; a write of the spec
+    /// (the worker's renewal) or of the status subresource (the
+    /// operator's revocation) is a compare-and-swap on the one
+    /// resourceVersion both bump, so each conflicts with the other; anyone
+    /// may delete one.
     pub workers: BTreeMap<String, String>,
+    /// The last state of each WorkerLease deleted (and not created again
+    /// since): what its Delete event carries to the operator's watch.
+    pub deleted_workers: BTreeMap<String, String>,
 }
 
 pub fn decode<T: serde::de::DeserializeOwned>(json: &str) -> T {
@@ -92,6 +100,20 @@ fn lease_update_allowed(old: &TaskLease, new: &TaskLease) -> bool {
     if np == Some(LeasePhase::Completed)
         && !matches!(op, Some(LeasePhase::Held | LeasePhase::Completed))
     {
+        return false;
+    }
+    // `spec.renewal`: set by the offer, turned from Lease to Worker only by
+    // the claim (the write that sets the holder), never removed.
+    let renewal_ok = match (old.spec.renewal, new.spec.renewal) {
+        (None, None) => true,
+        (Some(o), Some(n)) if o == n => true,
+        (Some(Renewal::Lease), Some(Renewal::Worker)) => {
+            old.spec.holder_identity.as_deref().unwrap_or("").is_empty()
+                && !new.spec.holder_identity.as_deref().unwrap_or("").is_empty()
+        }
+        _ => false,
+    };
+    if !renewal_ok {
         return false;
     }
     let old_holder = old.spec.holder_identity.as_deref().unwrap_or("");
@@ -126,6 +148,7 @@ impl ApiServer {
             deleted: std::collections::BTreeSet::new(),
             deleted_leases: BTreeMap::new(),
             workers: BTreeMap::new(),
+            deleted_workers: BTreeMap::new(),
         }
     }
 
@@ -340,12 +363,12 @@ impl ApiServer {
         Ok(stored)
     }
 
-    /// The worker Lease `name`, read directly.
-    pub fn worker_lease(&self, name: &str) -> Option<Lease> {
+    /// The WorkerLease `name`, read directly.
+    pub fn worker_lease(&self, name: &str) -> Option<WorkerLease> {
         self.workers.get(name).map(|l| decode(l))
     }
 
-    /// How many versions worker Lease `name` had (in any incarnation), to
+    /// How many versions WorkerLease `name` had (in any incarnation), to
     /// make its `renewTime`s unique per write.
     pub fn worker_writes(&self, name: &str) -> u32 {
         self.versions
@@ -354,36 +377,69 @@ impl ApiServer {
             .unwrap_or(0)
     }
 
-    /// `POST` of a worker Lease.
-    pub fn create_worker_lease(&mut self, new: &Lease) -> Result<Lease, Refused> {
+    /// `POST` of a WorkerLease (the worker's): `status` is a subresource,
+    /// so whatever the request carries there is dropped.
+    pub fn create_worker_lease(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
         let name = new.name_any();
         if self.workers.contains_key(&name) {
             return Err(Refused::AlreadyExists);
         }
         let mut stored = new.clone();
+        stored.status = None;
         let rv = self.next_rv(&format!("worker/{name}"));
         stored.metadata.uid = Some(format!("worker-uid-{name}-{rv}"));
         stored.metadata.resource_version = Some(rv);
+        self.deleted_workers.remove(&name);
         self.workers.insert(name, encode(&stored));
         Ok(stored)
     }
 
-    /// `PUT` of a worker Lease carrying the writer's resourceVersion.
-    pub fn replace_worker_lease(&mut self, new: &Lease) -> Result<Lease, Refused> {
-        let name = new.name_any();
-        let cur = self.worker_lease(&name).ok_or(Refused::NotFound)?;
+    /// The stored WorkerLease `new` replaces, if `new` carries its
+    /// resourceVersion.
+    fn worker_cas(&self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
+        let cur = self
+            .worker_lease(&new.name_any())
+            .ok_or(Refused::NotFound)?;
         if cur.metadata.resource_version != new.metadata.resource_version {
             return Err(Refused::Conflict);
         }
-        let mut stored = new.clone();
-        stored.metadata.uid = cur.metadata.uid;
-        stored.metadata.resource_version = Some(self.next_rv(&format!("worker/{name}")));
-        self.workers.insert(name, encode(&stored));
-        Ok(stored)
+        Ok(cur)
     }
 
-    /// `DELETE` of a worker Lease (someone's: a fault).
+    fn store_worker(&mut self, mut stored: WorkerLease) -> WorkerLease {
+        let name = stored.name_any();
+        stored.metadata.resource_version = Some(self.next_rv(&format!("worker/{name}")));
+        self.workers.insert(name, encode(&stored));
+        stored
+    }
+
+    /// `PUT` of a WorkerLease (a renewal: its spec), carrying the writer's
+    /// resourceVersion; the stored status is kept. The CRD's rule: `holds`
+    /// never names a revoked attempt.
+    pub fn replace_worker_lease(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
+        let cur = self.worker_cas(new)?;
+        if new.holds().iter().any(|a| cur.is_revoked(a)) {
+            return Err(Refused::Invalid);
+        }
+        let mut stored = new.clone();
+        stored.metadata.uid = cur.metadata.uid;
+        stored.status = cur.status;
+        Ok(self.store_worker(stored))
+    }
+
+    /// `PUT …/status` of a WorkerLease (the operator's revocation),
+    /// carrying the writer's resourceVersion; the stored spec is kept.
+    pub fn replace_worker_status(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
+        let mut stored = self.worker_cas(new)?;
+        stored.status = new.status.clone();
+        Ok(self.store_worker(stored))
+    }
+
+    /// `DELETE` of a WorkerLease (someone's: a fault); its last state is
+    /// kept for the operator's watch.
     pub fn delete_worker_lease(&mut self, name: &str) {
-        self.workers.remove(name);
+        if let Some(last) = self.workers.remove(name) {
+            self.deleted_workers.insert(name.to_owned(), last);
+        }
     }
 }

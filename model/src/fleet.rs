@@ -1,20 +1,33 @@
 //! Renewals per worker (issue 27, design "Fleets"): each worker renews one
-//! worker Lease listing the attempts it keeps alive, instead of each
-//! TaskLease ([`Config::per_worker`](crate::Config::per_worker)).
+//! `WorkerLease` (the CRD of `api/src/worker_lease.rs`) listing the
+//! attempts it keeps alive, instead of each TaskLease
+//! ([`Config::per_worker`](crate::Config::per_worker)).
 //!
-//! - The worker mirrors the SDK to be: its claim still writes the
-//!   TaskLease's `renewTime`; from then on it renews only its worker Lease
-//!   (a CAS on its copy; a create when it has none), listing its attempt;
-//!   the attempt's `KillClock` is fed only by successful renewals that
-//!   listed it, with their send time. A 409 or an AlreadyExists makes it
-//!   re-read its Lease and stop an attempt the operator revoked there.
-//! - The operator watches worker Leases through a cache of its own that
+//! - The worker mirrors the SDK to be. Its WorkerLease exists from its
+//!   start (the presence record; idle renewals are not modelled). Its
+//!   claim turns the offer's `spec.renewal` from `Lease` to `Worker` and
+//!   writes the TaskLease's `renewTime`; from then on it renews its
+//!   WorkerLease (a CAS of the spec on its copy) listing the attempt by
+//!   name and UID; the attempt's `KillClock` is fed only by successful
+//!   renewals that listed it, with their send time. A 409 makes it re-read
+//!   its WorkerLease and stop an attempt revoked there; a 404 (the object
+//!   deleted) stops its attempt and creates the WorkerLease again, empty.
+//!   It also refreshes the TaskLease's own `renewTime` (at least every
+//!   [`REFRESH_TTLS`]·TTL, the model's R) and stops the attempt when a
+//!   refresh meets 404 or none succeeded for R + 2/3·TTL (`crate::worker`).
+//! - The operator watches WorkerLeases through a cache of its own that
 //!   lags like the others, and credits renewals to TaskLeases with the
-//!   production rule (`batchlease_operator::worker_leases`). Before it
-//!   expires or releases a held lease it revokes the attempt in the
-//!   holder's worker Lease by a CAS on the copy it observed
-//!   ([`WorkerRule::Revoke`]): the TaskLease's own CAS does not conflict
-//!   with a renewal of another object, the worker Lease's does.
+//!   production rule (`batchlease_operator::worker_leases`): a new
+//!   `renewTime` or a first sight ([`next_worker_seen`], [`credit`]), and a
+//!   WorkerLease gone from its cache ([`WorkerSeen::departure`]: the
+//!   Delete event's last state, which carries a renewal not seen or not).
+//!   Before it ends a held lease claimed `Worker` (expiry, release) it
+//!   revokes the attempt in the holder's WorkerLease by a CAS of the status
+//!   on the copy it observed ([`WorkerRule::Revoke`]): the TaskLease's own
+//!   CAS does not conflict with a renewal of another object, the
+//!   WorkerLease's does. With no copy cached it ends the lease only once it
+//!   has seen that WorkerLease depart after the claim was observed, and
+//!   otherwise waits (see [`Cluster::fleet_guard`]).
 //! - Faults ([`Config::worker_faults`](crate::Config::worker_faults), one
 //!   budget): a renewal that drops the attempt from `holds` while the
 //!   worker still runs it (renewing one but not another, never listing it
@@ -22,20 +35,13 @@
 //!   applied any number of steps later: a zombie's write). A renewal's
 //!   lost answer takes the shared `lost_answers` budget; a paused worker
 //!   is any worker taking no step.
-//! - Someone else deletes a worker Lease
-//!   ([`Config::worker_deletions`](crate::Config::worker_deletions)): the
-//!   checker finds this unsafe — the deletion hides renewals the
-//!   operator's cache has not shown yet, and no write after it can prove
-//!   there were none — so admission must keep worker Leases holder-only
-//!   for DELETE too (`docs/model.md`).
+//! - Someone else deletes a WorkerLease
+//!   ([`Config::worker_deletions`](crate::Config::worker_deletions)): safe
+//!   with the departure credited (`docs/model.md`).
 
-use std::collections::BTreeSet;
-
-use batchlease_api::keys::{LABEL_WORKER, presence_name};
-use batchlease_api::worker_lease::{holds, revoke, revoked, set_holds};
-use batchlease_api::{LeasePhase, TaskLease};
+use batchlease_api::worker_lease::worker_lease_name;
+use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease, WorkerLeaseSpec};
 use batchlease_operator::worker_leases::{credit, next_worker_seen};
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 
@@ -43,19 +49,28 @@ use crate::api_server::{Refused, decode, encode};
 use crate::operator::Write;
 use crate::worker::{Worker, worker_name};
 use crate::{Action, Cluster, State, TTL_SECONDS};
+#[cfg(doc)]
+use batchlease_operator::worker_leases::WorkerSeen;
 
-/// How the operator treats worker Leases.
+/// The model's R, in TTLs: the longest a worker goes without refreshing a
+/// held TaskLease's `renewTime` (the SDK's is `max(TTL, 120 s)`; a small
+/// R against the TTL keeps the bound on a deleted lease's holder short
+/// enough to reach, and R > TTL/3 + 1 s is what makes it differ from the
+/// per-lease one).
+pub const REFRESH_TTLS: u32 = 2;
+
+/// How the operator treats WorkerLeases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WorkerRule {
-    /// Credits renewals with the production rule and revokes an attempt
-    /// in its holder's worker Lease (a CAS) before expiring or releasing
-    /// its lease.
+    /// Credits renewals and departures with the production rule and
+    /// revokes an attempt in its holder's WorkerLease (a CAS of its
+    /// status) before expiring or releasing its lease.
     Revoke,
     /// The design as first written (a mutation): renewals credited with
     /// the production rule, the TaskLease expired by its own CAS alone —
     /// a renewal its cache has not shown yet does not stop the expiry.
     NoRevoke,
-    /// Today's operator with a per-worker SDK (a mutation): worker Leases
+    /// Today's operator with a per-worker SDK (a mutation): WorkerLeases
     /// ignored, only a TaskLease's own `renewTime` counts.
     Ignore,
     /// A renewal credited only to the attempts the observed version lists
@@ -64,18 +79,36 @@ pub enum WorkerRule {
     /// operator's view skipped may have listed an attempt and fed its kill
     /// clock.
     NamedOnly,
+    /// A WorkerLease's deletion credited as no renewal (a mutation of the
+    /// production rule, which credits it when its last state carries a
+    /// renewal not seen): the deletion hides renewals the operator's cache
+    /// has not shown yet.
+    IgnoreDepartures,
 }
 
-/// A worker's side of its worker Lease.
+/// How the operator times the holder of a lost (deleted) lease of a
+/// cancelled task: the `Lost` entry's wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LostWait {
+    /// Today's `decide` (`lost_attempt_wait`): the lease's TTL (+ 1 s)
+    /// after the loss was recorded — the per-lease bound.
+    Ttl,
+    /// The bound of the SDK's refresh rule, modelled on the status the
+    /// operator writes: R + TTL after the loss was recorded (a
+    /// Worker-mode holder stops at the latest R + 2/3·TTL after its last
+    /// successful refresh, which landed before the deletion).
+    RefreshBound,
+}
+
+/// A worker's side of its WorkerLease.
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
 pub struct Client {
-    /// Its last copy of the Lease (JSON); `None`: it creates one.
+    /// Its last copy of the WorkerLease (JSON).
     pub copy: Option<String>,
     /// The tick of its last successful renewal (one per tick at most).
     pub last_ok: Option<u8>,
-    /// A renewal on its way: sent at this tick, the Lease as sent, and
-    /// whether it is a create.
-    pub in_flight: Option<(u8, String, bool)>,
+    /// A renewal on its way: sent at this tick, the WorkerLease as sent.
+    pub in_flight: Option<(u8, String)>,
 }
 
 /// Per-worker state of the clients, the fault budget and the ghosts.
@@ -84,14 +117,21 @@ pub struct Fleet {
     pub clients: Vec<Client>,
     pub faults: u8,
     pub deletions: u8,
-    /// Coverage ghosts: a worker-Lease renewal kept an attempt alive past
+    /// Coverage ghosts: a WorkerLease renewal kept an attempt alive past
     /// its claim's own kill switch; a worker stopped an attempt revoked in
-    /// its Lease; an expiry followed a fault of a worker Lease; a late
-    /// renewal naming an expired attempt reached the API server.
+    /// its WorkerLease; an expiry followed a fault of a WorkerLease; a late
+    /// renewal naming an expired attempt reached the API server; a
+    /// departure was credited to a held lease; a worker stopped its
+    /// attempt on its WorkerLease's 404; an expiry followed the deletion
+    /// of a WorkerLease; a worker stopped its attempt on a refresh's 404.
     pub kept_alive: bool,
     pub stopped_by_revocation: bool,
     pub expired_after_fault: bool,
     pub late_after_expiry: bool,
+    pub departure_credited: bool,
+    pub stopped_by_deletion: bool,
+    pub expired_after_deletion: bool,
+    pub stopped_by_refresh: bool,
 }
 
 impl Fleet {
@@ -115,18 +155,39 @@ pub(crate) enum Send {
     Drop,
 }
 
-/// The worker Lease of `holder` as first written (no renewal yet).
-fn fresh(holder: &str) -> Lease {
-    let mut l = Lease::default();
-    l.metadata.name = Some(presence_name(holder));
+/// The WorkerLease of `holder` as its worker creates it (no renewal yet,
+/// nothing held).
+fn fresh(holder: &str) -> WorkerLease {
+    let mut l = WorkerLease::new(
+        &worker_lease_name(holder),
+        WorkerLeaseSpec {
+            holder_identity: holder.into(),
+            queues: vec!["q".into()],
+            lease_duration_seconds: TTL_SECONDS,
+            renew_time: None,
+            holds: Vec::new(),
+        },
+    );
     l.metadata.namespace = Some("ns".into());
-    l.labels_mut().insert(LABEL_WORKER.into(), "true".into());
-    l.spec = Some(LeaseSpec {
-        holder_identity: Some(holder.into()),
-        lease_duration_seconds: Some(TTL_SECONDS),
-        ..LeaseSpec::default()
-    });
     l
+}
+
+/// The attempt worker `w` runs, by name and UID (`None`: idle).
+fn attempt_of(s: &State, w: usize) -> Option<AttemptRef> {
+    match &s.workers[w] {
+        Worker::Holding(a) => Some(AttemptRef::of(&decode::<TaskLease>(&a.copy))),
+        Worker::Idle => None,
+    }
+}
+
+/// The start of a run in per-worker mode: each worker has created its
+/// WorkerLease (the SDK does at its start, before any claim).
+pub(crate) fn start(s: &mut State) {
+    for w in 0..s.fleet.clients.len() {
+        if let Ok(stored) = s.api.create_worker_lease(&fresh(&worker_name(w))) {
+            s.fleet.clients[w].copy = Some(encode(&stored));
+        }
+    }
 }
 
 impl Cluster {
@@ -136,6 +197,14 @@ impl Cluster {
         let Worker::Holding(a) = &s.workers[w] else {
             return;
         };
+        // The refresh of the TaskLease's own `renewTime` (any tick: "at
+        // least every R"). Offered only in bounds that delete TaskLeases,
+        // where it is what tells a holder of the deletion; elsewhere it is
+        // a renewal of the TaskLease, which the per-lease bounds check,
+        // and would only grow the state space.
+        if self.alive(a, s.now) && a.last_refresh_sent < s.now && self.cfg.lease_deletions > 0 {
+            actions.push(Action::Refresh(w));
+        }
         let c = &s.fleet.clients[w];
         // One renewal at a time (its landing: `fleet_faults`).
         if c.in_flight.is_some() {
@@ -157,7 +226,7 @@ impl Cluster {
     }
 
     /// A renewal on its way lands (whatever its worker does meanwhile);
-    /// someone deletes a worker Lease.
+    /// someone deletes a WorkerLease.
     pub(crate) fn fleet_faults(&self, s: &State, actions: &mut Vec<Action>) {
         for (w, c) in s.fleet.clients.iter().enumerate() {
             if c.in_flight.is_some() {
@@ -171,71 +240,64 @@ impl Cluster {
         }
     }
 
-    /// Worker `w` renews its worker Lease, listing its attempt.
+    /// Worker `w` renews its WorkerLease (a CAS of the spec on its copy),
+    /// listing its attempt.
     pub(crate) fn fleet_renew(&self, s: &mut State, w: usize, how: Send) {
+        let Some(attempt) = attempt_of(s, w) else {
+            return;
+        };
         let Worker::Holding(a) = &mut s.workers[w] else {
             return;
         };
-        let me = worker_name(w);
         if how == Send::Drop {
             a.dropped = true;
         }
-        let listed: BTreeSet<String> = if a.dropped {
-            BTreeSet::new()
-        } else {
-            BTreeSet::from([a.lease.clone()])
+        let listed = if a.dropped { Vec::new() } else { vec![attempt] };
+        let Some(copy) = s.fleet.clients[w].copy.as_deref() else {
+            return;
         };
-        let c = &s.fleet.clients[w];
-        let create = c.copy.is_none();
-        let mut l = c
-            .copy
-            .as_deref()
-            .map_or_else(|| fresh(&me), decode::<Lease>);
-        set_holds(&mut l, &listed);
-        let stamp = self.wall(s.now, s.api.worker_writes(&presence_name(&me)));
-        if let Some(spec) = l.spec.as_mut() {
-            spec.renew_time = Some(MicroTime(stamp));
-        }
+        let mut l: WorkerLease = decode(copy);
+        l.spec.holds = listed;
+        let stamp = self.wall(s.now, s.api.worker_writes(&l.name_any()));
+        l.spec.renew_time = Some(MicroTime(stamp));
         if matches!(how, Send::Late | Send::Drop) {
             s.fleet.faults += 1;
         }
         if how == Send::Late {
-            s.fleet.clients[w].in_flight = Some((s.now, encode(&l), create));
+            s.fleet.clients[w].in_flight = Some((s.now, encode(&l)));
             return;
         }
         if how == Send::AnswerLost {
             s.lost += 1;
             s.lost_renewal = true;
         }
-        self.fleet_land(s, w, s.now, &l, create, how == Send::AnswerLost);
+        self.fleet_land(s, w, s.now, &l, how == Send::AnswerLost);
     }
 
     /// Worker `w`'s late renewal reaches the API server.
     pub(crate) fn fleet_lands(&self, s: &mut State, w: usize) {
-        let Some((sent, json, create)) = s.fleet.clients[w].in_flight.take() else {
+        let Some((sent, json)) = s.fleet.clients[w].in_flight.take() else {
             return;
         };
-        let l: Lease = decode(&json);
-        let expired = holds(&l).iter().any(|name| {
-            s.api
-                .lease(name)
-                .is_some_and(|t| t.status.and_then(|st| st.phase) == Some(LeasePhase::Expired))
+        let l: WorkerLease = decode(&json);
+        let expired = l.holds().iter().any(|r| {
+            s.api.lease(&r.name).is_some_and(|t| {
+                t.uid().as_deref() == Some(r.uid.as_str())
+                    && t.status.and_then(|st| st.phase) == Some(LeasePhase::Expired)
+            })
         });
         s.fleet.late_after_expiry |= expired;
-        self.fleet_land(s, w, sent, &l, create, false);
+        self.fleet_land(s, w, sent, &l, false);
     }
 
     /// Renewal `l`, sent at tick `sent`, is applied; the worker learns the
     /// answer unless it is lost.
-    fn fleet_land(&self, s: &mut State, w: usize, sent: u8, l: &Lease, create: bool, lost: bool) {
-        let written = if create {
-            s.api.create_worker_lease(l)
-        } else {
-            s.api.replace_worker_lease(l)
-        };
+    fn fleet_land(&self, s: &mut State, w: usize, sent: u8, l: &WorkerLease, lost: bool) {
+        let written = s.api.replace_worker_lease(l);
         if lost {
             return;
         }
+        let attempt = attempt_of(s, w);
         match written {
             Ok(stored) => {
                 let c = &mut s.fleet.clients[w];
@@ -243,85 +305,142 @@ impl Cluster {
                 c.last_ok = Some(sent);
                 // The SDK: `KillClock::renewed(sent)` for each attempt the
                 // renewal listed.
-                if let Worker::Holding(a) = &mut s.workers[w]
-                    && holds(&stored).contains(&a.lease)
+                if let (Worker::Holding(a), Some(attempt)) = (&mut s.workers[w], attempt)
+                    && stored.holds().contains(&attempt)
                     && sent > a.last_ok_sent
                 {
                     a.last_ok_sent = sent;
                     s.fleet.kept_alive |= sent >= a.claim_sent + 2;
                 }
             }
-            Err(Refused::Conflict | Refused::AlreadyExists) => {
-                let name = l.name_any();
-                let fresh = s.api.worker_lease(&name);
-                s.fleet.clients[w].copy = fresh.as_ref().map(encode);
-                let stop = match (&fresh, &s.workers[w]) {
-                    (Some(f), Worker::Holding(a)) => revoked(f).contains(&a.lease),
-                    _ => false,
+            Err(Refused::Conflict | Refused::Invalid) => {
+                let Some(fresh) = s.api.worker_lease(&l.name_any()) else {
+                    self.fleet_gone(s, w);
+                    return;
                 };
-                if stop {
+                s.fleet.clients[w].copy = Some(encode(&fresh));
+                if attempt.is_some_and(|a| fresh.is_revoked(&a)) {
                     s.fleet.stopped_by_revocation = true;
                     crate::worker::end(s, w);
                 }
             }
-            Err(_) => s.fleet.clients[w].copy = None,
+            Err(Refused::NotFound | Refused::AlreadyExists) => self.fleet_gone(s, w),
         }
     }
 
-    /// The operator's worker-Lease cache catches up: each renewal it shows
-    /// is credited to the held leases of its cache by the production rule.
+    /// Worker `w` found its WorkerLease deleted (404): the SDK stops every
+    /// attempt (renewals it cannot make any more may already have been
+    /// missed) and creates the object again with nothing listed — the
+    /// revocations went with the old one, so it never lists an attempt
+    /// claimed before.
+    fn fleet_gone(&self, s: &mut State, w: usize) {
+        if matches!(s.workers[w], Worker::Holding(_)) {
+            s.fleet.stopped_by_deletion = true;
+            crate::worker::end(s, w);
+        }
+        let created = s.api.create_worker_lease(&fresh(&worker_name(w)));
+        s.fleet.clients[w].copy = created.ok().map(|c| encode(&c));
+    }
+
+    /// The operator's WorkerLease cache catches up: each renewal it shows,
+    /// and each departure (a WorkerLease gone, with the last state its
+    /// Delete event carries), is credited to the held leases of its cache
+    /// by the production rule.
     pub(crate) fn fleet_sync(&self, s: &mut State) {
         let now = self.instant(s.now);
+        let rule = self.cfg.worker_rule;
+        let mut departures = Vec::new();
+        for (name, rec) in &s.op.wseen {
+            if s.api.workers.contains_key(name) {
+                continue;
+            }
+            // The Delete event's last state, if it is of the object the
+            // record is of (else a relist: unknown).
+            let last = s
+                .api
+                .deleted_workers
+                .get(name)
+                .map(|j| decode::<WorkerLease>(j))
+                .filter(|l| l.uid().as_deref() == Some(rec.uid()));
+            if let Some(r) = rec.departure(last.as_ref(), Some("ns".into()), now)
+                && rule != WorkerRule::IgnoreDepartures
+            {
+                departures.push(r);
+            }
+            s.op.wgone.insert(name.clone(), now);
+        }
+        let mut renewals = Vec::new();
         let mut seen = std::collections::BTreeMap::new();
         for (name, json) in &s.api.workers {
-            let l: Lease = decode(json);
+            let l: WorkerLease = decode(json);
             let Some(o) = next_worker_seen(s.op.wseen.get(name), &l, now) else {
                 continue;
             };
-            if let Some(r) = &o.renewal
-                && self.cfg.worker_rule != WorkerRule::Ignore
-            {
-                let named_only = self.cfg.worker_rule == WorkerRule::NamedOnly;
+            renewals.extend(o.renewal);
+            s.op.wgone.remove(name);
+            seen.insert(name.clone(), o.seen);
+        }
+        if rule != WorkerRule::Ignore {
+            let all = departures.iter().map(|r| (r, true));
+            for (r, departure) in all.chain(renewals.iter().map(|r| (r, false))) {
                 for (lease, rec) in &mut s.op.seen {
-                    if named_only && !r.names.contains(lease) {
+                    if rule == WorkerRule::NamedOnly && !r.names.iter().any(|a| &a.name == lease) {
                         continue;
                     }
                     if let Some(copy) = s.op.leases.get(lease) {
-                        *rec = credit(rec, &decode::<TaskLease>(copy), r);
+                        let next = credit(rec, &decode::<TaskLease>(copy), r);
+                        s.fleet.departure_credited |= departure && next != *rec;
+                        *rec = next;
                     }
                 }
             }
-            seen.insert(name.clone(), o.seen);
         }
         s.op.wseen = seen;
         s.op.wleases = s.api.workers.clone();
     }
 
     /// The operator's write `then` ending held lease `lease` on its own
-    /// (expiry, release), preceded by the revocation of the attempt in its
-    /// holder's worker Lease as the operator's cache shows it (a CAS; a
-    /// create when its cache shows none).
-    pub(crate) fn fleet_guard(&self, s: &State, lease: &TaskLease, then: Write) -> Write {
+    /// (expiry, release). For a lease claimed `Worker`: first the
+    /// revocation of the attempt in its holder's WorkerLease as the
+    /// operator's cache shows it (a CAS of the status). With no copy
+    /// cached the operator cannot prove every renewal was observed: it
+    /// ends the lease without a revocation only once it has seen that
+    /// WorkerLease depart at or after the lease's claim was observed (the
+    /// departure credited; the worker stops its attempts at the 404 and
+    /// never lists one claimed before in the object it creates again), and
+    /// otherwise waits (`None`) for its cache to show one.
+    pub(crate) fn fleet_guard(&self, s: &State, lease: &TaskLease, then: Write) -> Option<Write> {
         let holder = lease.spec.holder_identity.as_deref().unwrap_or("");
-        if !self.cfg.per_worker || self.cfg.worker_rule != WorkerRule::Revoke || holder.is_empty() {
-            return then;
+        if !lease.renewed_per_worker()
+            || matches!(
+                self.cfg.worker_rule,
+                WorkerRule::NoRevoke | WorkerRule::Ignore
+            )
+            || holder.is_empty()
+        {
+            return Some(then);
         }
-        let cached = s.op.wleases.get(&presence_name(holder));
-        let mut l = cached.map_or_else(|| fresh(holder), |j| decode::<Lease>(j));
+        let name = worker_lease_name(holder);
+        let attempt = AttemptRef::of(lease);
+        let Some(cached) = s.op.wleases.get(&name) else {
+            let claimed = s.op.seen.get(&lease.name_any())?.observation.claimed_at;
+            let departed = *s.op.wgone.get(&name)?;
+            return (departed >= claimed).then_some(then);
+        };
+        let mut l: WorkerLease = decode(cached);
         // A revocation stands: the CAS that wrote it proved every renewal
         // before it observed, and none after it names the attempt (its
         // kill switch had fired by then, and a renewal sent earlier meets
         // the new resourceVersion). Writing it again would only loop on a
         // stale cache of the TaskLeases.
-        if revoked(&l).contains(&lease.name_any()) {
-            return then;
+        if l.is_revoked(&attempt) {
+            return Some(then);
         }
-        revoke(&mut l, &lease.name_any());
-        Write::Revoke {
+        l.revoke(attempt);
+        Some(Write::Revoke {
             lease: encode(&l),
-            create: cached.is_none(),
             then: Box::new(then),
-        }
+        })
     }
 }
 
@@ -332,19 +451,35 @@ pub(crate) fn properties() -> Vec<stateright::Property<Cluster>> {
     use stateright::Property;
     vec![
         Property::sometimes(
-            "a worker-Lease renewal keeps an attempt alive past its claim's kill switch",
+            "a WorkerLease's departure is credited to a held lease",
+            |_, s: &State| s.fleet.departure_credited,
+        ),
+        Property::sometimes(
+            "a worker stops its attempts when its WorkerLease is gone",
+            |_, s: &State| s.fleet.stopped_by_deletion,
+        ),
+        Property::sometimes(
+            "an expiry follows the deletion of a WorkerLease",
+            |_, s: &State| s.fleet.expired_after_deletion,
+        ),
+        Property::sometimes(
+            "a worker stops an attempt whose TaskLease refresh meets 404",
+            |_, s: &State| s.fleet.stopped_by_refresh,
+        ),
+        Property::sometimes(
+            "a WorkerLease renewal keeps an attempt alive past its claim's kill switch",
             |_, s: &State| s.fleet.kept_alive,
         ),
         Property::sometimes(
-            "a worker stops an attempt revoked in its worker Lease",
+            "a worker stops an attempt revoked in its WorkerLease",
             |_, s: &State| s.fleet.stopped_by_revocation,
         ),
         Property::sometimes(
-            "an expiry follows a fault of a worker Lease",
+            "an expiry follows a fault of a WorkerLease",
             |_, s: &State| s.fleet.expired_after_fault,
         ),
         Property::sometimes(
-            "a late worker-Lease renewal naming an expired attempt reaches the API server",
+            "a late WorkerLease renewal naming an expired attempt reaches the API server",
             |_, s: &State| s.fleet.late_after_expiry,
         ),
     ]

@@ -17,10 +17,10 @@
 //!   SDK's speculative executor is mirrored in the worker ([`worker`]) and
 //!   the store's compare-and-swap in the fenced transaction in
 //!   [`storage`];
-//! - renewals per worker ([`fleet`], issue 27): workers renew a worker
-//!   Lease listing their attempts; the operator credits its renewals with
-//!   the production `worker_leases` rule and revokes an attempt there
-//!   before it ends its lease;
+//! - renewals per worker ([`fleet`], issue 27): workers renew a
+//!   `WorkerLease` (the CRD) listing their attempts; the operator credits
+//!   its renewals and its departure with the production `worker_leases`
+//!   rule and revokes an attempt in its status before it ends its lease;
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
@@ -162,15 +162,18 @@ pub struct Config {
     /// A user may delete the first task, once, at any step; the garbage
     /// collector then deletes its leases, one step each.
     pub task_deletion: bool,
-    /// Renewals per worker (issue 27): workers renew a worker Lease
+    /// Renewals per worker (issue 27): workers renew a WorkerLease
     /// listing their attempts instead of each TaskLease (see [`fleet`]).
     pub per_worker: bool,
     pub worker_rule: fleet::WorkerRule,
-    /// Faults of worker Leases (one budget): an attempt dropped from
+    /// Faults of WorkerLeases (one budget): an attempt dropped from
     /// `holds` while it runs, a renewal that lands late.
     pub worker_faults: u8,
-    /// Times someone other than its worker deletes a worker Lease.
+    /// Times someone other than its worker deletes a WorkerLease.
     pub worker_deletions: u8,
+    /// How the operator times the holder of a lost lease of a cancelled
+    /// task in per-worker mode (today's `decide`, or the refresh bound).
+    pub lost_wait: fleet::LostWait,
 }
 
 impl Config {
@@ -208,6 +211,7 @@ impl Config {
             worker_rule: fleet::WorkerRule::Revoke,
             worker_faults: 0,
             worker_deletions: 0,
+            lost_wait: fleet::LostWait::Ttl,
         }
     }
 }
@@ -318,7 +322,7 @@ pub struct State {
     pub cancel: cancel::CancelGhosts,
     /// Children's creates on their way, and ghosts of spawning.
     pub spawn: spawn::SpawnGhosts,
-    /// Workers' sides of their worker Leases, and ghosts of renewals per
+    /// Workers' sides of their WorkerLeases, and ghosts of renewals per
     /// worker.
     pub fleet: fleet::Fleet,
 }
@@ -367,17 +371,20 @@ pub enum Action {
     DeleteTask(usize),
     /// The garbage collector deletes a lease whose task is gone.
     CollectLease(String),
-    /// The operator's cache of worker Leases catches up.
+    /// The operator's cache of WorkerLeases catches up.
     SyncWorkerLeases,
-    /// Worker `w` sends a renewal of its worker Lease that lands later.
+    /// Worker `w` sends a renewal of its WorkerLease that lands later.
     SendRenewal(usize),
     /// Worker `w`'s renewal on its way lands.
     RenewLands(usize),
-    /// Worker `w` renews its worker Lease without its attempt (which it
+    /// Worker `w` renews its WorkerLease without its attempt (which it
     /// still runs).
     DropAttempt(usize),
-    /// Someone deletes a worker Lease.
+    /// Someone deletes a WorkerLease.
     DeleteWorkerLease(String),
+    /// Worker `w` refreshes its held TaskLease's `renewTime` (per-worker
+    /// mode: at least every R, see [`fleet::REFRESH_TTLS`]).
+    Refresh(usize),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -494,7 +501,14 @@ impl Model for Cluster {
             spawn: spawn::SpawnGhosts::default(),
             fleet: fleet::Fleet::new(self.cfg.workers),
         });
-        states.map(|s| self.started(s)).collect()
+        states
+            .map(|mut s| {
+                if self.cfg.per_worker {
+                    fleet::start(&mut s);
+                }
+                self.started(s)
+            })
+            .collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
@@ -792,6 +806,7 @@ impl Cluster {
                     copy: encode(&stored),
                     claim_sent: s.now,
                     last_ok_sent: s.now,
+                    last_refresh_sent: s.now,
                     registered: false,
                     not_started: false,
                     checked: false,
@@ -811,7 +826,8 @@ impl Cluster {
             | Action::CheckFence(w)
             | Action::ReadKey(w)
             | Action::CommitLands(w)
-            | Action::Complete(w) => self.worker_step(&mut s, *w, &action),
+            | Action::Complete(w)
+            | Action::Refresh(w) => self.worker_step(&mut s, *w, &action),
         }
         // A step that changes nothing is no step: paths then end where
         // nothing can happen any more, which `eventually` needs.

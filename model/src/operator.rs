@@ -47,10 +47,14 @@ pub struct Operator {
     /// Attempts of deleted tasks whose departure it did not see: when it
     /// first asked about one (lease name, task UID).
     pub unknown_since: BTreeMap<(String, String), tokio::time::Instant>,
-    /// Per-worker renewals: its cache of the worker Leases (a watch of its
+    /// Per-worker renewals: its cache of the WorkerLeases (a watch of its
     /// own, lagging like the others) and what it observed of each.
     pub wleases: BTreeMap<String, String>,
     pub wseen: BTreeMap<String, WorkerSeen>,
+    /// WorkerLeases it saw depart (gone from its cache), and when: the
+    /// leases of their holders claimed before may end without a
+    /// revocation (`Cluster::fleet_guard`).
+    pub wgone: BTreeMap<String, tokio::time::Instant>,
 }
 
 /// What became of a request.
@@ -94,13 +98,9 @@ pub enum Write {
         pass: Option<Box<Pass>>,
         then_decide: bool,
     },
-    /// `PUT` (a CAS on the cached copy) or `POST` of a worker Lease
+    /// `PUT …/status` of a WorkerLease (a CAS on the cached copy)
     /// revoking an attempt (JSON); then the write that ends its lease.
-    Revoke {
-        lease: String,
-        create: bool,
-        then: Box<Write>,
-    },
+    Revoke { lease: String, then: Box<Write> },
 }
 
 impl Write {
@@ -310,15 +310,22 @@ impl Cluster {
             Decision::WriteStatus { status, .. } if self.children_pending(s, task, &status) => None,
             Decision::WriteStatus { status, .. } => {
                 let mut t = task.clone();
-                t.status = Some(*status);
+                t.status = Some(self.lost_wait(task, *status));
                 Some(Write::Status {
                     task: encode(&t),
                     then_create: None,
                 })
             }
-            Decision::Issue { status, lease, .. } => {
+            Decision::Issue {
+                status, mut lease, ..
+            } => {
                 let mut t = task.clone();
-                t.status = Some(*status);
+                t.status = Some(self.lost_wait(task, *status));
+                if self.cfg.per_worker {
+                    // The operator that honours WorkerLeases offers each
+                    // lease renewed per lease; the claim may turn it.
+                    lease.spec.renewal = Some(batchlease_api::Renewal::Lease);
+                }
                 Some(Write::Status {
                     task: encode(&t),
                     then_create: Some(encode(&*lease)),
@@ -335,7 +342,7 @@ impl Cluster {
                 }))
             }
             Decision::Expire { lease, .. } | Decision::Release { lease, .. } => {
-                Some(self.fleet_guard(s, &lease, Write::Lease(encode(&*lease))))
+                self.fleet_guard(s, &lease, Write::Lease(encode(&*lease)))
             }
             // One delete per pass is enough for the model (it keeps few leases).
             Decision::Prune { victims, .. } => victims
@@ -343,6 +350,41 @@ impl Cluster {
                 .next()
                 .map(|(name, rv)| Write::Delete(name, rv)),
         }
+    }
+
+    /// `status` as the operator writes it for `task`: with
+    /// [`LostWait::RefreshBound`](crate::fleet::LostWait) in per-worker
+    /// mode, a `Lost` entry the decision adds carries R + the lease's TTL
+    /// as the wait for its holder (how long a Worker-mode holder of a
+    /// deleted lease may run: it stops at the latest R + 2/3·TTL after its
+    /// last successful refresh, which landed before the deletion).
+    /// Today's `decide` records the TTL alone (`LostWait::Ttl`).
+    fn lost_wait(
+        &self,
+        task: &BatchTask,
+        mut status: batchlease_api::BatchTaskStatus,
+    ) -> batchlease_api::BatchTaskStatus {
+        if !self.cfg.per_worker || self.cfg.lost_wait != crate::fleet::LostWait::RefreshBound {
+            return status;
+        }
+        let known: Vec<i64> = task.status.as_ref().map_or_else(Vec::new, |st| {
+            st.history
+                .iter()
+                .filter(|h| h.outcome == "Lost")
+                .map(|h| h.token)
+                .collect()
+        });
+        for h in &mut status.history {
+            if h.outcome == "Lost" && !known.contains(&h.token) {
+                let ttl = h
+                    .lease_duration_seconds
+                    .unwrap_or(task.spec.lease_duration_seconds);
+                let refresh = ttl
+                    .saturating_mul(i32::try_from(crate::fleet::REFRESH_TTLS).unwrap_or(i32::MAX));
+                h.lease_duration_seconds = Some(ttl.saturating_add(refresh));
+            }
+        }
+        status
     }
 
     /// The pass goes on after a lock write: it decides again on what it
@@ -466,6 +508,7 @@ impl Cluster {
                         s.expired_after_lost_renewal |= s.lost_renewal;
                         s.expired_after_crash |= s.crashes > 0;
                         s.fleet.expired_after_fault |= s.fleet.faults > 0;
+                        s.fleet.expired_after_deletion |= s.fleet.deletions > 0;
                     }
                 }
             }
@@ -487,18 +530,8 @@ impl Cluster {
                 }
                 sent.applied = !sent.already_exists;
             }
-            Write::Revoke {
-                lease,
-                create,
-                then,
-            } => {
-                let l: Lease = decode(&lease);
-                let written = if create {
-                    s.api.create_worker_lease(&l)
-                } else {
-                    s.api.replace_worker_lease(&l)
-                };
-                if written.is_ok() {
+            Write::Revoke { lease, then } => {
+                if s.api.replace_worker_status(&decode(&lease)).is_ok() {
                     sent.applied = true;
                     sent.next = Some(*then);
                 }

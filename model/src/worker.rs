@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use batchlease_api::{LeaseOutcome, LeasePhase, TaskLease, check_current};
+use batchlease_api::{LeaseOutcome, LeasePhase, Renewal, TaskLease, check_current};
 use batchlease_worker_sdk::KillClock;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 
@@ -49,6 +49,9 @@ pub struct Attempt {
     pub copy: String,
     pub claim_sent: u8,
     pub last_ok_sent: u8,
+    /// Per-worker mode: when the last successful write of the TaskLease's
+    /// own `renewTime` was sent (the claim, a refresh).
+    pub last_refresh_sent: u8,
     pub registered: bool,
     /// The storage refused the registration: the handler never runs, and
     /// the SDK gives the lease back `Interrupted` (no retry spent).
@@ -158,6 +161,10 @@ impl Cluster {
         l.spec.acquire_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(name))));
         l.spec.renew_time = l.spec.acquire_time.clone();
         l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+        if self.cfg.per_worker && l.spec.renewal == Some(Renewal::Lease) {
+            // Renewed through its WorkerLease from now on.
+            l.spec.renewal = Some(Renewal::Worker);
+        }
         s.api.replace_lease(&l).ok()
     }
 
@@ -170,10 +177,22 @@ impl Cluster {
         c
     }
 
-    /// The SDK's fence: alive strictly before the kill switch fires.
+    /// The SDK's fence: alive strictly before the kill switch fires — and
+    /// in per-worker mode before R + 2/3·TTL without a successful refresh
+    /// of the TaskLease (the rule that bounds the holder of a deleted
+    /// lease, whose WorkerLease renewals go on succeeding).
     pub(crate) fn alive(&self, a: &Attempt, now: u8) -> bool {
-        self.cfg.kill == KillRule::Never
-            || self.worker_instant(a.rate, now) < self.kill_clock(a).kill_at().0
+        if self.cfg.kill == KillRule::Never {
+            return true;
+        }
+        let at = self.worker_instant(a.rate, now);
+        let ttl = Duration::from_secs(a.ttl.unsigned_abs().into());
+        let unrefreshed = self.cfg.per_worker
+            && at
+                >= self.worker_instant(a.rate, a.last_refresh_sent)
+                    + ttl * crate::fleet::REFRESH_TTLS
+                    + ttl * 2 / 3;
+        at < self.kill_clock(a).kill_at().0 && !unrefreshed
     }
 
     /// One reconcile pass, as `reconcile.rs` does it, on the operator's
@@ -201,6 +220,29 @@ impl Cluster {
                         }
                     },
                     Err(_) => {
+                        end(s, w);
+                        return;
+                    }
+                }
+            }
+            Action::Refresh(_) => {
+                let mut l: TaskLease = decode(&a.copy);
+                l.spec.renew_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(&a.lease))));
+                match s.api.replace_lease(&l) {
+                    Ok(stored) => {
+                        a.copy = encode(&stored);
+                        a.last_refresh_sent = s.now;
+                    }
+                    Err(Refused::Conflict | Refused::Invalid) => match still_ours(s, &a, &me) {
+                        Some(fresh) => a.copy = fresh,
+                        None => {
+                            end(s, w);
+                            return;
+                        }
+                    },
+                    Err(_) => {
+                        // 404: the lease is gone, its attempt is over.
+                        s.fleet.stopped_by_refresh = true;
                         end(s, w);
                         return;
                     }

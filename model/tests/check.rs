@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use batchlease_model::cancel::CancelRule;
 use batchlease_model::election::{Election, ElectionConfig, ElectionRule};
-use batchlease_model::fleet::WorkerRule;
+use batchlease_model::fleet::{LostWait, WorkerRule};
 use batchlease_model::locks::LockRule;
 use batchlease_model::spawn::SpawnRule;
 use batchlease_model::storage::{CasRule, StorageRule};
@@ -638,9 +638,9 @@ fn a_swap_outside_the_fence_is_caught() {
     eprintln!("counterexample: {:?}", path.into_actions());
 }
 
-/// Renewals per worker (issue 27): two workers renew one worker Lease
+/// Renewals per worker (issue 27): two workers renew one WorkerLease
 /// each, listing the attempt they run, instead of its TaskLease; the
-/// operator sees worker Leases through a cache of its own. `faults`: how
+/// operator sees WorkerLeases through a cache of its own. `faults`: how
 /// many attempts dropped from `holds` while running, and late renewals.
 fn per_worker(ticks: u8, faults: u8) -> Config {
     Config {
@@ -653,9 +653,9 @@ fn per_worker(ticks: u8, faults: u8) -> Config {
 /// Renewals per worker, 6 s, one fault anywhere: a renewal drops the
 /// running attempt from `holds` (renewing one but not another), or a
 /// renewal lands late — a zombie's write naming an attempt the operator
-/// has expired meanwhile. The worker Lease stopping while the TaskLease
+/// has expired meanwhile. The WorkerLease stopping while the TaskLease
 /// looks live is any worker taking no step. Every property holds;
-/// worker-Lease renewals keep attempts alive, and an expiry revokes its
+/// WorkerLease renewals keep attempts alive, and an expiry revokes its
 /// attempt first.
 #[test]
 fn safe_with_renewals_per_worker() {
@@ -663,15 +663,15 @@ fn safe_with_renewals_per_worker() {
         per_worker(3, 1),
         &[
             "an expired lease's task is offered again",
-            "a worker-Lease renewal keeps an attempt alive past its claim's kill switch",
-            "a worker stops an attempt revoked in its worker Lease",
-            "an expiry follows a fault of a worker Lease",
-            "a late worker-Lease renewal naming an expired attempt reaches the API server",
+            "a WorkerLease renewal keeps an attempt alive past its claim's kill switch",
+            "a worker stops an attempt revoked in its WorkerLease",
+            "an expiry follows a fault of a WorkerLease",
+            "a late WorkerLease renewal naming an expired attempt reaches the API server",
         ],
     );
 }
 
-/// Renewals per worker, 6 s, one answer lost: a claim's, or a worker-Lease
+/// Renewals per worker, 6 s, one answer lost: a claim's, or a WorkerLease
 /// renewal's (applied; the worker's copy is stale and its kill clock not
 /// fed).
 #[test]
@@ -682,14 +682,14 @@ fn safe_when_worker_lease_answers_are_lost() {
         cfg,
         &[
             "an expiry follows a lost claim answer",
-            "a worker-Lease renewal keeps an attempt alive past its claim's kill switch",
+            "a WorkerLease renewal keeps an attempt alive past its claim's kill switch",
         ],
     );
 }
 
 /// The rule as the design first had it (a mutation): renewals credited by
 /// the production rule, the TaskLease expired by its own CAS alone. The
-/// operator's cache of worker Leases lags: it expires the lease while the
+/// operator's cache of WorkerLeases lags: it expires the lease while the
 /// worker's renewals, which it has not seen, keep the attempt alive — and
 /// the attempt writes to storage after its lease expired.
 #[test]
@@ -714,7 +714,7 @@ fn ignoring_worker_leases_is_caught() {
 }
 
 /// Crediting a renewal only to the attempts it lists (a mutation of the
-/// production rule): the operator first sees the worker Lease at the
+/// production rule): the operator first sees the WorkerLease at the
 /// renewal that dropped the running attempt; the versions before, which
 /// listed it and fed its kill clock, it never saw — it expires the lease
 /// and the attempt writes after.
@@ -727,18 +727,87 @@ fn crediting_only_the_listed_attempts_is_caught() {
     eprintln!("counterexample: {:?}", path.into_actions());
 }
 
-/// Someone other than its worker deletes a worker Lease (the fault the
-/// issue named): unsafe whatever the operator does — the deletion hides
-/// renewals its cache has not shown yet, and its revocation (a create, the
-/// Lease being gone) succeeds. Why admission must keep a worker Lease's
-/// DELETE to its holder too, and the SDK delete it only once its attempts
-/// have stopped (`docs/model.md`).
+/// Someone other than its worker deletes a WorkerLease, at any step: safe
+/// now that the operator credits a departure — the deletion's last state
+/// (its Delete event) carrying a renewal not seen counts as a renewal
+/// observed then — and its worker stops its attempts at the 404 and
+/// creates the object again with nothing listed. (With the coordination
+/// Lease carrier, which credited no departure, the checker found this
+/// unsafe: renewals the cache had not shown yet were hidden by the
+/// deletion.)
 #[test]
-fn a_worker_lease_deleted_by_someone_else_is_caught() {
+fn safe_when_a_worker_lease_is_deleted_by_someone_else() {
     let mut cfg = per_worker(3, 0);
     cfg.worker_deletions = 1;
+    assert_safe(
+        cfg,
+        &[
+            "a WorkerLease's departure is credited to a held lease",
+            "a worker stops its attempts when its WorkerLease is gone",
+            "an expiry follows the deletion of a WorkerLease",
+        ],
+    );
+}
+
+/// Crediting no departure (a mutation of the production rule): the
+/// renewals at 2 s and 4 s not yet in the operator's cache, the
+/// WorkerLease deleted, the operator's cache shows it gone and credits
+/// nothing; with no copy to revoke on it expires the lease a TTL after the
+/// claim, and the worker, fed until 7.3 s, registers.
+#[test]
+fn ignoring_worker_lease_departures_is_caught() {
+    let mut cfg = per_worker(3, 0);
+    cfg.worker_deletions = 1;
+    cfg.worker_rule = WorkerRule::IgnoreDepartures;
     let p = "no storage write is accepted for an attempt whose lease expired";
     let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// A TaskLease deleted while held in per-worker mode, its task cancelled:
+/// one worker, `ticks`. The holder renews only its WorkerLease, so it learns
+/// of the deletion at a refresh of the TaskLease (404) — which the SDK
+/// makes at least every R — or stops R + 2/3·TTL after the last one.
+fn lost_per_worker(ticks: u8, wait: LostWait) -> Config {
+    let mut cfg = per_worker(ticks, 0);
+    cfg.workers = 1;
+    cfg.cancel = true;
+    cfg.lease_deletions = 1;
+    cfg.lost_wait = wait;
+    cfg
+}
+
+/// With the loss timed by the refresh bound (R + TTL after it was
+/// recorded) the task does not end while the holder may run. 4 s: the
+/// cancel, the deletion, the loss recorded, the holder's refresh meeting
+/// 404 (6 s, where today's rule ends the task, does not finish within the
+/// CI timeout: 8.2 M states in 300 s).
+#[test]
+fn safe_when_a_worker_mode_lease_is_deleted() {
+    assert_safe(
+        lost_per_worker(2, LostWait::RefreshBound),
+        &[
+            "a task is cancelled",
+            "a tombstone retires a token",
+            "a worker stops an attempt whose TaskLease refresh meets 404",
+        ],
+    );
+}
+
+/// Today's `decide` times a lost lease's holder by the lease's TTL (+ 1 s)
+/// after the loss was recorded — the per-lease bound. A Worker-mode
+/// holder, fed by its WorkerLease, runs until R + 2/3·TTL after its last
+/// refresh: the task ends `Cancelled` and the holder commits after (27
+/// steps). The production rule's gap, kept until `decide` is fixed; not
+/// in CI for its cost: `cargo test --release -p batchlease-model --test
+/// check -- --ignored`.
+#[test]
+#[ignore = "deep: about four minutes"]
+fn timing_a_lost_worker_mode_holder_by_its_ttl_is_caught() {
+    let p = "no storage write is accepted after the task is Cancelled";
+    let path = run(lost_per_worker(3, LostWait::Ttl), Some(p))
+        .0
+        .assert_any_discovery(p);
     eprintln!("counterexample: {:?}", path.into_actions());
 }
 

@@ -10,7 +10,8 @@
 //!  [--cas=blind|outside-fence]] [--cancel [--cancel-rule=end-at-release|spec-ttl]]
 //!  [--ttl-edit] [--delete-task]
 //!  [--per-worker [--worker-faults=1] [--worker-deletions=1]
-//!  [--worker-rule=no-revoke|ignore|named-only]]
+//!  [--worker-rule=no-revoke|ignore|named-only|ignore-departures]
+//!  [--lost-wait=refresh-bound]]
 //!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--cancel`: a user may set `spec.cancel` on the first task at any step;
@@ -20,11 +21,14 @@
 //! cut to 5 s at any step; `--cancel-rule=spec-ttl`: the mutation that
 //! times a lost lease's holder by the task's current TTL (the checker must
 //! catch it with `--ttl-edit`).
-//! `--per-worker`: workers renew a worker Lease listing their attempts
+//! `--per-worker`: workers renew a WorkerLease listing their attempts
 //! instead of each TaskLease (issue 27); `--worker-faults`: how many
-//! deletions of a worker Lease, attempts dropped from it while running,
-//! and late renewals; `--worker-rule`: the mutations (no revocation
-//! before an expiry; worker Leases ignored).
+//! attempts dropped from it while running and late renewals;
+//! `--worker-deletions`: deletions of a WorkerLease by someone else;
+//! `--worker-rule`: the mutations (no revocation before an expiry;
+//! WorkerLeases ignored; only listed attempts credited; departures not
+//! credited); `--lost-wait=refresh-bound`: a lost Worker-mode lease's
+//! holder timed by R + TTL instead of today's TTL.
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -90,6 +94,12 @@ fn main() {
             "--worker-rule" if v == "no-revoke" => cfg.worker_rule = WorkerRule::NoRevoke,
             "--worker-rule" if v == "ignore" => cfg.worker_rule = WorkerRule::Ignore,
             "--worker-rule" if v == "named-only" => cfg.worker_rule = WorkerRule::NamedOnly,
+            "--worker-rule" if v == "ignore-departures" => {
+                cfg.worker_rule = WorkerRule::IgnoreDepartures;
+            }
+            "--lost-wait" if v == "refresh-bound" => {
+                cfg.lost_wait = batchlease_model::fleet::LostWait::RefreshBound;
+            }
             "--cancel-rule" if v == "spec-ttl" => {
                 cfg.cancel_rule = batchlease_model::cancel::CancelRule::SpecTtl;
             }
