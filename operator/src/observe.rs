@@ -135,16 +135,23 @@ pub fn holder_stops_by(
     // every refresh period, and stops when a refresh fails or none
     // succeeded for that long plus its kill switch's 2/3·TTL: a deleted
     // lease is noticed at the next refresh, not the next renewal.
-    let ttl = lease_ttl(last)
-        + if last.renewed_per_worker() {
-            batchlease_api::worker_lease::refresh_period(lease_ttl(last))
+    let refresh = batchlease_api::worker_lease::refresh_period(lease_ttl(last));
+    if !final_state {
+        // Not the last state: a claim may have landed unseen, and chosen
+        // to be renewed per worker if this operator's offer allowed it.
+        let extra = if last.spec.renewal.is_some() {
+            refresh
         } else {
             Duration::ZERO
         };
-    if !final_state {
-        return may_be_held(last).then(|| now + ttl);
+        return may_be_held(last).then(|| now + lease_ttl(last) + extra);
     }
-    next_seen(prev, last, now).map(|s| s.observation.last_renewal + ttl)
+    let extra = if last.renewed_per_worker() {
+        refresh
+    } else {
+        Duration::ZERO
+    };
+    next_seen(prev, last, now).map(|s| s.observation.last_renewal + lease_ttl(last) + extra)
 }
 
 /// How long a departure is remembered after its holder stopped: a lock

@@ -123,6 +123,21 @@ fn when_the_holder_of_a_departed_lease_has_surely_stopped() {
         holder_stops_by(Some(&seen), &held, false, t1),
         Some(t1 + ttl)
     );
+    // Offered by an operator that honours WorkerLeases: a claim landed
+    // unseen may have chosen to be renewed per worker — a refresh period
+    // more (its holder learns of the deletion at its next refresh).
+    let mut stamped = offered.clone();
+    stamped.spec.renewal = Some(batchlease_api::Renewal::Lease);
+    let refresh = batchlease_api::worker_lease::refresh_period(ttl);
+    assert_eq!(
+        holder_stops_by(None, &stamped, false, t1),
+        Some(t1 + ttl + refresh)
+    );
+    assert_eq!(
+        holder_stops_by(None, &stamped, true, t1),
+        None,
+        "final: unclaimed"
+    );
     // Ended: no holder runs on.
     for phase in [LeasePhase::Completed, LeasePhase::Expired] {
         let ended = lease("u1", Some("w1"), phase, 100);

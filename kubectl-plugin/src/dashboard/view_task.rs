@@ -371,6 +371,7 @@ mod tests {
                     end: Some(Time(ts(49))),
                     reason: Some("LeaseExpired".into()),
                     lease_duration_seconds: Some(30),
+                    renewal: None,
                 },
                 AttemptRecord {
                     token: 2,
@@ -380,6 +381,7 @@ mod tests {
                     end: Some(Time(ts(74))),
                     reason: None,
                     lease_duration_seconds: Some(30),
+                    renewal: None,
                 },
             ];
         });
