@@ -107,8 +107,22 @@ fn worker_chart_lints_packages_and_fits_the_sdk_and_the_demo_worker() {
         "{help}"
     );
     let (deploy, _) = render("ns", &["postgres.existingSecret=pg"]);
+    // POD_NAME and POD_UID are the SDK's own (its identity, its
+    // WorkerLease's owner), as is BATCHLEASE_RENEW_PER_WORKER.
+    let (per_worker, _) = render("ns", &["postgres.existingSecret=pg", "renewPerWorker=true"]);
+    let sdk_reads = |name: &str| {
+        name == "POD_NAME"
+            || name == "POD_UID"
+            || name == batchlease_worker_sdk::RENEW_PER_WORKER_ENV
+    };
+    assert!(
+        env_of(&per_worker)
+            .iter()
+            .any(|(n, v)| n == batchlease_worker_sdk::RENEW_PER_WORKER_ENV && v == "true"),
+        "renewPerWorker sets the SDK's variable"
+    );
     for (name, _) in env_of(&deploy) {
-        if name != "POD_NAME" {
+        if !sdk_reads(&name) {
             assert!(
                 help.contains(&format!("[env: {name}=")),
                 "the demo worker does not read {name}:\n{help}"
