@@ -306,6 +306,72 @@ async fn only_the_holder_may_write_a_held_lease() {
         !logs.contains("forbidden") && !logs.contains("denied"),
         "{logs}"
     );
+    worker_leases_are_written_by_their_holder_only(n, &a_kc, &b_kc).await;
     helm::ok(&["uninstall", &release, "-n", n]).unwrap();
     ns.cleanup().await.unwrap();
+}
+
+/// The second policy: a worker creates, renews and deletes only its own
+/// WorkerLease; its status (revocations) is the operator's, by RBAC.
+async fn worker_leases_are_written_by_their_holder_only(n: &str, a_kc: &Path, b_kc: &Path) {
+    use batchlease_api::worker_lease::worker_lease_name;
+    use batchlease_api::{WorkerLease, WorkerLeaseSpec};
+    let as_a: Api<WorkerLease> = Api::namespaced(client_for(a_kc).await, n);
+    let as_b: Api<WorkerLease> = Api::namespaced(client_for(b_kc).await, n);
+    let object = |holder: &str| {
+        WorkerLease::new(
+            &worker_lease_name(holder),
+            WorkerLeaseSpec {
+                holder_identity: holder.into(),
+                queues: vec!["demo".into()],
+                lease_duration_seconds: 30,
+                renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+                holds: vec![],
+            },
+        )
+    };
+    let denied = |r: Result<WorkerLease, kube::Error>, needle: &str| match r {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 403, "{s:?}");
+            assert!(
+                s.message.contains(needle),
+                "denial should say why ({needle}): {}",
+                s.message
+            );
+        }
+        other => panic!("the write should have been denied: {other:?}"),
+    };
+    let pp = PostParams::default();
+    // A's own: created and renewed.
+    let mine = as_a.create(&pp, &object("wa/1")).await.unwrap();
+    let mut renewed = mine.clone();
+    renewed.spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+    let mine = as_a.replace(&mine.name_any(), &pp, &renewed).await.unwrap();
+    // B may not renew it, delete it, or create one in A's name.
+    denied(
+        as_b.replace(&mine.name_any(), &pp, &mine).await,
+        "belongs to wa/1; only that worker may write or delete it (you are wb)",
+    );
+    match as_b.delete(&mine.name_any(), &Default::default()).await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 403, "{s:?}");
+            assert!(s.message.contains("belongs to wa/1"), "{}", s.message);
+        }
+        other => panic!("B deleted A's WorkerLease: {other:?}"),
+    }
+    denied(as_b.create(&pp, &object("wa/2")).await, "belongs to wa/2");
+    // The revocations are the operator's: workers have no RBAC for status.
+    let mut revoked = mine.clone();
+    revoked.revoke(batchlease_api::AttemptRef {
+        name: "job-1".into(),
+        uid: "u".into(),
+    });
+    match as_a.replace_status(&mine.name_any(), &pp, &revoked).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("a worker wrote its WorkerLease's status: {other:?}"),
+    }
+    // A deletes its own.
+    as_a.delete(&mine.name_any(), &Default::default())
+        .await
+        .unwrap();
 }
