@@ -49,6 +49,8 @@ pub struct SoakConfig {
     pub ttl_seconds: u64,
     /// Mean pause between two faults.
     pub fault_every: Duration,
+    /// The workers renew per worker (their WorkerLeases), not per lease.
+    pub renew_per_worker: bool,
 }
 
 impl SoakConfig {
@@ -62,6 +64,7 @@ impl SoakConfig {
             slots: 2,
             ttl_seconds: 5,
             fault_every: Duration::from_millis(900),
+            renew_per_worker: false,
         }
     }
 }
@@ -98,6 +101,7 @@ fn deep_payload() -> String {
 #[derive(Debug, Default)]
 pub struct SoakReport {
     pub seed: u64,
+    pub renew_per_worker: bool,
     pub faults: BTreeMap<&'static str, usize>,
     pub succeeded: usize,
     pub dead_lettered: usize,
@@ -115,7 +119,17 @@ pub struct SoakReport {
 impl std::fmt::Display for SoakReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let total: usize = self.faults.values().sum();
-        writeln!(f, "soak seed {} ({:.0?})", self.seed, self.elapsed)?;
+        writeln!(
+            f,
+            "soak seed {} ({:.0?}){}",
+            self.seed,
+            self.elapsed,
+            if self.renew_per_worker {
+                ", workers renewing per worker"
+            } else {
+                ""
+            }
+        )?;
         writeln!(f, "faults injected: {total}")?;
         for (k, n) in &self.faults {
             writeln!(f, "  {k}: {n}")?;
@@ -237,7 +251,11 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
             pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
             extra: Vec::new(),
             pod_name: None,
-            env: Vec::new(),
+            env: if cfg.renew_per_worker {
+                vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())]
+            } else {
+                Vec::new()
+            },
         };
         fleet.push(Worker {
             process: workers::start(&ns.name, &format!("w{i}"), &opts)?,
@@ -285,6 +303,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
 
     let mut report = SoakReport {
         seed: cfg.seed,
+        renew_per_worker: cfg.renew_per_worker,
         ..Default::default()
     };
     let total_weight: u32 = KINDS.iter().map(|(_, w)| w).sum();

@@ -1,6 +1,7 @@
 //! The fault soak in its quick CI mode: ≥ 100 faults of every kind against
 //! operator replicas, demo workers, PostgreSQL and the control plane, then
-//! the history checker (see `batchlease_e2e::soak`). The seed is printed;
+//! the history checker (see `batchlease_e2e::soak`), with the workers
+//! renewing per lease, then per worker (WorkerLeases). The seed is printed;
 //! `BATCHLEASE_SOAK_SEED` replays one. Its own test binary, since it
 //! restarts the shared control plane.
 
@@ -14,8 +15,16 @@ async fn quick_fault_soak_finds_no_violation() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random);
-    let report = soak::run(&SoakConfig::quick(seed)).await.unwrap();
-    eprintln!("{report}");
-    assert!(report.faults.values().sum::<usize>() >= 100, "{report}");
-    assert!(report.violations.is_empty(), "{report}");
+    // Both protocols, one after the other (each restarts the shared
+    // control plane): today's per-lease renewals, then WorkerLeases.
+    for renew_per_worker in [false, true] {
+        let cfg = SoakConfig {
+            renew_per_worker,
+            ..SoakConfig::quick(seed)
+        };
+        let report = soak::run(&cfg).await.unwrap();
+        eprintln!("{report}");
+        assert!(report.faults.values().sum::<usize>() >= 100, "{report}");
+        assert!(report.violations.is_empty(), "{report}");
+    }
 }

@@ -1,5 +1,5 @@
 //! The fault soak's full run (`hack/soak.sh`): `--faults=1000 --tasks=1000
-//! --seed=N --workers=3 --slots=2`. Prints the report; exits 1 on any
+//! --seed=N --workers=3 --slots=2 [--renew-per-worker]`. Prints the report; exits 1 on any
 //! violation. See `batchlease_e2e::soak`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -27,6 +27,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(n) = arg("slots") {
         cfg.slots = n as usize;
     }
+    cfg.renew_per_worker = std::env::args().any(|a| a == "--renew-per-worker");
     let report = soak::run(&cfg).await?;
     println!("{report}");
     if !report.violations.is_empty() {
