@@ -317,6 +317,36 @@ impl Tracker {
         }
     }
 
+    /// The leases `holder` holds per worker in `namespace` that are due to
+    /// expire at `now` (no renewal observed for their TTL), by name and
+    /// UID: one revocation can end them all (a frozen worker's attempts all
+    /// fall due at once, credited by the same renewals).
+    pub fn due_of_holder(
+        &self,
+        namespace: &str,
+        holder: &str,
+        now: Instant,
+    ) -> Vec<(String, String)> {
+        let state = self.lock();
+        let Some(names) = state
+            .by_holder
+            .get(&(namespace.to_owned(), holder.to_owned()))
+        else {
+            return Vec::new();
+        };
+        names
+            .iter()
+            .filter_map(|name| {
+                let key = (namespace.to_owned(), name.clone());
+                let seen = state.seen.get(&key)?;
+                let ttl = state.live.get(&key)?.ttl;
+                (seen.per_worker_held
+                    && now.saturating_duration_since(seen.observation.last_renewal) >= ttl)
+                    .then(|| (name.clone(), seen.uid.clone()))
+            })
+            .collect()
+    }
+
     /// Credits a renewal of `holder`'s WorkerLease in `namespace`: `credit`
     /// gives each record of a lease it holds per worker (by name) its new
     /// state (see `worker_leases::credit_seen`).

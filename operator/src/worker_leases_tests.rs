@@ -320,3 +320,31 @@ fn a_deleted_lease_renewed_per_worker_is_waited_for_a_refresh_period_more() {
         Some(t0 + ttl)
     );
 }
+
+#[test]
+fn a_frozen_workers_attempts_fall_due_together() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    let leases = Tracker::default();
+    let workers = WorkerTracker::default();
+    let a = task_lease("t-1", "w1", LeasePhase::Held);
+    let b = task_lease("t-2", "w1", LeasePhase::Held);
+    let mut other = task_lease("t-3", "w2", LeasePhase::Held);
+    other.metadata.uid = Some("uid-t-3".into());
+    for l in [&a, &b, &other] {
+        leases.observe(l, t(0));
+    }
+    workers.observe(&worker("w1", "u1", 1, "t-1,t-2"), &leases, t(5));
+    // TTL 30: due 30 s after the last renewal credited (t5), not before.
+    assert!(leases.due_of_holder("ns", "w1", t(34)).is_empty());
+    let mut due = leases.due_of_holder("ns", "w1", t(35));
+    due.sort();
+    assert_eq!(
+        due,
+        [
+            ("t-1".to_owned(), "uid-t-1".to_owned()),
+            ("t-2".to_owned(), "uid-t-2".to_owned())
+        ]
+    );
+    assert!(leases.due_of_holder("ns", "w9", t(35)).is_empty());
+}

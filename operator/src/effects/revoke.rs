@@ -102,6 +102,15 @@ pub async fn revoke(
         }
         let base = w.clone();
         w.revoke(attempt.clone());
+        // Every other attempt of this holder that is due to expire goes in
+        // the same write: they would each take one CAS on this object, and
+        // all but one would conflict (a frozen worker's 100 attempts took
+        // 20 s to end one by one).
+        if expiry.is_some() {
+            for (name, uid) in ctx.tracker.due_of_holder(&ns, holder, Instant::now()) {
+                w.revoke(AttemptRef { name, uid });
+            }
+        }
         ctx.leadership.ensure()?;
         let written = bounded(ctx, "worker lease revoke", async {
             Ok(api.replace_status(&name, &PostParams::default(), &w).await)
