@@ -90,7 +90,6 @@ pub(super) fn replace_lost(input: &Input<'_>, current: &BatchTaskStatus, phase: 
     }
 }
 
-/// The final lease that retires `token`'s name (see [`Decision::RetireToken`]).
 /// Pure: how the holder of the current attempt, whose lease is missing,
 /// kept it alive: as recorded with its holder; recorded without one (an
 /// older operator's status, an offer without `spec.renewal`): per lease;
@@ -104,6 +103,7 @@ fn lost_renewal(current: &BatchTaskStatus) -> Renewal {
     }
 }
 
+/// The final lease that retires `token`'s name (see [`Decision::RetireToken`]).
 pub(super) fn tombstone(task: &BatchTask, token: i64) -> TaskLease {
     let mut l = offered_lease(task, token);
     l.status = Some(TaskLeaseStatus {
