@@ -192,8 +192,14 @@ async fn measure(
     let (apiserver, etcd) = (component_pid("kube-apiserver"), component_pid("etcd"));
     let pids = [apiserver, etcd, op.pid(), Some(std::process::id())];
     let slots = o.leases.div_ceil(o.workers);
-    crate::hollow::set_ttl(o.ttl_seconds);
-    let fleet = Fleet::start(&cluster.client, &ns.name, o.workers, slots, o.mode);
+    let fleet = Fleet::start(
+        &cluster.client,
+        &ns.name,
+        o.workers,
+        slots,
+        o.mode,
+        o.ttl_seconds,
+    );
     let s = fleet.stats.clone();
     let tasks: Api<BatchTask> = ns.api();
 

@@ -98,7 +98,16 @@ impl Drop for Fleet {
 impl Fleet {
     /// Starts `n` hollow workers in `ns` with `slots` slots each, sharing
     /// `client` (each watch is a connection of its own).
-    pub fn start(client: &Client, ns: &str, n: usize, slots: usize, mode: Mode) -> Fleet {
+    /// `ttl_seconds`: the TTL of the fleet's leases (one for all), the pace
+    /// of WorkerLease renewals when renewing per worker.
+    pub fn start(
+        client: &Client,
+        ns: &str,
+        n: usize,
+        slots: usize,
+        mode: Mode,
+        ttl_seconds: u64,
+    ) -> Fleet {
         let stats = Arc::new(Stats::default());
         let stop = CancellationToken::new();
         let mut workers = Vec::with_capacity(n);
@@ -116,6 +125,7 @@ impl Fleet {
                 presence: Api::namespaced(client.clone(), ns),
                 worker_leases: Api::namespaced(client.clone(), ns),
                 mode,
+                ttl_seconds,
                 held: std::sync::Mutex::default(),
                 claimed: Notify::new(),
                 identity: identity.clone(),
@@ -176,6 +186,8 @@ struct Hollow {
     presence: Api<Lease>,
     worker_leases: Api<WorkerLease>,
     mode: Mode,
+    /// The TTL of the fleet's leases.
+    ttl_seconds: u64,
     /// Renewed per worker: the attempts held, each with the token that
     /// stops its hold when the operator revoked it.
     held: std::sync::Mutex<BTreeMap<AttemptRef, CancellationToken>>,
@@ -439,7 +451,7 @@ impl Hollow {
             // The fleet's leases share one TTL: the shortest one's pace,
             // from when the last renewal was sent; 30 s while idle, and a
             // claim brings the next one forward to within TTL/3 of it.
-            let busy = Duration::from_secs(HELD_TTL.load(Ordering::Relaxed).max(1)) / 3;
+            let busy = Duration::from_secs(self.ttl_seconds.max(1)) / 3;
             let idle = self.held_lock().is_empty();
             let mut next = sent + if idle { Duration::from_secs(30) } else { busy };
             loop {
@@ -456,7 +468,7 @@ impl Hollow {
             // Strictly increasing, as the SDK's.
             let now = Timestamp::now().max(last + Duration::from_micros(1));
             last = now;
-            let ttl = i32::try_from(HELD_TTL.load(Ordering::Relaxed).max(5)).unwrap_or(30);
+            let ttl = i32::try_from(self.ttl_seconds.max(5)).unwrap_or(30);
             match worker_lease_ops::renew(&self.worker_leases, &ours, holds, ttl, now).await {
                 Ok(Written::Stored(w)) => {
                     Stats::inc(&self.stats.renewals);
@@ -505,15 +517,6 @@ impl Hollow {
             }
         }
     }
-}
-
-/// The TTL of the fleet's leases (one for all), for the pace of WorkerLease
-/// renewals; set by [`Fleet::start`]'s caller through [`set_ttl`].
-static HELD_TTL: AtomicU64 = AtomicU64::new(30);
-
-/// Sets the TTL hollow workers renewing per worker pace themselves on.
-pub fn set_ttl(seconds: u64) {
-    HELD_TTL.store(seconds, Ordering::Relaxed);
 }
 
 /// Runs `f` when dropped (a hold's end, whichever way it ends).
