@@ -85,20 +85,23 @@ pub async fn revoke(
             debug!(lease = %attempt.name, holder, "no WorkerLease of the holder: counting a renewal now, ending the attempt a TTL later");
             return Ok(renewed(ctx, &ns, &attempt));
         };
-        if w.is_revoked(&attempt) {
-            return Ok(Revoked::Done);
-        }
-        // A copy the watch has not shown (read by us) may carry a renewal
-        // nobody credited: it counts as one observed now.
-        if !ctx.workers.observed(&w) {
-            return Ok(renewed(ctx, &ns, &attempt));
-        }
-        if let Some(ttl) = expiry
-            && let Some(obs) = ctx.tracker.observation(&ns, &attempt.name)
-            && Instant::now().saturating_duration_since(obs.last_renewal) < ttl
-        {
-            debug!(lease = %attempt.name, holder, "a renewal was credited since the decision: not revoking");
-            return Ok(Revoked::Renewed);
+        let since_renewal = ctx
+            .tracker
+            .observation(&ns, &attempt.name)
+            .map(|o| Instant::now().saturating_duration_since(o.last_renewal));
+        match gate(
+            w.is_revoked(&attempt),
+            ctx.workers.observed(&w),
+            expiry,
+            since_renewal,
+        ) {
+            Gate::Done => return Ok(Revoked::Done),
+            Gate::CountRenewal => return Ok(renewed(ctx, &ns, &attempt)),
+            Gate::NotDue => {
+                debug!(lease = %attempt.name, holder, "a renewal was credited since the decision: not revoking");
+                return Ok(Revoked::Renewed);
+            }
+            Gate::Write => {}
         }
         let base = w.clone();
         w.revoke(attempt.clone());
@@ -148,6 +151,44 @@ pub async fn revoke(
     Ok(Revoked::Renewed)
 }
 
+/// What to do with a copy of the WorkerLease before revoking on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    /// Revoked already: nothing can keep the attempt alive.
+    Done,
+    /// A copy the watch has not shown (read by us): it may carry a renewal
+    /// nobody credited — count one observed now, end nothing.
+    CountRenewal,
+    /// Ending for want of renewals, but one was credited since the
+    /// decision (the watch credits before the cache stores the version):
+    /// a CAS on this copy could land on the very version that fed it.
+    NotDue,
+    /// Revoke on this copy.
+    Write,
+}
+
+/// Pure: the gate before the revocation's CAS on a copy: whether the
+/// attempt is revoked in it, whether the watch delivered (and credited)
+/// it, the TTL when the end is an expiry, and the time since the renewal
+/// last credited to the attempt.
+fn gate(
+    revoked: bool,
+    observed: bool,
+    expiry: Option<Duration>,
+    since_renewal: Option<Duration>,
+) -> Gate {
+    if revoked {
+        return Gate::Done;
+    }
+    if !observed {
+        return Gate::CountRenewal;
+    }
+    match (expiry, since_renewal) {
+        (Some(ttl), Some(since)) if since < ttl => Gate::NotDue,
+        _ => Gate::Write,
+    }
+}
+
 /// Counts a renewal of `attempt` observed now: the attempt is not ended.
 fn renewed(ctx: &Ctx, ns: &str, attempt: &AttemptRef) -> Revoked {
     ctx.tracker.touch(ns, &attempt.name, Instant::now());
@@ -178,6 +219,50 @@ mod tests {
             ..Default::default()
         });
         l
+    }
+
+    #[test]
+    fn the_gate_before_a_revocation() {
+        let s = Duration::from_secs;
+        let ttl = Some(s(30));
+        for (why, revoked, observed, expiry, since, want) in [
+            ("revoked before", true, false, ttl, Some(s(1)), Gate::Done),
+            (
+                "a copy we read",
+                false,
+                false,
+                ttl,
+                Some(s(40)),
+                Gate::CountRenewal,
+            ),
+            (
+                "renewed since the decision",
+                false,
+                true,
+                ttl,
+                Some(s(29)),
+                Gate::NotDue,
+            ),
+            ("still due", false, true, ttl, Some(s(30)), Gate::Write),
+            (
+                "a cancel: not timed",
+                false,
+                true,
+                None,
+                Some(s(1)),
+                Gate::Write,
+            ),
+            (
+                "no record: the decision's own",
+                false,
+                true,
+                ttl,
+                None,
+                Gate::Write,
+            ),
+        ] {
+            assert_eq!(gate(revoked, observed, expiry, since), want, "{why}");
+        }
     }
 
     #[test]
