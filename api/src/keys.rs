@@ -15,6 +15,11 @@ pub const LABEL_PARENT: &str = "batchlease.dev/parent";
 /// SDK renews for each worker process in its namespace, so the operator
 /// counts the workers serving a queue even while they hold no TaskLease
 /// (`TaskQueue.status.workers`). Informational: no decision reads it.
+///
+/// On a TaskLease the same key names the WorkerLease of the worker an
+/// offer is addressed to (`spec.offeredTo`): that worker watches the
+/// leases so labelled instead of every lease of its queues, so a lease's
+/// changes are sent to its worker and the operator only.
 pub const LABEL_WORKER: &str = "batchlease.dev/worker";
 /// Annotation on a presence record: the queues the worker serves,
 /// comma-separated.

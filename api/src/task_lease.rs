@@ -96,6 +96,21 @@ use serde::{Deserialize, Serialize};
 .message("holderIdentity may be set once and never changed")
 .field_path(".holderIdentity")
 .reason(Reason::FieldValueForbidden))]
+// Addressed offers: only the addressee claims, and the address is fixed
+// from the claim on (a re-address is a CAS on the still-unclaimed offer,
+// so it and a claim cannot both land).
+#[x_kube(validation = Rule::new(
+    "!has(self.offeredTo) || !has(self.holderIdentity) || self.holderIdentity == '' || self.holderIdentity == self.offeredTo"
+)
+.message("an offer addressed to a worker (offeredTo) may be claimed only by that worker")
+.field_path(".holderIdentity")
+.reason(Reason::FieldValueForbidden))]
+#[x_kube(validation = Rule::new(
+    "!has(self.holderIdentity) || self.holderIdentity == '' || (has(self.offeredTo) == has(oldSelf.offeredTo) && (!has(self.offeredTo) || self.offeredTo == oldSelf.offeredTo))"
+)
+.message("offeredTo may change only while the lease is unclaimed, and not by the claim")
+.field_path(".offeredTo")
+.reason(Reason::FieldValueForbidden))]
 pub struct TaskLeaseSpec {
     /// Name of the BatchTask this lease belongs to. Immutable.
     #[schemars(length(min = 1, max = 253))]
@@ -145,6 +160,14 @@ pub struct TaskLeaseSpec {
     /// renewed per lease and expire it behind a WorkerLease's back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renewal: Option<Renewal>,
+    /// The worker (holder identity) this offer is addressed to; only it may
+    /// claim it. Set, and changed while unclaimed, by the operator alone;
+    /// the lease then carries the label `batchlease.dev/worker` = that
+    /// worker's WorkerLease name, which is what the worker watches. Unset:
+    /// any worker of the queue may claim it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub offered_to: Option<String>,
 }
 
 /// How a held lease is kept alive.
@@ -184,6 +207,7 @@ impl TaskLeaseSpec {
             renew_time: None,
             resource_tokens: BTreeMap::new(),
             renewal: None,
+            offered_to: None,
         }
     }
 }

@@ -83,6 +83,15 @@ pub struct WorkerLeaseSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1000))]
     pub holds: Vec<AttemptRef>,
+    /// How many attempts the worker runs at once. Set: the worker takes
+    /// offers addressed to it (it watches the TaskLeases labelled
+    /// `batchlease.dev/worker` = this object's name), and the operator
+    /// addresses it at most this many, less those it holds; 0 while it
+    /// drains. Unset: it is never addressed (an older worker that watches
+    /// every lease of its queues).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub slots: Option<i32>,
 }
 
 /// One attempt: a TaskLease by name and UID (a name repeats when a task is
@@ -213,6 +222,7 @@ mod tests {
                 lease_duration_seconds: 30,
                 renew_time: None,
                 holds: vec![],
+                slots: None,
             },
         );
         w.metadata.namespace = Some("ns".into());

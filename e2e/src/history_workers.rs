@@ -144,6 +144,7 @@ mod tests {
                 lease_duration_seconds: 30,
                 renew_time: Some(at(renew)),
                 holds: if holds { vec![attempt()] } else { vec![] },
+                slots: None,
             },
         );
         w.metadata.uid = Some("w1".into());

@@ -166,6 +166,7 @@ fn fresh(holder: &str) -> WorkerLease {
             lease_duration_seconds: TTL_SECONDS,
             renew_time: None,
             holds: Vec::new(),
+            slots: None,
         },
     );
     l.metadata.namespace = Some("ns".into());

@@ -27,6 +27,7 @@ fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> WorkerLease {
             )
             .into_iter()
             .collect(),
+            slots: None,
         },
     );
     l.metadata.namespace = Some("ns".into());

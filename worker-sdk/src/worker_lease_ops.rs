@@ -37,6 +37,7 @@ pub fn object(
             lease_duration_seconds: crate::worker_lease::plan::IDLE_DURATION_SECONDS,
             renew_time: Some(MicroTime(now)),
             holds: Vec::new(),
+            slots: None,
         },
     );
     w.metadata.owner_references = owner.map(|o| vec![o]);

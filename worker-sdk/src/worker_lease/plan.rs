@@ -333,6 +333,7 @@ mod tests {
                     lease_duration_seconds: 90,
                     renew_time: None,
                     holds: vec![],
+                    slots: None,
                 },
             );
             w.metadata.uid = uid.map(Into::into);
