@@ -236,6 +236,7 @@ impl Cluster {
                 running_after: std::time::Duration::ZERO,
                 needed_by: None,
                 queue: QueueGate::Open,
+                offer: None,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -289,6 +290,8 @@ impl Cluster {
             | Decision::LookUpLease(_)
             | Decision::FetchLocks(_)
             | Decision::DeleteTask { .. } => None,
+            // The model's offers are not addressed yet (offer: None above).
+            Decision::Readdress { .. } => None,
             Decision::TakeLock(lease) => Some(Write::TakeLock {
                 lease: encode(&*lease),
                 pass: Some(Box::new(pass())),
@@ -406,6 +409,7 @@ impl Cluster {
             running_after: std::time::Duration::ZERO,
             needed_by: None,
             queue: QueueGate::Open,
+            offer: None,
         });
         self.request(s, &task, decision, || pass)
     }

@@ -31,6 +31,8 @@ pub struct Ctx {
     pub worker_leases: Store<WorkerLease>,
     /// What the WorkerLease watch observed (see `worker_leases`).
     pub workers: Arc<WorkerTracker>,
+    /// Offers addressed to workers and still unclaimed ([`crate::offers`]).
+    pub offers: Arc<crate::offers::OfferBook>,
     /// Leases this process created that the watch has not shown yet.
     pub expectations: Expectations,
     pub metrics: Arc<Metrics>,

@@ -23,6 +23,7 @@ use crate::observe::Tracker;
 use crate::queues::QueueBook;
 use crate::reconcile::{error_policy, reconcile};
 use crate::sync_counter::SyncCounter;
+use crate::offers::OfferBook;
 use crate::worker_leases::WorkerTracker;
 
 fn jitter() -> f64 {
@@ -106,6 +107,8 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
     let queues = Arc::new(QueueBook::new(wake_tx.clone()));
     let index = Arc::new(GraphIndex::new(wake_tx));
     let lease_queues = queues.clone();
+    let offers = Arc::new(OfferBook::default());
+    let lease_offers = offers.clone();
     let watch_queues = queues.clone();
     let task_queues = queues.clone();
     let watch_index = index.clone();
@@ -126,9 +129,11 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                 watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
                     tracker.observe(l, now);
                     lease_queues.lease_seen(l, now);
+                    lease_offers.observe(l, now);
                 }
                 watcher::Event::Delete(l) => {
                     tracker.forget(l, now);
+                    lease_offers.forget(&l.namespace().unwrap_or_default(), &l.name_any());
                     lease_queues.lease_gone(l, now);
                     // A deleted task's lock is held until its lease is gone
                     // (see locks::holder): then its waiters may go.
@@ -141,10 +146,12 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
                 watcher::Event::Init => {
                     tracker.list_started();
                     lease_queues.list_started();
+                    lease_offers.list_started();
                 }
                 watcher::Event::InitDone => {
                     tracker.list_done(now);
                     lease_queues.list_done(now);
+                    lease_offers.list_done();
                 }
             }
         })
@@ -204,6 +211,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         tracker: ctx_tracker,
         worker_leases: worker_store,
         workers,
+        offers,
         expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),

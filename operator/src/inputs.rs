@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::context::{Ctx, bounded};
-use crate::decide::{Lookup, QueueGate};
+use crate::decide::{Lookup, OfferView, QueueGate};
 use crate::deps::{self, Readiness};
 use crate::error::Error;
 use crate::locks::{self, Holder, Slot};
@@ -44,6 +44,8 @@ pub struct Gathered {
     pub needed_by: Option<String>,
     /// What the task's queue allows now.
     pub queue_gate: QueueGate,
+    /// The current lease's address while it is an addressed offer.
+    pub offer: Option<OfferView>,
 }
 
 /// The task's leases in the cache (of this incarnation: its UID).
@@ -106,6 +108,10 @@ pub fn gather(ctx: &Ctx, task: &BatchTask, leases: &[Arc<TaskLease>]) -> Gathere
         .then(|| ctx.index.needed_by(&ns, &name))
         .flatten();
     let queue_gate = ctx.queues.peek(&ns, &task.spec.queue, &name, now);
+    let offer = current
+        .as_deref()
+        .and_then(|cur| leases.iter().find(|l| l.name_any() == cur))
+        .and_then(|l| offer_view(ctx, &ns, l, now));
     Gathered {
         now,
         observation,
@@ -113,7 +119,32 @@ pub fn gather(ctx: &Ctx, task: &BatchTask, leases: &[Arc<TaskLease>]) -> Gathere
         readiness,
         needed_by,
         queue_gate,
+        offer,
     }
+}
+
+/// What the operator knows of `lease`'s address, if it is an unclaimed
+/// offer addressed to a worker: since when, and whether that worker's
+/// WorkerLease is still seen renewed.
+fn offer_view(ctx: &Ctx, ns: &str, lease: &TaskLease, now: Instant) -> Option<OfferView> {
+    let to = lease.spec.offered_to.as_deref()?;
+    if lease.spec.holder_identity.is_some() {
+        return None;
+    }
+    let since = ctx.offers.since(ns, &lease.name_any(), to, now);
+    let label = batchlease_api::worker_lease::worker_lease_name(to);
+    let addressee_live = ctx.workers.renewed_at(ns, &label).is_some_and(|at| {
+        ctx.worker_leases
+            .get(&ObjectRef::new(&label).within(ns))
+            .is_some_and(|w| {
+                w.worker() == Some(to)
+                    && now.saturating_duration_since(at) < crate::offers::duration(&w)
+            })
+    });
+    Some(OfferView {
+        since,
+        addressee_live,
+    })
 }
 
 /// Reads the current lease directly (the cache does not show it) and says

@@ -12,6 +12,7 @@ pub mod leader_step;
 pub mod lease_build;
 pub mod locks;
 pub mod observe;
+pub mod offers;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;

@@ -26,7 +26,8 @@ mod supervise;
 mod sync_counter;
 
 use batchlease_operator::{
-    decide, deps, fit, leader_step, lease_build, locks, observe, speculation, status, worker_leases,
+    decide, deps, fit, leader_step, lease_build, locks, observe, offers, speculation, status,
+    worker_leases,
 };
 
 use std::sync::Arc;

@@ -126,6 +126,9 @@ pub struct Metrics {
     pub write_conflicts: Counter,
     /// Attempts revoked on their holder's WorkerLease before an end.
     pub revocations: Counter,
+    /// Offers addressed again (their worker lapsed, or left them
+    /// unclaimed while another had a free slot).
+    pub offers_readdressed: Counter,
     pub is_leader: Gauge,
     graph_cycle_detected: Family<QueueLabels, Counter>,
     lock_acquisition_duration: Histograms,
@@ -155,6 +158,7 @@ impl Metrics {
             reconcile_errors: Family::default(),
             write_conflicts: Counter::default(),
             revocations: Counter::default(),
+            offers_readdressed: Counter::default(),
             is_leader: Gauge::default(),
             graph_cycle_detected: Family::default(),
             lock_acquisition_duration: Family::new_with_constructor(lock_wait_histogram),
@@ -225,6 +229,11 @@ impl Metrics {
             "worker_lease_revocations",
             "Attempts revoked on their holder's WorkerLease before the operator ended them (expiry, cancel)",
             m.revocations.clone(),
+        );
+        r.register(
+            "offers_readdressed",
+            "Offers addressed to another worker, or opened to all, because their worker lapsed or left them unclaimed for a TTL",
+            m.offers_readdressed.clone(),
         );
         r.register(
             "is_leader",

@@ -317,6 +317,15 @@ impl Tracker {
         }
     }
 
+    /// How many leases `holder` holds per worker in `namespace`, as the
+    /// watch shows them (what addressing counts against its slots).
+    pub fn held_count(&self, namespace: &str, holder: &str) -> usize {
+        self.lock()
+            .by_holder
+            .get(&(namespace.to_owned(), holder.to_owned()))
+            .map_or(0, BTreeSet::len)
+    }
+
     /// The leases `holder` holds per worker in `namespace` that are due to
     /// expire at `now` (no renewal observed for their TTL), by name and
     /// UID: one revocation can end them all (a frozen worker's attempts all

@@ -77,6 +77,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
         readiness,
         needed_by,
         queue_gate,
+        offer,
     } = inputs::gather(ctx, task, &leases);
     let lookup_task = |n: &str| ctx.tasks.get(&ObjectRef::new(n).within(&ns));
     let lease_live = |n: &str, u: &str, t: i64| inputs::lease_live(ctx, &ns, n, u, t);
@@ -103,6 +104,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             running_after: ctx.running_after,
             needed_by: needed_by.clone(),
             queue: queue_gate,
+            offer,
         })
     };
     let mut slots: Option<Vec<Slot>> = None;

@@ -63,6 +63,9 @@ pub struct WorkerSeen {
     holds: BTreeSet<AttemptRef>,
     /// Attempts seen listed by this object and, later, no longer listed.
     ended: BTreeSet<AttemptRef>,
+    /// When a renewal of this object was last observed (its first sight
+    /// counts): whether its worker is live, for addressing offers.
+    renewed_at: Instant,
 }
 
 impl WorkerSeen {
@@ -85,6 +88,11 @@ impl WorkerSeen {
     /// The UID of the object the record is of.
     pub fn uid(&self) -> &str {
         &self.uid
+    }
+
+    /// When a renewal of it was last observed.
+    pub fn renewed_at(&self) -> Instant {
+        self.renewed_at
     }
 
     /// The renewal that the deletion of this object, with last state
@@ -184,6 +192,10 @@ pub fn next_worker_seen(
             renew_marker,
             holds,
             ended,
+            renewed_at: match same_object {
+                Some(p) if !renewed => p.renewed_at,
+                _ => now,
+            },
         },
         renewal,
     })
@@ -263,6 +275,15 @@ impl WorkerTracker {
         self.lock().seen.get(&key).is_some_and(|s| {
             s.uid == w.uid().unwrap_or_default() && s.renew_marker == renew_marker(w)
         })
+    }
+
+    /// When a renewal of WorkerLease `name` in `namespace` was last
+    /// observed, if the watch shows it.
+    pub fn renewed_at(&self, namespace: &str, name: &str) -> Option<Instant> {
+        self.lock()
+            .seen
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|s| s.renewed_at)
     }
 
     /// Whether the watch delivered its first complete list: before, an

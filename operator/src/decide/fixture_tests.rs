@@ -2,7 +2,7 @@
 //! [`Case`] to decide), and the names they all use. The tests themselves
 //! are split by concern: `lifecycle_tests.rs` (first write, issue, claim,
 //! expiry), `settle_tests.rs`, `finished_tests.rs`, `graph_tests.rs`,
-//! `cancel_tests.rs`.
+//! `cancel_tests.rs`, `offer_tests.rs`.
 
 pub(super) use super::*;
 pub(super) use crate::deps::Readiness;
@@ -101,6 +101,9 @@ pub(super) struct Case {
     pub(super) running_after: Duration,
     pub(super) needed_by: Option<String>,
     pub(super) queue: QueueGate,
+    /// Seconds since the offer was addressed to its worker, and whether
+    /// that worker is live.
+    pub(super) offer: Option<(u64, bool)>,
 }
 
 impl Case {
@@ -116,7 +119,12 @@ impl Case {
             running_after: Duration::ZERO,
             needed_by: None,
             queue: QueueGate::Open,
+            offer: None,
         }
+    }
+    pub(super) fn offer(mut self, since: u64, live: bool) -> Self {
+        self.offer = Some((since, live));
+        self
     }
     pub(super) fn queue(mut self, gate: QueueGate) -> Self {
         self.queue = gate;
@@ -170,6 +178,10 @@ impl Case {
             running_after: self.running_after,
             needed_by: self.needed_by.clone(),
             queue: self.queue,
+            offer: self.offer.map(|(since, live)| OfferView {
+                since: now - Duration::from_secs(since),
+                addressee_live: live,
+            }),
         })
     }
 }

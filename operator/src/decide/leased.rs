@@ -4,12 +4,16 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use batchlease_api::keys::release_reason;
 use batchlease_api::{BatchTaskStatus, LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
 
 use super::rules::{Next, TOKEN_RETIRED, lost_attempt_wait, release};
 use super::settle::{self, settle};
-use super::types::{Decision, ExpiryReason, Input, LockRelease, QueueGate, ReleaseWhy, Transition};
+use super::types::{
+    Decision, ExpiryReason, Input, LockRelease, OfferView, QueueGate, ReleaseWhy, Transition,
+};
 use crate::locks;
 use crate::status::{self, set_condition};
 
@@ -48,7 +52,7 @@ fn by_phase(
         LeasePhase::Offered if input.queue == QueueGate::Paused => {
             release(lease, ReleaseWhy::QueuePaused)
         }
-        LeasePhase::Offered => Decision::Wait(None),
+        LeasePhase::Offered => offered(input, lease),
         LeasePhase::Held if cancel => release(lease, ReleaseWhy::Cancelled),
         LeasePhase::Held => held(input, current, phase, lease),
         LeasePhase::Completed | LeasePhase::Expired | LeasePhase::Released => {
@@ -199,4 +203,35 @@ fn held(
         lease: Box::new(expired),
         reason,
     }
+}
+
+/// An offer waiting for its claim. One addressed to a worker is addressed
+/// again once that worker lapsed (its WorkerLease not renewed for its
+/// duration) or left it unclaimed for the lease's TTL; an unaddressed one
+/// waits for any worker.
+fn offered(input: &Input<'_>, lease: &TaskLease) -> Decision {
+    let (Some(_), Some(view)) = (lease.spec.offered_to.as_ref(), input.offer) else {
+        return Decision::Wait(None);
+    };
+    match readdress_after(view, lease_ttl(lease), input.now) {
+        None => Decision::Readdress {
+            lease: Box::new(lease.clone()),
+            lapsed: !view.addressee_live,
+        },
+        Some(wait) => Decision::Wait(Some(wait)),
+    }
+}
+
+/// Pure: `None` when an addressed offer is to be addressed again now, else
+/// how long until it is (a TTL unclaimed; at once if its worker lapsed).
+pub(super) fn readdress_after(view: OfferView, ttl: Duration, now: Instant) -> Option<Duration> {
+    if !view.addressee_live {
+        return None;
+    }
+    let left = ttl.saturating_sub(now.saturating_duration_since(view.since));
+    (!left.is_zero()).then_some(left)
+}
+
+fn lease_ttl(lease: &TaskLease) -> Duration {
+    Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1))
 }

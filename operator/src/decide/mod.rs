@@ -37,7 +37,7 @@ use rules::Next;
 pub use rules::{LEASE_MISSING, OFFER_MISSING, TOKEN_RETIRED};
 pub use types::{
     CREATE_SETTLE, Decision, ExpiryReason, Input, IssueCause, KEEP_LEASES, LOCK_RECHECK,
-    LockRelease, Lookup, QUEUE_RECHECK, QueueGate, ReleaseWhy, TTL_RECHECK, Transition,
+    LockRelease, Lookup, OfferView, QUEUE_RECHECK, QueueGate, ReleaseWhy, TTL_RECHECK, Transition,
 };
 
 /// The pure core of the operator.
@@ -179,3 +179,6 @@ mod graph_tests;
 
 #[cfg(test)]
 mod cancel_tests;
+
+#[cfg(test)]
+mod offer_tests;

@@ -61,6 +61,18 @@ pub struct Input<'a> {
     /// before a lease is issued, and a paused queue's offers nobody
     /// claimed yet are withdrawn.
     pub queue: QueueGate,
+    /// The current lease's address while it is an offer addressed to a
+    /// worker (`spec.offeredTo`, [`crate::offers`]); `None` otherwise.
+    pub offer: Option<OfferView>,
+}
+
+/// What the operator knows of an addressed offer: since when (its monotonic
+/// clock) it has been addressed to its current worker, and whether that
+/// worker's WorkerLease is still renewed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OfferView {
+    pub since: Instant,
+    pub addressee_live: bool,
 }
 
 /// What a queue's `TaskQueue` allows at this moment.
@@ -216,6 +228,14 @@ pub enum Decision {
     Release {
         lease: Box<TaskLease>,
         why: ReleaseWhy,
+    },
+    /// Address the offer to another worker, or drop its address, by a CAS
+    /// on the still-unclaimed lease (a claim that lands first wins):
+    /// its worker lapsed (`lapsed`), or left it unclaimed for a TTL
+    /// (moved only to a worker with a free slot now).
+    Readdress {
+        lease: Box<TaskLease>,
+        lapsed: bool,
     },
     /// The queue holds the issue back (its TaskQueue is paused, full or
     /// out of rate tokens): wait to be woken, or as [`QueueGate::wait`]

@@ -10,8 +10,9 @@
 //! lease repair), `lock_writes.rs` (take and give back locks), `report.rs`
 //! (Events and the metrics of transitions), `revoke.rs` (the revocation
 //! on a WorkerLease that comes before ending an attempt renewed per
-//! worker). None imports this file.
+//! worker), `address.rs` (addressed offers). None imports this file.
 
+mod address;
 mod lock_writes;
 pub mod report;
 mod revoke;
@@ -62,6 +63,9 @@ pub async fn apply(ctx: &Ctx, task: &BatchTask, decision: Decision) -> Result<Ac
     match decision {
         Decision::HeldBack(gate) => Ok(held_back(ctx, task, gate)),
         Decision::Release { lease, why } => release(ctx, task, &lease, why).await,
+        Decision::Readdress { lease, lapsed } => {
+            address::readdress(ctx, task, &lease, lapsed).await
+        }
         Decision::Wait(after) => Ok(after.map_or_else(Action::await_change, Action::requeue)),
         Decision::WriteStatus { status, transition } => {
             write_transition(ctx, task, *status, transition).await
@@ -220,10 +224,14 @@ async fn issue(
         ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
     }
     ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
+    // Addressed to one worker if one has a free slot (`offers`): chosen
+    // after the status write, so a pass that failed there took no slot.
+    let lease = &address::address_new(ctx, lease);
     if let Err(e) = create_lease(ctx, lease).await {
         if create_refused(&e) {
             ctx.queues
                 .unreserve(&ns, &queue.queue, &lease_name, true, Instant::now());
+            address::unaddress(ctx, lease);
         }
         return Err(e);
     }

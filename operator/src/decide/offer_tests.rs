@@ -1,0 +1,86 @@
+//! Table tests of [`decide`] on an offer addressed to a worker: when it is
+//! addressed again, and what wins over that.
+
+use super::tests::*;
+
+fn addressed(token: i64, to: Option<&str>) -> Arc<TaskLease> {
+    let mut l = (*lease(token, LeasePhase::Offered, None)).clone();
+    l.spec.offered_to = to.map(Into::into);
+    Arc::new(l)
+}
+
+#[test]
+fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
+    // Leases of the fixture have a 30 s TTL.
+    let ready = || task().phase(TaskPhase::Ready, 1);
+    type Check = fn(&Decision) -> bool;
+    let cases: Vec<(&str, Case, Check)> = vec![
+        (
+            "unaddressed: waits for any worker's claim",
+            Case::new(ready()).leases(vec![addressed(1, None)]),
+            |d| matches!(d, Decision::Wait(None)),
+        ),
+        (
+            "addressed, worker live, 10 s: waits the rest of its TTL",
+            Case::new(ready())
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(10, true),
+            |d| matches!(d, Decision::Wait(Some(w)) if *w == Duration::from_secs(20)),
+        ),
+        (
+            "addressed, worker live, a TTL unclaimed: moved (if someone has a slot)",
+            Case::new(ready())
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(30, true),
+            |d| matches!(d, Decision::Readdress { lapsed: false, .. }),
+        ),
+        (
+            "addressed, worker lapsed: moved at once",
+            Case::new(ready())
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(0, false),
+            |d| matches!(d, Decision::Readdress { lapsed: true, lease } if lease.spec.offered_to.as_deref() == Some("w/1")),
+        ),
+        (
+            "a cancel withdraws it, addressed or not",
+            Case::new(ready().spec(|s| s.cancel = true))
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(0, false),
+            |d| matches!(d, Decision::Release { why: ReleaseWhy::Cancelled, .. }),
+        ),
+        (
+            "a paused queue withdraws it",
+            Case::new(ready())
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(0, false)
+                .queue(QueueGate::Paused),
+            |d| matches!(d, Decision::Release { why: ReleaseWhy::QueuePaused, .. }),
+        ),
+        (
+            "no view of its address (not an offer any more in the cache): waits",
+            Case::new(ready()).leases(vec![addressed(1, Some("w/1"))]),
+            |d| matches!(d, Decision::Wait(None)),
+        ),
+    ];
+    for (what, case, ok) in cases {
+        let d = case.run();
+        assert!(ok(&d), "{what}: got {d:?}");
+    }
+}
+
+#[test]
+fn a_claimed_addressed_offer_is_a_held_lease() {
+    // The claim won the race with a re-address: the lease is followed as
+    // any held lease, whatever the view of its old address says.
+    let mut l = (*lease(1, LeasePhase::Held, Some("w/1"))).clone();
+    l.spec.offered_to = Some("w/1".into());
+    let d = Case::new(task().phase(TaskPhase::Ready, 1))
+        .leases(vec![Arc::new(l)])
+        .observed(0, 0)
+        .offer(100, false)
+        .run();
+    assert!(
+        !matches!(d, Decision::Readdress { .. }),
+        "a held lease is never re-addressed: {d:?}"
+    );
+}

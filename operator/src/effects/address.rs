@@ -1,0 +1,114 @@
+//! The writes of addressed offers (`crate::offers`): the address a new
+//! offer is created with, and a re-address — a CAS on the still-unclaimed
+//! lease, so that a claim landing first wins and the next pass sees it.
+
+use std::time::Duration;
+
+use batchlease_api::{BatchTask, TaskLease};
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use kube::runtime::controller::Action;
+use tokio::time::Instant;
+use tracing::{debug, info};
+
+use crate::context::{Ctx, bounded, classify};
+use crate::error::Error;
+use crate::offers::{self, Candidate};
+
+/// The workers an offer of `queue` in `ns` may be addressed to now; none
+/// before the WorkerLease watch listed once (a new leader does not know
+/// who is live yet: its offers go to anyone, as before addressing).
+fn candidates_now(ctx: &Ctx, ns: &str, queue: &str, now: Instant) -> Vec<Candidate> {
+    if !ctx.workers.listed() {
+        return Vec::new();
+    }
+    let workers: Vec<_> = ctx
+        .worker_leases
+        .state()
+        .into_iter()
+        .filter(|w| w.namespace().as_deref() == Some(ns))
+        .collect();
+    let addressed = ctx.offers.counts(ns);
+    offers::candidates(
+        workers.iter().map(AsRef::as_ref),
+        queue,
+        now,
+        |w| ctx.workers.renewed_at(ns, &w.name_any()),
+        |identity| ctx.tracker.held_count(ns, identity),
+        |identity| addressed.get(identity).copied().unwrap_or(0),
+    )
+}
+
+/// `lease`, a new offer, addressed to the live worker of its queue with
+/// the most free slots (recorded in the book before the create, so the
+/// next pass counts it), or as it is when none has one.
+pub fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
+    let ns = lease.namespace().unwrap_or_default();
+    let now = Instant::now();
+    let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
+    let Some(to) = offers::choose(&candidates, None) else {
+        return lease.clone();
+    };
+    ctx.offers
+        .addressed(&ns, &lease.name_any(), Some(&to.identity), now);
+    offers::addressed(lease, Some(to))
+}
+
+/// The offer was not issued after all: it counts against nobody.
+pub fn unaddress(ctx: &Ctx, lease: &TaskLease) {
+    ctx.offers.addressed(
+        &lease.namespace().unwrap_or_default(),
+        &lease.name_any(),
+        None,
+        Instant::now(),
+    );
+}
+
+/// Addresses `lease` (an unclaimed offer, as cached) again: to another
+/// live worker with a free slot; if its worker `lapsed` and there is none,
+/// to nobody (any worker may claim it). A worker that is live but slow to
+/// claim keeps it while nobody else has a slot: it is looked at again a
+/// TTL later.
+pub async fn readdress(
+    ctx: &Ctx,
+    task: &BatchTask,
+    lease: &TaskLease,
+    lapsed: bool,
+) -> Result<Action, Error> {
+    let ns = lease.namespace().unwrap_or_default();
+    let name = lease.name_any();
+    let from = lease.spec.offered_to.clone().unwrap_or_default();
+    let now = Instant::now();
+    let ttl = Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
+    let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
+    let to = offers::choose(&candidates, Some(&from));
+    if to.is_none() && !lapsed {
+        // Nobody else can take it now: count its wait afresh.
+        ctx.offers.addressed(&ns, &name, Some(&from), now);
+        return Ok(Action::requeue(ttl));
+    }
+    let moved = offers::addressed(lease, to);
+    ctx.leadership.ensure()?;
+    let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
+    let written = bounded(ctx, "offer re-address", async {
+        Ok(api.replace(&name, &PostParams::default(), &moved).await)
+    })
+    .await?;
+    match written {
+        Ok(_) => {
+            let to_name = to.map_or("", |c| c.identity.as_str());
+            ctx.offers
+                .addressed(&ns, &name, to.map(|c| c.identity.as_str()), now);
+            ctx.metrics.offers_readdressed.inc();
+            info!(task = %task.name_any(), namespace = %ns, lease = %name, from = %from, to = %to_name, lapsed, "offer addressed again");
+            Ok(Action::await_change())
+        }
+        // A claim (or another write) landed first: decide on it.
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+            ctx.metrics.write_conflicts.inc();
+            debug!(lease = %name, "re-address lost to a newer write; deciding again on it");
+            Ok(Action::requeue(Duration::from_millis(200)))
+        }
+        Err(e) => Err(classify(ctx, e, "offer re-address")),
+    }
+}

@@ -1,0 +1,258 @@
+//! Addressed offers (issue 27): each offer goes to one worker with a free
+//! slot, which alone watches it — as the kubelet watches only the pods
+//! bound to its node — so a lease's changes are sent to its worker and the
+//! operator, not to every worker of the queue.
+//!
+//! A worker takes addressed offers when its WorkerLease says how many
+//! `slots` it has (`batchlease_api::WorkerLeaseSpec::slots`); it then
+//! watches the TaskLeases labelled `batchlease.dev/worker` with its
+//! WorkerLease's name, and its queues' unaddressed offers. The operator
+//! counts a worker's free slots from its own caches — its slots, less the
+//! leases it holds, less the offers addressed to it (this book, which
+//! records each address as it is written, so two passes in a row do not
+//! give the same last slot twice) — never from a count the worker wrote.
+//!
+//! Safety does not rest on any of this: the CRD lets only the addressee
+//! claim an addressed offer, and a re-address is a CAS on the unclaimed
+//! lease, so a claim and a re-address cannot both land. Addressing is
+//! about cost and liveness: an offer whose worker lapsed, or that its
+//! worker left unclaimed for a TTL while another has a free slot, is
+//! addressed again (`decide::leased`), and with no live candidate its
+//! address is dropped and any worker may claim it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use batchlease_api::keys::LABEL_WORKER;
+use batchlease_api::{LeasePhase, TaskLease, WorkerLease};
+use kube::ResourceExt;
+use tokio::time::Instant;
+
+/// A worker an offer may be addressed to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// Its holder identity (`spec.offeredTo`).
+    pub identity: String,
+    /// Its WorkerLease's name (the label it watches).
+    pub label: String,
+    /// Slots less held leases less offers addressed to it; may be negative
+    /// when it holds more than it now says it has (a drain).
+    pub free: i64,
+}
+
+/// Pure: the candidate to address, if any: the most free slots, ties by
+/// name (deterministic, so tests and the model can say which); never
+/// `exclude` (the worker an offer is being moved away from); and only one
+/// with a free slot.
+pub fn choose<'a>(candidates: &'a [Candidate], exclude: Option<&str>) -> Option<&'a Candidate> {
+    candidates
+        .iter()
+        .filter(|c| c.free > 0 && Some(c.identity.as_str()) != exclude)
+        .min_by(|a, b| b.free.cmp(&a.free).then_with(|| a.label.cmp(&b.label)))
+}
+
+/// Pure: the workers among `workers` (one namespace's WorkerLeases) that
+/// may be addressed an offer of `queue` at `now`: they take addressed
+/// offers, serve the queue, and were seen renewed within their duration.
+/// `renewed(w)`: when the operator last observed a renewal of `w`;
+/// `held(identity)` and `addressed(identity)`: what it counts against
+/// their slots.
+pub fn candidates<'a>(
+    workers: impl IntoIterator<Item = &'a WorkerLease>,
+    queue: &str,
+    now: Instant,
+    renewed: impl Fn(&WorkerLease) -> Option<Instant>,
+    held: impl Fn(&str) -> usize,
+    addressed: impl Fn(&str) -> usize,
+) -> Vec<Candidate> {
+    workers
+        .into_iter()
+        .filter_map(|w| {
+            let slots = w.spec.slots?;
+            let identity = w.worker()?;
+            if !w.spec.queues.iter().any(|q| q == queue) {
+                return None;
+            }
+            let live = renewed(w).is_some_and(|at| now.saturating_duration_since(at) < duration(w));
+            if !live {
+                return None;
+            }
+            let used = held(identity).max(w.holds().len()) + addressed(identity);
+            Some(Candidate {
+                identity: identity.to_owned(),
+                label: w.name_any(),
+                free: i64::from(slots) - i64::try_from(used).unwrap_or(i64::MAX),
+            })
+        })
+        .collect()
+}
+
+/// How long a renewal of `w` counts.
+pub fn duration(w: &WorkerLease) -> Duration {
+    Duration::from_secs(u64::try_from(w.spec.lease_duration_seconds.clamp(1, 3600)).unwrap_or(1))
+}
+
+/// `lease` addressed to `to` (or to nobody): `spec.offeredTo` and the label
+/// its worker watches, which go together.
+pub fn addressed(lease: &TaskLease, to: Option<&Candidate>) -> TaskLease {
+    let mut out = lease.clone();
+    out.spec.offered_to = to.map(|c| c.identity.clone());
+    match to {
+        Some(c) => {
+            out.labels_mut().insert(LABEL_WORKER.to_owned(), c.label.clone());
+        }
+        None => {
+            out.labels_mut().remove(LABEL_WORKER);
+        }
+    }
+    out
+}
+
+/// One addressed offer outstanding: to whom, since when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Address {
+    to: String,
+    since: Instant,
+}
+
+/// The offers this process addressed, or saw addressed, that are still
+/// unclaimed: what a worker's free slots are counted against, and since
+/// when each offer waits for its worker. Fed by the operator's own writes
+/// (before the watch shows them) and by the lease watch (a claim or an end
+/// takes an offer out). A fresh process starts empty and learns the
+/// outstanding addresses from its first list.
+#[derive(Debug, Default)]
+pub struct OfferBook {
+    state: Mutex<BookState>,
+}
+
+type Key = (String, String);
+
+#[derive(Debug, Default)]
+struct BookState {
+    /// (namespace, lease name) → its address.
+    offers: HashMap<Key, Address>,
+    /// During a (re)list of the lease watch: the offers listed, or written
+    /// by this process, so far; at its end the others were deleted unseen.
+    listing: Option<std::collections::HashSet<Key>>,
+}
+
+impl OfferBook {
+    /// The operator wrote (or is about to write) `lease`'s address.
+    pub fn addressed(&self, namespace: &str, lease: &str, to: Option<&str>, now: Instant) {
+        let key = (namespace.to_owned(), lease.to_owned());
+        let mut state = self.lock();
+        if let Some(listing) = &mut state.listing {
+            listing.insert(key.clone());
+        }
+        let offers = &mut state.offers;
+        match to {
+            Some(to) => {
+                offers.insert(
+                    key,
+                    Address {
+                        to: to.to_owned(),
+                        since: now,
+                    },
+                );
+            }
+            None => {
+                offers.remove(&key);
+            }
+        }
+    }
+
+    /// A lease event from the watch: an unclaimed addressed offer is
+    /// (still) outstanding, counted from when this process first saw it
+    /// addressed there; anything else is not.
+    pub fn observe(&self, lease: &TaskLease, now: Instant) {
+        let key = (lease.namespace().unwrap_or_default(), lease.name_any());
+        let offered = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered)
+            && lease.spec.holder_identity.as_deref().is_none_or(str::is_empty);
+        let mut state = self.lock();
+        if let Some(listing) = &mut state.listing {
+            listing.insert(key.clone());
+        }
+        let offers = &mut state.offers;
+        match lease.spec.offered_to.as_deref().filter(|_| offered) {
+            Some(to) => {
+                let same = offers.get(&key).is_some_and(|a| a.to == to);
+                if !same {
+                    offers.insert(
+                        key,
+                        Address {
+                            to: to.to_owned(),
+                            since: now,
+                        },
+                    );
+                }
+            }
+            None => {
+                offers.remove(&key);
+            }
+        }
+    }
+
+    /// The lease left the cache.
+    pub fn forget(&self, namespace: &str, lease: &str) {
+        self.lock()
+            .offers
+            .remove(&(namespace.to_owned(), lease.to_owned()));
+    }
+
+    /// A (re)list of the lease watch begins.
+    pub fn list_started(&self) {
+        self.lock().listing = Some(std::collections::HashSet::new());
+    }
+
+    /// The (re)list ended: an offer it did not list (nor this process
+    /// wrote meanwhile) is gone.
+    pub fn list_done(&self) {
+        let mut state = self.lock();
+        if let Some(listing) = state.listing.take() {
+            state.offers.retain(|k, _| listing.contains(k));
+        }
+    }
+
+    /// Since when `lease` has been addressed to `to`, as this process knows
+    /// it; recorded as `now` if it did not know.
+    pub fn since(&self, namespace: &str, lease: &str, to: &str, now: Instant) -> Instant {
+        let key = (namespace.to_owned(), lease.to_owned());
+        let offers = &mut self.lock().offers;
+        match offers.get(&key) {
+            Some(a) if a.to == to => a.since,
+            _ => {
+                offers.insert(
+                    key,
+                    Address {
+                        to: to.to_owned(),
+                        since: now,
+                    },
+                );
+                now
+            }
+        }
+    }
+
+    /// How many outstanding offers of `namespace` are addressed to each
+    /// worker.
+    pub fn counts(&self, namespace: &str) -> BTreeMap<String, usize> {
+        let mut out: BTreeMap<String, usize> = BTreeMap::new();
+        for ((ns, _), a) in &self.lock().offers {
+            if ns == namespace {
+                *out.entry(a.to.clone()).or_default() += 1;
+            }
+        }
+        out
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BookState> {
+        // A panic while holding this lock leaves plain data behind; keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+#[path = "offers_tests.rs"]
+mod tests;
