@@ -20,10 +20,10 @@ use crate::graph_index::GraphIndex;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::observe::Tracker;
+use crate::offers::OfferBook;
 use crate::queues::QueueBook;
 use crate::reconcile::{error_policy, reconcile};
 use crate::sync_counter::SyncCounter;
-use crate::offers::OfferBook;
 use crate::worker_leases::WorkerTracker;
 
 fn jitter() -> f64 {

@@ -100,7 +100,8 @@ pub fn addressed(lease: &TaskLease, to: Option<&Candidate>) -> TaskLease {
     out.spec.offered_to = to.map(|c| c.identity.clone());
     match to {
         Some(c) => {
-            out.labels_mut().insert(LABEL_WORKER.to_owned(), c.label.clone());
+            out.labels_mut()
+                .insert(LABEL_WORKER.to_owned(), c.label.clone());
         }
         None => {
             out.labels_mut().remove(LABEL_WORKER);
@@ -169,7 +170,11 @@ impl OfferBook {
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let key = (lease.namespace().unwrap_or_default(), lease.name_any());
         let offered = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered)
-            && lease.spec.holder_identity.as_deref().is_none_or(str::is_empty);
+            && lease
+                .spec
+                .holder_identity
+                .as_deref()
+                .is_none_or(str::is_empty);
         let mut state = self.lock();
         if let Some(listing) = &mut state.listing {
             listing.insert(key.clone());

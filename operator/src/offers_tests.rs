@@ -19,25 +19,43 @@ fn choose_table() {
     let over = cand("e/1", -3);
     let name = |x: Option<&Candidate>| x.map(|c| c.identity.clone());
     let first_of_tie = if b.label < c.label { "b/1" } else { "c/1" };
-    let cases: Vec<(&str, Vec<Candidate>, Option<&str>, Option<&str>)> = vec![
+    // (what, candidates, excluded, chosen)
+    type Case<'a> = (&'a str, Vec<Candidate>, Option<&'a str>, Option<&'a str>);
+    let cases: Vec<Case> = vec![
         ("none", vec![], None, None),
-        ("only full or over-committed ones", vec![full.clone(), over.clone()], None, None),
-        ("the most free", vec![a.clone(), b.clone()], None, Some("b/1")),
+        (
+            "only full or over-committed ones",
+            vec![full.clone(), over.clone()],
+            None,
+            None,
+        ),
+        (
+            "the most free",
+            vec![a.clone(), b.clone()],
+            None,
+            Some("b/1"),
+        ),
         (
             "ties by WorkerLease name",
             vec![c.clone(), b.clone(), a.clone()],
             None,
             Some(first_of_tie),
         ),
-        ("never the excluded one", vec![a.clone(), b.clone()], Some("b/1"), Some("a/1")),
-        ("the excluded one alone: none", vec![b.clone()], Some("b/1"), None),
+        (
+            "never the excluded one",
+            vec![a.clone(), b.clone()],
+            Some("b/1"),
+            Some("a/1"),
+        ),
+        (
+            "the excluded one alone: none",
+            vec![b.clone()],
+            Some("b/1"),
+            None,
+        ),
     ];
     for (what, cands, exclude, want) in cases {
-        assert_eq!(
-            name(choose(&cands, exclude)).as_deref(),
-            want,
-            "{what}"
-        );
+        assert_eq!(name(choose(&cands, exclude)).as_deref(), want, "{what}");
     }
 }
 
@@ -118,7 +136,10 @@ fn book_counts_outstanding_offers_and_keeps_their_age() {
     assert_eq!(book.since("ns", "a-1", "w/1", t1), t0);
     // Seen addressed elsewhere: counted from then.
     book.observe(&offer("a-1", Some("w/2"), LeasePhase::Offered, None), t1);
-    assert_eq!(book.since("ns", "a-1", "w/2", t1 + Duration::from_secs(1)), t1);
+    assert_eq!(
+        book.since("ns", "a-1", "w/2", t1 + Duration::from_secs(1)),
+        t1
+    );
     book.observe(&offer("b-1", Some("w/2"), LeasePhase::Offered, None), t1);
     book.observe(&offer("c-1", None, LeasePhase::Offered, None), t1);
     book.observe(&offer("a-1", Some("w/1"), LeasePhase::Offered, None), t1);
@@ -127,7 +148,10 @@ fn book_counts_outstanding_offers_and_keeps_their_age() {
     assert_eq!(counts.get("w/2"), Some(&1));
     assert!(book.counts("other").is_empty());
     // Claimed, ended, dropped, deleted: no longer outstanding.
-    book.observe(&offer("a-1", Some("w/1"), LeasePhase::Held, Some("w/1")), t1);
+    book.observe(
+        &offer("a-1", Some("w/1"), LeasePhase::Held, Some("w/1")),
+        t1,
+    );
     book.addressed("ns", "b-1", None, t1);
     assert!(book.counts("ns").is_empty());
     book.observe(&offer("d-1", Some("w/1"), LeasePhase::Offered, None), t1);
@@ -141,7 +165,10 @@ fn book_counts_outstanding_offers_and_keeps_their_age() {
     book.list_started();
     book.addressed("ns", "g-1", Some("w/1"), t1);
     book.list_done();
-    assert_eq!(book.counts("ns").into_iter().collect::<Vec<_>>(), vec![("w/1".to_owned(), 1)]);
+    assert_eq!(
+        book.counts("ns").into_iter().collect::<Vec<_>>(),
+        vec![("w/1".to_owned(), 1)]
+    );
 }
 
 #[test]
@@ -154,5 +181,8 @@ fn addressing_sets_field_and_label_together() {
     let back = addressed(&to, None);
     assert_eq!(back.spec.offered_to, None);
     assert!(!back.labels().contains_key(LABEL_WORKER));
-    assert_eq!(back.spec.task_name, l.spec.task_name, "nothing else changes");
+    assert_eq!(
+        back.spec.task_name, l.spec.task_name,
+        "nothing else changes"
+    );
 }

@@ -19,7 +19,8 @@ use kube::ResourceExt;
 
 /// `offers` in the order `identity` tries them, without those in `skip`
 /// (leases this worker claimed moments ago, which its cache may still show
-/// offered).
+/// offered) and those addressed to another worker (`spec.offeredTo`: the
+/// API server would refuse the claim).
 pub fn claim_order(
     offers: Vec<Arc<TaskLease>>,
     identity: &str,
@@ -28,6 +29,7 @@ pub fn claim_order(
     let mut keyed: Vec<_> = offers
         .into_iter()
         .filter(|l| !skip.contains(&l.name_any()))
+        .filter(|l| l.spec.offered_to.as_deref().is_none_or(|to| to == identity))
         .map(|l| {
             let second = l
                 .metadata
@@ -86,5 +88,22 @@ mod tests {
         let offers = vec![offer("a-1", 5), offer("b-1", 5)];
         let skip: HashSet<String> = ["a-1".to_owned()].into();
         assert_eq!(names(&claim_order(offers, "w", &skip)), vec!["b-1"]);
+    }
+
+    #[test]
+    fn offers_addressed_to_another_worker_are_never_tried() {
+        let to = |name: &str, w: Option<&str>| {
+            let mut l = (*offer(name, 5)).clone();
+            l.spec.offered_to = w.map(str::to_owned);
+            Arc::new(l)
+        };
+        let offers = vec![
+            to("mine-1", Some("w/1")),
+            to("open-1", None),
+            to("theirs-1", Some("w/2")),
+        ];
+        let mut got = names(&claim_order(offers, "w/1", &HashSet::new()));
+        got.sort();
+        assert_eq!(got, vec!["mine-1", "open-1"]);
     }
 }

@@ -68,6 +68,9 @@ pub use attempt::Ended;
 // SDK's order to cost the API server what SDK workers cost it.
 #[doc(hidden)]
 pub use claim_order::claim_order;
+// And watch what the SDK watches (its offers' label selectors).
+#[doc(hidden)]
+pub use worker::offer_selectors;
 // And write the SDK's presence record, at its period.
 #[doc(hidden)]
 pub use presence::{PERIOD as PRESENCE_PERIOD, record as presence_record};

@@ -6,12 +6,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batchlease_api::keys::LABEL_QUEUE;
-use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, WatchBackoff, check_current};
-use futures::StreamExt;
+use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, check_current};
 use kube::api::Api;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use rand::Rng;
 use tokio::sync::{Notify, Semaphore};
@@ -31,7 +28,9 @@ use crate::metrics::WorkerMetrics;
 use crate::registry::Registry;
 use crate::worker_lease::{Renewer, WorkerLeases};
 
+mod offer_watch;
 mod start;
+pub use offer_watch::selectors as offer_selectors;
 use start::AttemptStart;
 
 /// Configures a [`Worker`].
@@ -277,35 +276,14 @@ impl Worker {
         let handler = Arc::new(handler);
         let leases: Api<TaskLease> = Api::namespaced(self.client.clone(), &self.namespace);
         let tasks: Api<BatchTask> = Api::namespaced(self.client.clone(), &self.namespace);
-        let selector = format!("{LABEL_QUEUE} in ({})", self.queues.join(","));
-        let (store, writer) = reflector::store();
         let changed = Arc::new(Notify::new());
         let stop_watch = CancellationToken::new();
-        // The watch task ends with `run`, even when `run`'s future is dropped.
+        // The watches end with `run`, even when `run`'s future is dropped.
         let _stop_watch = stop_watch.clone().drop_guard();
-        {
-            let (changed, stop) = (changed.clone(), stop_watch.clone());
-            // Wake the claim loop on every event, InitDone included: during a
-            // list the reflector buffers objects and fills the store only at
-            // the list's end, so an object event alone can arrive before the
-            // store shows it.
-            let stream = watcher(leases.clone(), watcher::Config::default().labels(&selector))
-                .backoff(WatchBackoff::new(rand::random))
-                .reflect(writer);
-            tokio::spawn(async move {
-                futures::pin_mut!(stream);
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        ev = stream.next() => match ev {
-                            Some(Ok(_)) => changed.notify_one(),
-                            Some(Err(e)) => warn!(error = %batchlease_api::Chain(&e), "lease watch"),
-                            None => return,
-                        }
-                    }
-                }
-            });
-        }
+        // Renewing per worker, it tells the operator its slots and takes
+        // offers addressed to it (`offer_watch`).
+        let selectors = offer_watch::selectors(&self.queues, &self.identity, self.renew_per_worker);
+        let stores = offer_watch::spawn(&leases, &selectors, &changed, &stop_watch);
         // The presence record ends with `run` too (deleted on the way out).
         // Renewed per worker, the WorkerLease is the presence record: its
         // renewer runs on the heartbeat runtime with the heartbeat client,
@@ -317,6 +295,7 @@ impl Worker {
                 api: Api::namespaced(self.heartbeats.client(), &self.namespace),
                 identity: self.identity.clone(),
                 queues: self.queues.clone(),
+                slots: Some(i32::try_from(self.slots).unwrap_or(i32::MAX)),
                 leases: leases.clone(),
             };
             let runtime = self
@@ -376,7 +355,7 @@ impl Worker {
             while let Ok(permit) = slots.clone().try_acquire_owned() {
                 let skip: HashSet<String> = just_claimed.keys().cloned().collect();
                 let claimed = self
-                    .claim_one(&leases, &tasks, &store, &skip, worker_leases.as_ref())
+                    .claim_one(&leases, &tasks, &stores, &skip, worker_leases.as_ref())
                     .await;
                 let (held, task, sent) = match claimed {
                     Claim::Claimed(held, task, sent) => {
@@ -480,7 +459,8 @@ impl Worker {
         }
     }
 
-    /// Claims one offered lease of our queues, oldest second first and
+    /// Claims one offered lease of our queues (addressed to nobody or to
+    /// this worker), oldest second first and
     /// spread across workers within a second (see `claim_order`), after a small
     /// random delay against thundering herds. Only a lease that is its
     /// task's current one (design §3.1: name, token, task UID and owner
@@ -490,7 +470,7 @@ impl Worker {
         &self,
         api: &Api<TaskLease>,
         tasks: &Api<BatchTask>,
-        store: &Store<TaskLease>,
+        stores: &[Store<TaskLease>],
         just_claimed: &HashSet<String>,
         worker_leases: Option<&WorkerLeases>,
     ) -> Claim {
@@ -502,9 +482,9 @@ impl Worker {
             );
             return Claim::Nothing;
         }
-        let offered: Vec<Arc<TaskLease>> = store
-            .state()
-            .into_iter()
+        let offered: Vec<Arc<TaskLease>> = stores
+            .iter()
+            .flat_map(Store::state)
             .filter(|l| l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered))
             .filter(|l| self.queues.contains(&l.spec.queue))
             .collect();

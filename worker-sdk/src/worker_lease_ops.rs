@@ -21,11 +21,13 @@ pub enum Written {
     Refused { code: u16, message: String },
 }
 
-/// The WorkerLease of `identity` serving `queues`, holding nothing,
-/// renewed at `now`, owned by `owner` (the worker's pod) if known.
+/// The WorkerLease of `identity` serving `queues` with `slots` (`None`:
+/// it takes no addressed offers), holding nothing, renewed at `now`, owned
+/// by `owner` (the worker's pod) if known.
 pub fn object(
     identity: &str,
     queues: &[String],
+    slots: Option<i32>,
     owner: Option<OwnerReference>,
     now: Timestamp,
 ) -> WorkerLease {
@@ -37,7 +39,7 @@ pub fn object(
             lease_duration_seconds: crate::worker_lease::plan::IDLE_DURATION_SECONDS,
             renew_time: Some(MicroTime(now)),
             holds: Vec::new(),
-            slots: None,
+            slots,
         },
     );
     w.metadata.owner_references = owner.map(|o| vec![o]);
@@ -131,10 +133,12 @@ pub async fn renew(
     ours: &WorkerLease,
     holds: Vec<AttemptRef>,
     lease_duration_seconds: i32,
+    slots: Option<i32>,
     renew_time: Timestamp,
 ) -> Result<Written, Error> {
     let mut w = ours.clone();
     w.spec.holds = holds;
+    w.spec.slots = slots;
     w.spec.lease_duration_seconds = lease_duration_seconds;
     w.spec.renew_time = Some(MicroTime(renew_time));
     // The status is the operator's (a subresource): not ours to send.
@@ -184,6 +188,7 @@ mod tests {
         let w = object(
             "pod-1/00beef",
             &["a".to_owned()],
+            Some(3),
             owner,
             Timestamp::from_second(1).unwrap(),
         );
@@ -195,6 +200,7 @@ mod tests {
         assert!(w.holds().is_empty());
         assert_eq!(w.spec.lease_duration_seconds, 90);
         assert_eq!(w.spec.queues, ["a"]);
+        assert_eq!(w.spec.slots, Some(3));
         let o = &w.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
             (o.kind.as_str(), o.name.as_str(), o.uid.as_str()),

@@ -46,7 +46,15 @@ fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
             Case::new(ready().spec(|s| s.cancel = true))
                 .leases(vec![addressed(1, Some("w/1"))])
                 .offer(0, false),
-            |d| matches!(d, Decision::Release { why: ReleaseWhy::Cancelled, .. }),
+            |d| {
+                matches!(
+                    d,
+                    Decision::Release {
+                        why: ReleaseWhy::Cancelled,
+                        ..
+                    }
+                )
+            },
         ),
         (
             "a paused queue withdraws it",
@@ -54,7 +62,15 @@ fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
                 .leases(vec![addressed(1, Some("w/1"))])
                 .offer(0, false)
                 .queue(QueueGate::Paused),
-            |d| matches!(d, Decision::Release { why: ReleaseWhy::QueuePaused, .. }),
+            |d| {
+                matches!(
+                    d,
+                    Decision::Release {
+                        why: ReleaseWhy::QueuePaused,
+                        ..
+                    }
+                )
+            },
         ),
         (
             "no view of its address (not an offer any more in the cache): waits",

@@ -233,10 +233,7 @@ pub enum Decision {
     /// on the still-unclaimed lease (a claim that lands first wins):
     /// its worker lapsed (`lapsed`), or left it unclaimed for a TTL
     /// (moved only to a worker with a free slot now).
-    Readdress {
-        lease: Box<TaskLease>,
-        lapsed: bool,
-    },
+    Readdress { lease: Box<TaskLease>, lapsed: bool },
     /// The queue holds the issue back (its TaskQueue is paused, full or
     /// out of rate tokens): wait to be woken, or as [`QueueGate::wait`]
     /// says.

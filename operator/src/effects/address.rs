@@ -79,7 +79,8 @@ pub async fn readdress(
     let name = lease.name_any();
     let from = lease.spec.offered_to.clone().unwrap_or_default();
     let now = Instant::now();
-    let ttl = Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
+    let ttl =
+        Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
     let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
     let to = offers::choose(&candidates, Some(&from));
     if to.is_none() && !lapsed {

@@ -75,6 +75,13 @@ pub fn lease_duration_seconds(ttls: impl IntoIterator<Item = Duration>) -> i32 {
         .clamp(MIN_DURATION_SECONDS, MAX_DURATION_SECONDS)
 }
 
+/// Pure: the slots to write — `slots` while the worker claims, 0 once it
+/// stopped claiming (draining: nothing more is addressed to it), nothing
+/// for a worker that takes no addressed offers.
+pub fn slots(slots: Option<i32>, draining: bool) -> Option<i32> {
+    slots.map(|n| if draining { 0 } else { n.max(0) })
+}
+
 /// The `renewTime` to write: the wall clock, unless that is not strictly
 /// after the last one written (the clock stepped back, or two renewals
 /// within its resolution) — then the last one plus 1 µs. The operator
@@ -193,6 +200,15 @@ mod tests {
 
     fn s(n: u64) -> Duration {
         Duration::from_secs(n)
+    }
+
+    #[test]
+    fn slots_are_written_while_claiming_and_zero_while_draining() {
+        assert_eq!(slots(None, false), None, "takes no addressed offers");
+        assert_eq!(slots(None, true), None);
+        assert_eq!(slots(Some(4), false), Some(4));
+        assert_eq!(slots(Some(4), true), Some(0));
+        assert_eq!(slots(Some(-1), false), Some(0));
     }
 
     #[test]

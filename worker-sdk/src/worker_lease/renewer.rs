@@ -31,6 +31,10 @@ pub(crate) struct Renewer {
     pub(crate) api: Api<WorkerLease>,
     pub(crate) identity: String,
     pub(crate) queues: Vec<String>,
+    /// Its slots, when it takes addressed offers (`WorkerLeaseSpec::slots`):
+    /// written as 0 once it stops claiming, so nothing more is addressed
+    /// to it while it drains.
+    pub(crate) slots: Option<i32>,
     pub(crate) leases: WorkerLeases,
 }
 
@@ -51,7 +55,11 @@ impl Renewer {
             let held = self.held();
             let due = retry_at.unwrap_or_else(|| plan::next_renewal(last_ok_sent, &held));
             tokio::select! {
-                () = stop.cancelled(), if !stop.is_cancelled() => continue,
+                // Draining: say so (slots 0) at once.
+                () = stop.cancelled(), if !stop.is_cancelled() => {
+                    retry_at = Some(Instant::now());
+                    continue;
+                }
                 () = self.leases.shared.wake.notified() => continue,
                 () = sleep_until(due) => {}
             }
@@ -61,6 +69,7 @@ impl Renewer {
                 let desired = ops::object(
                     &self.identity,
                     &self.queues,
+                    plan::slots(self.slots, stop.is_cancelled()),
                     ops::pod_owner(),
                     Timestamp::now(),
                 );
@@ -112,7 +121,14 @@ impl Renewer {
             let sent = Instant::now();
             let written = timeout(
                 budget,
-                ops::renew(&self.api, current, holds, duration, renew_time),
+                ops::renew(
+                    &self.api,
+                    current,
+                    holds,
+                    duration,
+                    plan::slots(self.slots, stop.is_cancelled()),
+                    renew_time,
+                ),
             )
             .await;
             match written {
@@ -328,6 +344,7 @@ mod tests {
             api: Api::namespaced(client, "ns"),
             identity: "pod-1/00beef".into(),
             queues: vec!["q".into()],
+            slots: Some(2),
             leases: leases.clone(),
         }
     }
@@ -418,7 +435,7 @@ mod tests {
         let _ma = leases.register(attempt("a"), a.clone(), t0);
         let _mb = leases.register(attempt("b"), b.clone(), t0);
         let named = r.named();
-        let mut copy = ops::object("pod-1/00beef", &[], None, Timestamp::now());
+        let mut copy = ops::object("pod-1/00beef", &[], None, None, Timestamp::now());
         copy.revoke(attempt("a"));
         r.revoke(&copy);
         assert_eq!(a.kill_reason(), Some(KillReason::Revoked));
@@ -446,7 +463,7 @@ mod tests {
         leases.lock().live = true;
         let r = renewer(&leases);
         let t0 = Instant::now();
-        let mut fresh = ops::object("pod-1/00beef", &[], None, Timestamp::now());
+        let mut fresh = ops::object("pod-1/00beef", &[], None, None, Timestamp::now());
         fresh.revoke(attempt("c"));
         r.revoke(&fresh);
         let c = fence(30, t0);

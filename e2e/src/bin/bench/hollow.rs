@@ -3,8 +3,9 @@
 //! API server — its own identity, its own watch, its own slots, its own
 //! claims, renewals, completions and presence record — but runs no
 //! handler, so a thousand fit in one process. What the API server and etcd
-//! serve is the same requests an SDK worker makes: the watch with the
-//! SDK's selector (every TaskLease of the queue), the read of the task
+//! serve is the same requests an SDK worker makes: the watches with the
+//! SDK's selectors (every TaskLease of the queue; renewing per worker,
+//! the leases addressed to it and the queue's unaddressed offers), the read of the task
 //! before a claim, the claim, a renewal per held lease every TTL/3 from
 //! when the last one was sent, the completion, and a presence Lease every
 //! 10 s. The writes, the claim order and the presence record are the SDK's
@@ -30,7 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use batchlease_api::keys::{LABEL_QUEUE, presence_name};
+use batchlease_api::keys::presence_name;
 use batchlease_api::worker_lease::{refresh_period, worker_lease_name};
 use batchlease_api::{
     AttemptRef, BatchTask, LeaseOutcome, LeasePhase, Renewal as Mode, TaskLease, WatchBackoff,
@@ -38,7 +39,7 @@ use batchlease_api::{
 };
 use batchlease_worker_sdk::lease_ops::{self, Renewal};
 use batchlease_worker_sdk::worker_lease_ops::{self, Adopted, Written};
-use batchlease_worker_sdk::{PRESENCE_PERIOD, claim_order, presence_record};
+use batchlease_worker_sdk::{PRESENCE_PERIOD, claim_order, offer_selectors, presence_record};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
@@ -87,6 +88,8 @@ pub struct Fleet {
     workers: Vec<(CancellationToken, String)>,
     /// Slots per worker, grown by [`Fleet::add_slots`].
     slots: Vec<Arc<Semaphore>>,
+    /// How many slots each worker has (what its WorkerLease says).
+    slot_count: Arc<AtomicU64>,
 }
 
 impl Drop for Fleet {
@@ -110,6 +113,7 @@ impl Fleet {
     ) -> Fleet {
         let stats = Arc::new(Stats::default());
         let stop = CancellationToken::new();
+        let slot_count = Arc::new(AtomicU64::new(u64::try_from(slots).unwrap_or(0)));
         let mut workers = Vec::with_capacity(n);
         let mut sems = Vec::with_capacity(n);
         for i in 0..n {
@@ -130,6 +134,7 @@ impl Fleet {
                 claimed: Notify::new(),
                 identity: identity.clone(),
                 slots: sem.clone(),
+                slot_count: slot_count.clone(),
                 stats: stats.clone(),
                 freeze: freeze.clone(),
                 freed: Notify::new(),
@@ -143,6 +148,7 @@ impl Fleet {
             stop,
             workers,
             slots: sems,
+            slot_count,
         }
     }
 
@@ -151,6 +157,8 @@ impl Fleet {
         for s in &self.slots {
             s.add_permits(n);
         }
+        self.slot_count
+            .fetch_add(u64::try_from(n).unwrap_or(0), Ordering::Relaxed);
     }
 
     /// Freezes the worker holding the most leases (as a SIGSTOP would);
@@ -196,6 +204,8 @@ struct Hollow {
     claimed: Notify,
     identity: String,
     slots: Arc<Semaphore>,
+    /// What its WorkerLease says it has (addressed offers).
+    slot_count: Arc<AtomicU64>,
     stats: Arc<Stats>,
     freeze: CancellationToken,
     /// A slot came free (the claim loop looks at the offers again).
@@ -264,12 +274,21 @@ impl Hollow {
         offers: Arc<std::sync::Mutex<HashMap<String, Arc<TaskLease>>>>,
         changed: Arc<Notify>,
     ) {
-        let selector = format!("{LABEL_QUEUE} in ({QUEUE})");
-        let stream = watcher(
-            self.leases.clone(),
-            watcher::Config::default().labels(&selector),
-        )
-        .backoff(WatchBackoff::new(rand::random));
+        // The SDK's selectors: renewing per worker, its own offers and the
+        // queue's unaddressed ones (two watches, merged).
+        let selectors = offer_selectors(
+            &[QUEUE.to_owned()],
+            &self.identity,
+            self.mode == Mode::Worker,
+        );
+        let stream = futures::stream::select_all(selectors.iter().map(|selector| {
+            watcher(
+                self.leases.clone(),
+                watcher::Config::default().labels(selector),
+            )
+            .backoff(WatchBackoff::new(rand::random))
+            .boxed()
+        }));
         futures::pin_mut!(stream);
         loop {
             let ev = tokio::select! {
@@ -422,6 +441,10 @@ impl Hollow {
         }
     }
 
+    fn slot_count(&self) -> i32 {
+        i32::try_from(self.slot_count.load(Ordering::Relaxed)).unwrap_or(i32::MAX)
+    }
+
     fn held_lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<AttemptRef, CancellationToken>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -430,8 +453,13 @@ impl Hollow {
     /// every TTL/3 while it holds anything (30 s idle), listing the
     /// attempts held; a conflict re-reads it and ends every revoked one.
     async fn renew_worker_lease(self: Arc<Self>) {
-        let desired =
-            worker_lease_ops::object(&self.identity, &[QUEUE.to_owned()], None, Timestamp::now());
+        let desired = worker_lease_ops::object(
+            &self.identity,
+            &[QUEUE.to_owned()],
+            Some(self.slot_count()),
+            None,
+            Timestamp::now(),
+        );
         let mut ours = loop {
             match worker_lease_ops::create_or_adopt(&self.worker_leases, &desired).await {
                 Ok(Adopted::Ours(w)) => break *w,
@@ -469,7 +497,16 @@ impl Hollow {
             let now = Timestamp::now().max(last + Duration::from_micros(1));
             last = now;
             let ttl = i32::try_from(self.ttl_seconds.max(5)).unwrap_or(30);
-            match worker_lease_ops::renew(&self.worker_leases, &ours, holds, ttl, now).await {
+            match worker_lease_ops::renew(
+                &self.worker_leases,
+                &ours,
+                holds,
+                ttl,
+                Some(self.slot_count()),
+                now,
+            )
+            .await
+            {
                 Ok(Written::Stored(w)) => {
                     Stats::inc(&self.stats.renewals);
                     ours = *w;
