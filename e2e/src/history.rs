@@ -220,6 +220,7 @@ impl History {
             &self.workers(),
             &leases,
         ));
+        out.extend(crate::history_workers::check_addressed(&leases));
         out.extend(crate::history_graph::check_graph(&tasks));
         out.extend(crate::history_graph::check_lock_leases(&leases));
         let uids: BTreeSet<String> = tasks

@@ -14,9 +14,19 @@
 //!   seen next `Expired`, or `Released` with its holder) was revoked first
 //!   in its holder's WorkerLease — unless, at the end, that WorkerLease had
 //!   never listed the attempt or was gone.
+//!
+//! And for addressed offers (`check_addressed`):
+//! - a claim of an offer addressed to a worker (`spec.offeredTo`) names
+//!   that worker: the version before the claim was addressed to it or to
+//!   nobody;
+//! - the address never changes once the lease is claimed;
+//! - an addressed offer carries the label its worker watches
+//!   (`batchlease.dev/worker` = its WorkerLease's name), and an
+//!   unaddressed one none.
 
 use std::collections::BTreeMap;
 
+use batchlease_api::keys::LABEL_WORKER;
 use batchlease_api::worker_lease::worker_lease_name;
 use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
 use kube::ResourceExt;
@@ -110,6 +120,54 @@ pub fn check_worker_leases(workers: &[Recorded], leases: &[Recorded]) -> Vec<Str
             out.push(format!(
                 "lease {} of {holder} ended {:?} (resourceVersion {end}) while its WorkerLease (resourceVersion {}) listed it unrevoked",
                 attempt.name, phase, at_end.rv
+            ));
+        }
+    }
+    out
+}
+
+/// The rules of addressed offers over recorded TaskLease changes (watch
+/// order: each lease's versions in order).
+pub fn check_addressed(leases: &[Recorded]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut last: BTreeMap<String, &TaskLease> = BTreeMap::new();
+    for r in leases {
+        let Change::Lease(l) = &r.change else {
+            continue;
+        };
+        let name = l.name_any();
+        let offered = l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered);
+        if offered {
+            let label = l.labels().get(LABEL_WORKER);
+            let want = l.spec.offered_to.as_deref().map(worker_lease_name);
+            if label != want.as_ref() {
+                out.push(format!(
+                    "lease {name} (resourceVersion {}): offered to {:?} but labelled {LABEL_WORKER}={label:?}",
+                    rv(l.as_ref()),
+                    l.spec.offered_to
+                ));
+            }
+        }
+        let Some(before) = last.insert(l.uid().unwrap_or_default(), l.as_ref()) else {
+            continue;
+        };
+        let holder = l.spec.holder_identity.as_deref();
+        let claim = before.spec.holder_identity.is_none() && holder.is_some();
+        if claim
+            && let Some(to) = before.spec.offered_to.as_deref()
+            && holder != Some(to)
+        {
+            out.push(format!(
+                "lease {name}: claimed by {holder:?} (resourceVersion {}) while addressed to {to}",
+                rv(l.as_ref())
+            ));
+        }
+        if before.spec.holder_identity.is_some() && before.spec.offered_to != l.spec.offered_to {
+            out.push(format!(
+                "lease {name}: addressed again after its claim (resourceVersion {}): {:?} → {:?}",
+                rv(l.as_ref()),
+                before.spec.offered_to,
+                l.spec.offered_to
             ));
         }
     }
@@ -218,5 +276,69 @@ mod tests {
         // A completion by the holder needs no revocation.
         let completed = [held, lease(14, LeasePhase::Completed)];
         assert!(check_worker_leases(&not_revoked, &completed).is_empty());
+    }
+
+    fn offer(rv: u64, to: Option<&str>, label: Option<&str>, holder: Option<&str>) -> Recorded {
+        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
+        l.metadata.uid = Some("l1".into());
+        l.metadata.resource_version = Some(rv.to_string());
+        l.spec.offered_to = to.map(Into::into);
+        if let Some(label) = label {
+            l.labels_mut().insert(LABEL_WORKER.into(), label.into());
+        }
+        l.spec.holder_identity = holder.map(Into::into);
+        l.status = Some(TaskLeaseStatus {
+            phase: Some(if holder.is_some() {
+                LeasePhase::Held
+            } else {
+                LeasePhase::Offered
+            }),
+            ..Default::default()
+        });
+        Recorded {
+            at: 0.0,
+            change: Change::Lease(Box::new(l)),
+        }
+    }
+
+    #[test]
+    fn what_the_address_rules_accept_and_refuse() {
+        let a = worker_lease_name("a/1");
+        let b = worker_lease_name("b/1");
+        let ok = [
+            offer(1, Some("a/1"), Some(&a), None),
+            offer(2, Some("b/1"), Some(&b), None),
+            offer(3, Some("b/1"), Some(&b), Some("b/1")),
+        ];
+        assert_eq!(check_addressed(&ok), Vec::<String>::new());
+        let open = [
+            offer(1, None, None, None),
+            offer(2, None, None, Some("c/1")),
+        ];
+        assert_eq!(check_addressed(&open), Vec::<String>::new());
+
+        let stolen = [
+            offer(1, Some("a/1"), Some(&a), None),
+            offer(2, Some("a/1"), Some(&a), Some("c/1")),
+        ];
+        let v = check_addressed(&stolen);
+        assert!(
+            v.len() == 1 && v[0].contains("while addressed to a/1"),
+            "{v:?}"
+        );
+
+        let moved = [
+            offer(1, Some("a/1"), Some(&a), Some("a/1")),
+            offer(2, Some("b/1"), Some(&b), Some("a/1")),
+        ];
+        let v = check_addressed(&moved);
+        assert!(v.len() == 1 && v[0].contains("after its claim"), "{v:?}");
+
+        let unlabelled = [
+            offer(1, Some("a/1"), None, None),
+            offer(2, None, Some(&a), None),
+        ];
+        let v = check_addressed(&unlabelled);
+        assert_eq!(v.len(), 2, "{v:?}");
     }
 }

@@ -200,6 +200,26 @@ async fn only_the_holder_may_write_a_held_lease() {
     let mut squatted = offered.clone();
     squatted.spec.holder_identity = Some("wa/1".into());
     assert_denied(write(&as_a, &squatted, false).await, "not leave it Offered");
+    // Nor may a worker address an offer to itself: not with its claim
+    // (the CRD: the address is fixed from the claim on), not before it
+    // (this policy: an offer is written only to claim it).
+    let mut self_addressed = claim(offered.clone(), "wa/1");
+    self_addressed.spec.offered_to = Some("wa/1".into());
+    let s = write(&as_a, &self_addressed, false)
+        .await
+        .expect_err("a claim that changes offeredTo");
+    assert!(
+        s.code == 422
+            && s.message
+                .contains("offeredTo may change only while the lease is unclaimed"),
+        "{s:?}"
+    );
+    let mut readdressed = offered.clone();
+    readdressed.spec.offered_to = Some("wa/1".into());
+    assert_denied(
+        write(&as_a, &readdressed, false).await,
+        "not leave it Offered",
+    );
     // Without a pod-bound token the principal is `user:<user name>`: no
     // user can pass for a pod.
     let plain_kc = kubectl::service_account_kubeconfig(n, "worker", &dir).unwrap();

@@ -42,14 +42,34 @@ pub struct Candidate {
 }
 
 /// Pure: the candidate to address, if any: the most free slots, ties by
-/// name (deterministic, so tests and the model can say which); never
-/// `exclude` (the worker an offer is being moved away from); and only one
-/// with a free slot.
+/// name (deterministic, so tests and the model can say which), never
+/// `exclude` (the worker an offer is being moved away from). When every
+/// slot is taken the offer still goes to the least loaded worker, where it
+/// waits for a slot of its own: a backlog is spread over the fleet's
+/// watches, not sent to all of them.
 pub fn choose<'a>(candidates: &'a [Candidate], exclude: Option<&str>) -> Option<&'a Candidate> {
     candidates
         .iter()
-        .filter(|c| c.free > 0 && Some(c.identity.as_str()) != exclude)
+        .filter(|c| Some(c.identity.as_str()) != exclude)
         .min_by(|a, b| b.free.cmp(&a.free).then_with(|| a.label.cmp(&b.label)))
+}
+
+/// Pure: where an addressed offer goes when it is addressed again — `Some(Some(c))`
+/// to `c`, `Some(None)` to nobody (any worker may claim it), `None` stays
+/// where it is. A live worker slow to claim keeps it unless another has a
+/// free slot now; one that lapsed loses it to the best other live worker,
+/// or to nobody.
+pub fn readdress<'a>(
+    candidates: &'a [Candidate],
+    from: &str,
+    lapsed: bool,
+) -> Option<Option<&'a Candidate>> {
+    match choose(candidates, Some(from)) {
+        Some(c) if lapsed || c.free > 0 => Some(Some(c)),
+        Some(_) => None,
+        None if lapsed => Some(None),
+        None => None,
+    }
 }
 
 /// Pure: the workers among `workers` (one namespace's WorkerLeases) that

@@ -24,12 +24,6 @@ fn choose_table() {
     let cases: Vec<Case> = vec![
         ("none", vec![], None, None),
         (
-            "only full or over-committed ones",
-            vec![full.clone(), over.clone()],
-            None,
-            None,
-        ),
-        (
             "the most free",
             vec![a.clone(), b.clone()],
             None,
@@ -53,9 +47,54 @@ fn choose_table() {
             Some("b/1"),
             None,
         ),
+        (
+            "every slot taken: the least loaded",
+            vec![over.clone(), full.clone()],
+            None,
+            Some("d/1"),
+        ),
     ];
     for (what, cands, exclude, want) in cases {
         assert_eq!(name(choose(&cands, exclude)).as_deref(), want, "{what}");
+    }
+}
+
+#[test]
+fn readdress_table() {
+    let from = cand("a/1", 0);
+    let free = cand("b/1", 1);
+    let busy = cand("c/1", 0);
+    let to = |r: Option<Option<&Candidate>>| r.map(|c| c.map(|c| c.identity.clone()));
+    // (what, candidates, lapsed, outcome: None stays, Some(None) to nobody)
+    type Case<'a> = (&'a str, Vec<Candidate>, bool, Option<Option<&'a str>>);
+    let cases: Vec<Case> = vec![
+        (
+            "slow, another has a slot: moved",
+            vec![from.clone(), free.clone()],
+            false,
+            Some(Some("b/1")),
+        ),
+        (
+            "slow, the others are busy: stays",
+            vec![from.clone(), busy.clone()],
+            false,
+            None,
+        ),
+        ("slow, alone: stays", vec![from.clone()], false, None),
+        (
+            "lapsed, others busy: to the least loaded",
+            vec![busy.clone()],
+            true,
+            Some(Some("c/1")),
+        ),
+        ("lapsed, nobody else: to nobody", vec![], true, Some(None)),
+    ];
+    for (what, cands, lapsed, want) in cases {
+        assert_eq!(
+            to(readdress(&cands, "a/1", lapsed)),
+            want.map(|o| o.map(str::to_owned)),
+            "{what}"
+        );
     }
 }
 

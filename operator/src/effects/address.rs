@@ -41,7 +41,7 @@ fn candidates_now(ctx: &Ctx, ns: &str, queue: &str, now: Instant) -> Vec<Candida
 
 /// `lease`, a new offer, addressed to the live worker of its queue with
 /// the most free slots (recorded in the book before the create, so the
-/// next pass counts it), or as it is when none has one.
+/// next pass counts it), or as it is when its queue has no such worker.
 pub fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
     let ns = lease.namespace().unwrap_or_default();
     let now = Instant::now();
@@ -64,11 +64,11 @@ pub fn unaddress(ctx: &Ctx, lease: &TaskLease) {
     );
 }
 
-/// Addresses `lease` (an unclaimed offer, as cached) again: to another
-/// live worker with a free slot; if its worker `lapsed` and there is none,
-/// to nobody (any worker may claim it). A worker that is live but slow to
-/// claim keeps it while nobody else has a slot: it is looked at again a
-/// TTL later.
+/// Addresses `lease` (an unclaimed offer, as cached) again, as
+/// [`offers::readdress`] says: a worker that is live but slow to claim
+/// keeps it while nobody else has a free slot (looked at again a TTL
+/// later); one that lapsed loses it to another live worker, or to nobody
+/// (any worker may claim it).
 pub async fn readdress(
     ctx: &Ctx,
     task: &BatchTask,
@@ -82,12 +82,11 @@ pub async fn readdress(
     let ttl =
         Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
     let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
-    let to = offers::choose(&candidates, Some(&from));
-    if to.is_none() && !lapsed {
+    let Some(to) = offers::readdress(&candidates, &from, lapsed) else {
         // Nobody else can take it now: count its wait afresh.
         ctx.offers.addressed(&ns, &name, Some(&from), now);
         return Ok(Action::requeue(ttl));
-    }
+    };
     let moved = offers::addressed(lease, to);
     ctx.leadership.ensure()?;
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);

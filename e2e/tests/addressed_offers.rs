@@ -1,0 +1,188 @@
+//! Addressed offers end to end (issue 27, design "Fleets"): demo workers
+//! that renew per worker and take offers addressed to them, against the
+//! real operator and control plane; every namespace's history is checked
+//! at the end (`history_workers::check_addressed`: a claim names the
+//! addressee, the address is fixed from the claim on, the label matches).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use batchlease_api::keys::LABEL_WORKER;
+use batchlease_api::worker_lease::worker_lease_name;
+use batchlease_api::{LeasePhase, TaskLease, TaskPhase, WorkerLease, WorkerLeaseSpec};
+use batchlease_e2e::history::Change;
+use batchlease_e2e::operator::Operator;
+use batchlease_e2e::process::Process;
+use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
+use batchlease_e2e::workers::{self, WorkerOpts};
+use batchlease_e2e::{Cluster, TestNamespace, wait_for};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(60);
+const TTL: u64 = 6;
+
+async fn setup(prefix: &str) -> (TestNamespace, Operator) {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace(prefix).await.unwrap();
+    let op = Operator::start(&ns.name, "op").unwrap();
+    op.wait_leading(T).await.unwrap();
+    (ns, op)
+}
+
+fn per_worker(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
+    let opts = WorkerOpts {
+        slots,
+        env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())],
+        ..Default::default()
+    };
+    workers::start(&ns.name, identity, &opts).unwrap()
+}
+
+async fn job(ns: &TestNamespace, name: &str, step_ms: u64) {
+    tasks::create(
+        ns,
+        name,
+        json!({"queue": "demo", "leaseDurationSeconds": TTL,
+               "payload": {"steps": 1, "stepMillis": step_ms}}),
+    )
+    .await
+    .unwrap();
+}
+
+/// Waits until `identity`'s WorkerLease says it takes addressed offers.
+async fn wait_slots(ns: &TestNamespace, identity: &str, logs: impl Fn() -> String) {
+    let api: Api<WorkerLease> = ns.api();
+    let name = worker_lease_name(identity);
+    wait_for("the worker's WorkerLease with its slots", T, logs, || {
+        let (api, name) = (api.clone(), name.clone());
+        async move { Ok(api.get_opt(&name).await?.and_then(|w| w.spec.slots)) }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn each_offer_goes_to_one_worker_and_only_it_claims() {
+    let (ns, op) = setup("addr").await;
+    let w: Vec<Process> = (1..=2)
+        .map(|i| per_worker(&ns, &format!("w{i}"), 2))
+        .collect();
+    let logs = || op.logs_with(&w.iter().collect::<Vec<_>>());
+    for i in 1..=2 {
+        wait_slots(&ns, &format!("w{i}"), logs).await;
+    }
+    for i in 1..=6 {
+        job(&ns, &format!("job{i}"), 200).await;
+    }
+    for i in 1..=6 {
+        wait_phase(&ns, &format!("job{i}"), TaskPhase::Succeeded, T, logs)
+            .await
+            .unwrap();
+    }
+    let (leases, _) = ns.recorded().await.unwrap();
+    for i in 1..=6 {
+        let name = format!("job{i}-1");
+        let versions: Vec<&TaskLease> = leases
+            .iter()
+            .filter_map(|r| match &r.change {
+                Change::Lease(l) if l.name_any() == name => Some(l.as_ref()),
+                _ => None,
+            })
+            .collect();
+        let first = versions.first().unwrap();
+        let to = first
+            .spec
+            .offered_to
+            .clone()
+            .unwrap_or_else(|| panic!("{name}: offered to nobody: {first:?}"));
+        assert_eq!(
+            first.labels().get(LABEL_WORKER),
+            Some(&worker_lease_name(&to)),
+            "{name}: labelled for its worker's watch"
+        );
+        let last = versions.last().unwrap();
+        assert_eq!(
+            last.spec.holder_identity.as_deref(),
+            Some(to.as_str()),
+            "{name}: claimed by its addressee"
+        );
+    }
+    // The history check (at `finish`) holds every claim to its address.
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_offer_to_a_worker_that_died_is_addressed_again_and_runs() {
+    let (ns, op) = setup("addr-dead").await;
+    let w = per_worker(&ns, "w", 1);
+    let logs = || op.logs_with(&[&w]);
+    wait_slots(&ns, "w", logs).await;
+    // A worker that announced many slots, renewed once and died: the
+    // operator prefers it (the most free slots) until it lapses.
+    let ghost = "ghost/000001";
+    let api: Api<WorkerLease> = ns.api();
+    let mut wl = WorkerLease::new(
+        &worker_lease_name(ghost),
+        WorkerLeaseSpec {
+            holder_identity: ghost.into(),
+            queues: vec!["demo".into()],
+            lease_duration_seconds: 10,
+            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            holds: vec![],
+            slots: Some(50),
+        },
+    );
+    wl.metadata.namespace = Some(ns.name.clone());
+    api.create(&PostParams::default(), &wl).await.unwrap();
+    job(&ns, "job", 100).await;
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, logs)
+        .await
+        .unwrap();
+    assert_eq!(
+        offered.spec.offered_to.as_deref(),
+        Some(ghost),
+        "offered to the worker with the most free slots"
+    );
+    // Only the addressee may claim it: the live worker's claim in its own
+    // name is refused by the API server.
+    let leases: Api<TaskLease> = ns.api();
+    let mut stolen = offered.clone();
+    stolen.spec.holder_identity = Some("w".into());
+    stolen.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+    let e = leases
+        .replace("job-1", &PostParams::default(), &stolen)
+        .await
+        .expect_err("a claim by another worker");
+    assert!(
+        matches!(&e, kube::Error::Api(s) if s.code == 422
+            && s.message.contains("may be claimed only by that worker")),
+        "{e}"
+    );
+    // It never claims; once it lapsed (or a TTL passed) the operator
+    // addresses the offer to the live worker, which runs it.
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, logs)
+        .await
+        .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(
+        st.fencing_token, 1,
+        "the same offer, moved: {:?}",
+        st.history
+    );
+    let held = leases.get("job-1").await.unwrap();
+    assert_eq!(held.spec.offered_to.as_deref(), Some("w"));
+    assert_eq!(held.spec.holder_identity.as_deref(), Some("w"));
+    let moved = op
+        .metric("batchlease_offers_readdressed_total")
+        .await
+        .unwrap()
+        .unwrap_or(0.0);
+    assert!(moved >= 1.0, "offers_readdressed {moved}");
+    drop(w);
+    ns.finish().await.unwrap();
+}
