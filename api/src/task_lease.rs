@@ -96,19 +96,22 @@ use serde::{Deserialize, Serialize};
 .message("holderIdentity may be set once and never changed")
 .field_path(".holderIdentity")
 .reason(Reason::FieldValueForbidden))]
-// Addressed offers: only the addressee claims, and the address is fixed
-// from the claim on (a re-address is a CAS on the still-unclaimed offer,
-// so it and a claim cannot both land).
+// Addressed offers: only the addressee claims (the address before the
+// claim is what counts), and from the claim on the address may only be
+// dropped — never set or changed — so a re-address (a CAS on the still
+// unclaimed offer) and a claim cannot both land, while an operator without
+// the field (a rollback), whose typed writes drop it, can still expire or
+// release the lease.
 #[x_kube(validation = Rule::new(
-    "!has(self.offeredTo) || !has(self.holderIdentity) || self.holderIdentity == '' || self.holderIdentity == self.offeredTo"
+    "!has(oldSelf.offeredTo) || (has(oldSelf.holderIdentity) && oldSelf.holderIdentity != '') || !has(self.holderIdentity) || self.holderIdentity == '' || self.holderIdentity == oldSelf.offeredTo"
 )
 .message("an offer addressed to a worker (offeredTo) may be claimed only by that worker")
 .field_path(".holderIdentity")
 .reason(Reason::FieldValueForbidden))]
 #[x_kube(validation = Rule::new(
-    "!has(self.holderIdentity) || self.holderIdentity == '' || (has(self.offeredTo) == has(oldSelf.offeredTo) && (!has(self.offeredTo) || self.offeredTo == oldSelf.offeredTo))"
+    "!has(self.holderIdentity) || self.holderIdentity == '' || !has(self.offeredTo) || (has(oldSelf.offeredTo) && self.offeredTo == oldSelf.offeredTo)"
 )
-.message("offeredTo may change only while the lease is unclaimed, and not by the claim")
+.message("offeredTo may change only while the lease is unclaimed: from the claim on it may only be removed")
 .field_path(".offeredTo")
 .reason(Reason::FieldValueForbidden))]
 pub struct TaskLeaseSpec {

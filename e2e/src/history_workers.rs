@@ -19,7 +19,8 @@
 //! - a claim of an offer addressed to a worker (`spec.offeredTo`) names
 //!   that worker: the version before the claim was addressed to it or to
 //!   nobody;
-//! - the address never changes once the lease is claimed;
+//! - the address never changes once the lease is claimed (it may be
+//!   dropped: an operator without the field rewrites the lease);
 //! - an addressed offer carries the label its worker watches
 //!   (`batchlease.dev/worker` = its WorkerLease's name), and an
 //!   unaddressed one none.
@@ -162,7 +163,10 @@ pub fn check_addressed(leases: &[Recorded]) -> Vec<String> {
                 rv(l.as_ref())
             ));
         }
-        if before.spec.holder_identity.is_some() && before.spec.offered_to != l.spec.offered_to {
+        if before.spec.holder_identity.is_some()
+            && l.spec.offered_to.is_some()
+            && before.spec.offered_to != l.spec.offered_to
+        {
             out.push(format!(
                 "lease {name}: addressed again after its claim (resourceVersion {}): {:?} → {:?}",
                 rv(l.as_ref()),
@@ -333,6 +337,19 @@ mod tests {
         ];
         let v = check_addressed(&moved);
         assert!(v.len() == 1 && v[0].contains("after its claim"), "{v:?}");
+        // Dropped after the claim (an older operator's expiry): allowed.
+        let mut dropped = offer(2, None, Some(&a), Some("a/1"));
+        if let Change::Lease(l) = &mut dropped.change {
+            l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Expired);
+        }
+        assert!(
+            check_addressed(&[
+                ok[0].clone(),
+                offer(2, Some("a/1"), Some(&a), Some("a/1")),
+                dropped
+            ])
+            .is_empty()
+        );
 
         let unlabelled = [
             offer(1, Some("a/1"), None, None),

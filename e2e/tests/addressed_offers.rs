@@ -148,6 +148,35 @@ async fn an_offer_to_a_worker_that_died_is_addressed_again_and_runs() {
         Some(ghost),
         "offered to the worker with the most free slots"
     );
+    // `kubectl batchlease workers` shows who is offered what.
+    let out = std::process::Command::new(
+        std::env::var("BATCHLEASE_PLUGIN_BIN")
+            .expect("BATCHLEASE_PLUGIN_BIN unset: run hack/test.sh (it builds the plugin)"),
+    )
+    .args(["workers", "-n", &ns.name, "-o", "json"])
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |id: &str| {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["worker"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no row for {id}: {rows}"))
+    };
+    let g = row(ghost);
+    assert_eq!(
+        (&g["renewal"], &g["offered"], &g["held"], &g["slots"]),
+        (&json!("Worker"), &json!(1), &json!(0), &json!(50)),
+        "{rows}"
+    );
+    assert_eq!(row("w")["slots"], json!(1), "{rows}");
     // Only the addressee may claim it: the live worker's claim in its own
     // name is refused by the API server.
     let leases: Api<TaskLease> = ns.api();
@@ -183,6 +212,73 @@ async fn an_offer_to_a_worker_that_died_is_addressed_again_and_runs() {
         .unwrap()
         .unwrap_or(0.0);
     assert!(moved >= 1.0, "offers_readdressed {moved}");
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn with_addressing_off_outstanding_offers_open_to_all() {
+    // The runbook before a rollback: --address-offers=false opens what an
+    // operator with addressing offered to one worker, and offers no more.
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("addr-off").await.unwrap();
+    let op = Operator::start(&ns.name, "op1").unwrap();
+    op.wait_leading(T).await.unwrap();
+    // A worker that announced slots and will never claim.
+    let ghost = "ghost/000002";
+    let api: Api<WorkerLease> = ns.api();
+    let mut wl = WorkerLease::new(
+        &worker_lease_name(ghost),
+        WorkerLeaseSpec {
+            holder_identity: ghost.into(),
+            queues: vec!["demo".into()],
+            lease_duration_seconds: 600,
+            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            holds: vec![],
+            slots: Some(5),
+        },
+    );
+    wl.metadata.namespace = Some(ns.name.clone());
+    api.create(&PostParams::default(), &wl).await.unwrap();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 300,
+               "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    assert_eq!(offered.spec.offered_to.as_deref(), Some(ghost));
+    drop(op);
+    let op = Operator::start_with(&ns.name, "op2", vec!["--address-offers=false".into()]).unwrap();
+    op.wait_leading(T).await.unwrap();
+    let w = per_worker(&ns, "w", 1);
+    let logs = || op.logs_with(&[&w]);
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, logs)
+        .await
+        .unwrap();
+    assert_eq!(
+        done.status.unwrap().fencing_token,
+        1,
+        "the same offer, opened"
+    );
+    let leases: Api<TaskLease> = ns.api();
+    let l = leases.get("job-1").await.unwrap();
+    assert_eq!(
+        (l.spec.offered_to.as_deref(), l.labels().get(LABEL_WORKER)),
+        (None, None),
+        "opened to all"
+    );
+    assert_eq!(l.spec.holder_identity.as_deref(), Some("w"));
+    // And a new offer goes to nobody in particular.
+    job(&ns, "next", 10).await;
+    wait_phase(&ns, "next", TaskPhase::Succeeded, T, logs)
+        .await
+        .unwrap();
+    assert_eq!(leases.get("next-1").await.unwrap().spec.offered_to, None);
     drop(w);
     ns.finish().await.unwrap();
 }

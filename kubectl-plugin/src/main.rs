@@ -26,10 +26,11 @@ mod redrive;
 mod render;
 mod status;
 mod tree;
+mod workers;
 mod writes;
 
 use anyhow::{Context, bail};
-use batchlease_api::{BatchTask, TaskLease, TaskQueue};
+use batchlease_api::{BatchTask, TaskLease, TaskQueue, WorkerLease};
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -75,6 +76,10 @@ enum Command {
     /// Per queue: tasks by phase, lease holders, the oldest ready task's
     /// wait, the speculative abort rate.
     Status,
+    /// Per worker: renewed per lease or per worker, leases held, offers
+    /// addressed to it, slots, its last renewal (WorkerLeases joined with
+    /// TaskLeases).
+    Workers,
     /// A task's dependencies, children and leases.
     Tree { task: String },
     /// Move dead-lettered tasks back to Pending with a fresh retry budget
@@ -210,6 +215,35 @@ async fn main() -> anyhow::Result<()> {
                 println!("No BatchTasks found{place}.");
             } else {
                 print!("{}", status::table(&queues, args.all_namespaces));
+            }
+        }
+        Command::Workers => {
+            let leases = list_leases().await?;
+            let wl_api: Api<WorkerLease> = if args.all_namespaces {
+                Api::all(client.clone())
+            } else {
+                Api::namespaced(client.clone(), &namespace)
+            };
+            let worker_leases = match wl_api.list(&list).await {
+                Ok(l) => l.items,
+                // An older install without the WorkerLease kind, or no
+                // permission to list them: holders of leases only.
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 403 => {
+                    eprintln!(
+                        "warning: cannot list workerleases ({}): workers renewing per worker show only what they hold",
+                        s.message
+                    );
+                    vec![]
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context("listing workerleases")),
+            };
+            let rows = workers::summarize(&worker_leases, &leases, now);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                println!("No workers found{place}.");
+            } else {
+                print!("{}", workers::table(&rows, args.all_namespaces));
             }
         }
         Command::Tree { task } => {

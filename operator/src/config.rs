@@ -85,6 +85,12 @@ pub struct Config {
         default_value_t = 1000
     )]
     pub running_status_delay_ms: u64,
+    /// Address each offer to one worker that takes addressed offers
+    /// (issue 27). `false` offers to every worker of the queue and opens
+    /// outstanding addressed offers as they come up — set it before
+    /// rolling back to an operator without addressing.
+    #[arg(long, env = "BATCHLEASE_ADDRESS_OFFERS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub address_offers: bool,
 }
 
 impl Config {

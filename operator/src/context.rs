@@ -33,6 +33,8 @@ pub struct Ctx {
     pub workers: Arc<WorkerTracker>,
     /// Offers addressed to workers and still unclaimed ([`crate::offers`]).
     pub offers: Arc<crate::offers::OfferBook>,
+    /// `--address-offers`.
+    pub address_offers: bool,
     /// Leases this process created that the watch has not shown yet.
     pub expectations: Expectations,
     pub metrics: Arc<Metrics>,

@@ -58,6 +58,8 @@ pub struct Shared {
     pub events: crate::events::EventLevel,
     /// `--running-status-delay-ms`.
     pub running_after: std::time::Duration,
+    /// `--address-offers`.
+    pub address_offers: bool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -212,6 +214,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         worker_leases: worker_store,
         workers,
         offers,
+        address_offers: shared.address_offers,
         expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),

@@ -123,27 +123,41 @@ pub fn gather(ctx: &Ctx, task: &BatchTask, leases: &[Arc<TaskLease>]) -> Gathere
     }
 }
 
-/// What the operator knows of `lease`'s address, if it is an unclaimed
-/// offer addressed to a worker: since when, and whether that worker's
-/// WorkerLease is still seen renewed.
+/// What the operator knows of `lease`'s address, if it is an open offer
+/// addressed to a worker: since when, and until when that worker may be
+/// addressed offers (`offers::addressable_until`). Before the WorkerLease
+/// watch listed once a fresh leader knows no worker — it would take every
+/// addressee for lapsed — so the offer counts as just addressed to a
+/// worker live for one more second: it is looked at again then.
 fn offer_view(ctx: &Ctx, ns: &str, lease: &TaskLease, now: Instant) -> Option<OfferView> {
     let to = lease.spec.offered_to.as_deref()?;
-    if lease.spec.holder_identity.is_some() {
+    if !crate::offers::is_open(lease) {
         return None;
+    }
+    if !ctx.workers.listed() {
+        return Some(OfferView {
+            since: now,
+            addressee_live_until: Some(now + Duration::from_secs(1)),
+        });
     }
     let since = ctx.offers.since(ns, &lease.name_any(), to, now);
     let label = batchlease_api::worker_lease::worker_lease_name(to);
-    let addressee_live = ctx.workers.renewed_at(ns, &label).is_some_and(|at| {
+    // Addressing off: every addressed offer counts as its worker's lapse,
+    // and is opened to all at its next pass.
+    let renewed_at = ctx
+        .workers
+        .renewed_at(ns, &label)
+        .filter(|_| ctx.address_offers);
+    let addressee_live_until = renewed_at.and_then(|at| {
         ctx.worker_leases
             .get(&ObjectRef::new(&label).within(ns))
-            .is_some_and(|w| {
-                w.worker() == Some(to)
-                    && now.saturating_duration_since(at) < crate::offers::duration(&w)
-            })
+            .filter(|w| w.worker() == Some(to))
+            .and_then(|w| crate::offers::addressable_until(&w, at))
+            .filter(|until| *until > now)
     });
     Some(OfferView {
         since,
-        addressee_live,
+        addressee_live_until,
     })
 }
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use batchlease_api::keys::{LABEL_QUEUE, LABEL_TASK};
+use batchlease_api::keys::{LABEL_QUEUE, LABEL_TASK, LABEL_WORKER};
 use batchlease_api::{
     BatchTask, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus, names,
 };
@@ -42,7 +42,9 @@ pub fn offered_lease(task: &BatchTask, token: i64) -> TaskLease {
 /// it with put back, or `None` if they are intact.
 ///
 /// Workers find offers by the queue label and the garbage collector deletes
-/// leases with their task by the owner reference; both are plain metadata
+/// leases with their task by the owner reference, and an addressed offer's
+/// worker finds it by its label (`batchlease.dev/worker`, which goes with
+/// `spec.offeredTo`); all are plain metadata
 /// that anyone allowed to update a lease can change (CEL cannot guard
 /// labels). A lease is repaired only when it is one the operator created
 /// for this task: its immutable `taskName`, `taskUID` and token say so, and
@@ -65,9 +67,18 @@ pub fn repair(task: &BatchTask, lease: &TaskLease) -> Option<TaskLease> {
         (LABEL_TASK, names::label_value(&task.name_any())),
         (LABEL_QUEUE, task.spec.queue.clone()),
     ];
+    // The label its addressee watches goes with `spec.offeredTo`: a lease
+    // without it would be invisible to its worker, one with it but no
+    // address sent to a worker that may not claim it.
+    let worker_label = lease
+        .spec
+        .offered_to
+        .as_deref()
+        .map(batchlease_api::worker_lease::worker_lease_name);
     let labels_ok = want_labels
         .iter()
-        .all(|(k, v)| lease.labels().get(*k) == Some(v));
+        .all(|(k, v)| lease.labels().get(*k) == Some(v))
+        && lease.labels().get(LABEL_WORKER) == worker_label.as_ref();
     let owner = task.controller_owner_ref(&())?;
     let owner_ok = lease
         .owner_references()
@@ -80,6 +91,14 @@ pub fn repair(task: &BatchTask, lease: &TaskLease) -> Option<TaskLease> {
     let mut fixed = lease.clone();
     for (k, v) in want_labels {
         fixed.labels_mut().insert(k.to_owned(), v);
+    }
+    match worker_label {
+        Some(v) => {
+            fixed.labels_mut().insert(LABEL_WORKER.to_owned(), v);
+        }
+        None => {
+            fixed.labels_mut().remove(LABEL_WORKER);
+        }
     }
     if !owner_ok {
         let refs = fixed.owner_references_mut();
@@ -164,6 +183,13 @@ mod tests {
                 fixed.clone(),
             ),
             (
+                "worker label without an address",
+                |l, _| {
+                    l.labels_mut().insert(LABEL_WORKER.into(), "x".into());
+                },
+                fixed.clone(),
+            ),
+            (
                 "owner removed",
                 |l, _| l.metadata.owner_references = None,
                 fixed.clone(),
@@ -198,5 +224,18 @@ mod tests {
             repair(&t, &other_uid).is_none(),
             "another incarnation's lease"
         );
+    }
+
+    #[test]
+    fn an_addressed_offer_gets_its_worker_label_back() {
+        let t = task();
+        let mut l = offered_lease(&t, 2);
+        l.spec.offered_to = Some("w/1".into());
+        let fixed = repair(&t, &l).unwrap();
+        assert_eq!(
+            fixed.labels().get(LABEL_WORKER),
+            Some(&batchlease_api::worker_lease::worker_lease_name("w/1"))
+        );
+        assert!(repair(&t, &fixed).is_none(), "intact once repaired");
     }
 }

@@ -132,6 +132,7 @@ async fn main() -> anyhow::Result<()> {
             lock_namespace: cfg.leader_lease_namespace.clone(),
             events: cfg.events,
             running_after: std::time::Duration::from_millis(cfg.running_status_delay_ms),
+            address_offers: cfg.address_offers,
         };
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();

@@ -20,7 +20,7 @@
 //! addressed again (`decide::leased`), and with no live candidate its
 //! address is dropped and any worker may claim it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -72,9 +72,56 @@ pub fn readdress<'a>(
     }
 }
 
+/// How long an addressed offer may wait for its worker's claim before it is
+/// moved to a worker with a free slot now (at most the lease's TTL): a
+/// live worker with a free slot claims within a second; one whose slots
+/// are all taken would pin the offer behind its longest task.
+pub const CLAIM_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Pure: whether `lease` is an open offer — `Offered`, no holder — the
+/// one predicate the book, the reconciler and the checks share.
+pub fn is_open(lease: &TaskLease) -> bool {
+    lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered)
+        && lease
+            .spec
+            .holder_identity
+            .as_deref()
+            .is_none_or(str::is_empty)
+}
+
+/// Pure: until when `w`, last seen renewed at `renewed`, may be addressed
+/// offers: half its duration after that renewal — at least 1.5 of its
+/// renewal periods (T/3 busy, 30 s of 90 idle), so a worker that died, or
+/// a leftover WorkerLease seen anew by a fresh leader, stops attracting
+/// offers well before its attempts expire — and only while it gives free
+/// slots (`slots` > 0: not draining, its claim brake not engaged).
+pub fn addressable_until(w: &WorkerLease, renewed: Instant) -> Option<Instant> {
+    (w.spec.slots? > 0).then(|| renewed + duration(w) / 2)
+}
+
+/// Pure: the identities of `workers` (one namespace's WorkerLeases) that
+/// take addressed offers (`slots` set, whatever their value).
+pub fn addressable<'a>(workers: impl IntoIterator<Item = &'a WorkerLease>) -> HashSet<String> {
+    workers
+        .into_iter()
+        .filter(|w| w.spec.slots.is_some())
+        .filter_map(|w| w.worker().map(str::to_owned))
+        .collect()
+}
+
+/// Pure: whether a queue served by `present` (the workers seen serving
+/// it: presence records, WorkerLeases, holders of its leases) has one
+/// that takes no addressed offers — an older SDK, or one renewing per
+/// lease. Such a queue is offered to all, as before addressing: the others
+/// would otherwise get every offer while it idles, and an older SDK tries
+/// every offer it sees, addressed or not, at a cost per try.
+pub fn mixed(present: &[String], addressable: &HashSet<String>) -> bool {
+    present.iter().any(|p| !addressable.contains(p))
+}
+
 /// Pure: the workers among `workers` (one namespace's WorkerLeases) that
-/// may be addressed an offer of `queue` at `now`: they take addressed
-/// offers, serve the queue, and were seen renewed within their duration.
+/// may be addressed an offer of `queue` at `now`: they serve the queue and
+/// are [`addressable_until`] a time after `now`.
 /// `renewed(w)`: when the operator last observed a renewal of `w`;
 /// `held(identity)` and `addressed(identity)`: what it counts against
 /// their slots.
@@ -94,8 +141,8 @@ pub fn candidates<'a>(
             if !w.spec.queues.iter().any(|q| q == queue) {
                 return None;
             }
-            let live = renewed(w).is_some_and(|at| now.saturating_duration_since(at) < duration(w));
-            if !live {
+            let until = addressable_until(w, renewed(w)?)?;
+            if until <= now {
                 return None;
             }
             let used = held(identity).max(w.holds().len()) + addressed(identity);
@@ -146,6 +193,9 @@ struct Address {
 #[derive(Debug, Default)]
 pub struct OfferBook {
     state: Mutex<BookState>,
+    /// Held from a choice to its record ([`OfferBook::choosing`]): two
+    /// passes choosing at once would both see the same last free slot.
+    choosing: tokio::sync::Mutex<()>,
 }
 
 type Key = (String, String);
@@ -189,12 +239,7 @@ impl OfferBook {
     /// addressed there; anything else is not.
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let key = (lease.namespace().unwrap_or_default(), lease.name_any());
-        let offered = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered)
-            && lease
-                .spec
-                .holder_identity
-                .as_deref()
-                .is_none_or(str::is_empty);
+        let offered = is_open(lease);
         let mut state = self.lock();
         if let Some(listing) = &mut state.listing {
             listing.insert(key.clone());
@@ -219,6 +264,11 @@ impl OfferBook {
         }
     }
 
+    /// Taken while choosing an address and recording it.
+    pub async fn choosing(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.choosing.lock().await
+    }
+
     /// The lease left the cache.
     pub fn forget(&self, namespace: &str, lease: &str) {
         self.lock()
@@ -240,8 +290,10 @@ impl OfferBook {
         }
     }
 
-    /// Since when `lease` has been addressed to `to`, as this process knows
-    /// it; recorded as `now` if it did not know.
+    /// Since when `lease` (an open offer: the caller checks) has been
+    /// addressed to `to`, as this process knows it; recorded as `now` if it
+    /// did not know (a fresh process between its list and the watch's
+    /// first event of it).
     pub fn since(&self, namespace: &str, lease: &str, to: &str, now: Instant) -> Instant {
         let key = (namespace.to_owned(), lease.to_owned());
         let offers = &mut self.lock().offers;

@@ -123,7 +123,8 @@ fn worker(identity: &str, queues: &[&str], slots: Option<i32>, holds: usize) -> 
 fn candidates_table() {
     let now = Instant::now();
     let fresh = now.checked_sub(Duration::from_secs(5));
-    let stale = now.checked_sub(Duration::from_secs(31));
+    // Half its 30 s duration: a worker renewed 20 s ago is not addressed.
+    let stale = now.checked_sub(Duration::from_secs(20));
     let workers = [
         worker("old/1", &["q"], None, 0),
         worker("other-queue/1", &["r"], Some(4), 0),
@@ -147,8 +148,8 @@ fn candidates_table() {
         .collect();
     assert_eq!(
         got,
-        vec![("busy/1".to_owned(), 0), ("drain/1".to_owned(), -2)],
-        "only live workers of the queue that take addressed offers"
+        vec![("busy/1".to_owned(), 0)],
+        "only live workers of the queue that take addressed offers and are not draining"
     );
 }
 
@@ -224,4 +225,25 @@ fn addressing_sets_field_and_label_together() {
         back.spec.task_name, l.spec.task_name,
         "nothing else changes"
     );
+}
+
+#[test]
+fn a_queue_with_a_worker_that_takes_no_addressed_offers_is_mixed() {
+    let workers = [
+        worker("new/1", &["q"], Some(2), 0),
+        worker("draining/1", &["q"], Some(0), 1),
+        worker("per-lease/1", &["q"], None, 0),
+    ];
+    let addressable = addressable(&workers);
+    let present = |ids: &[&str]| ids.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert!(
+        !mixed(&present(&["new/1", "draining/1"]), &addressable),
+        "a drain is not a mix"
+    );
+    assert!(mixed(&present(&["new/1", "per-lease/1"]), &addressable));
+    assert!(
+        mixed(&present(&["new/1", "old-sdk/1"]), &addressable),
+        "no WorkerLease at all"
+    );
+    assert!(!mixed(&[], &addressable));
 }

@@ -629,6 +629,23 @@ impl QueueBook {
         }
     }
 
+    /// The workers seen serving a queue now: presence records and
+    /// WorkerLeases naming it, and holders of its leases seen within one
+    /// TTL (whether it is served by a worker that takes no addressed
+    /// offers: `offers::mixed`).
+    pub fn workers_present(&self, ns: &str, queue: &str, now: Instant) -> Vec<String> {
+        let book = self.lock();
+        let Some(q) = book.queues.get(&(ns.to_owned(), queue.to_owned())) else {
+            return Vec::new();
+        };
+        q.present
+            .iter()
+            .chain(q.holders.iter())
+            .filter(|(_, until)| **until > now)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Issues held back so far, and the distinct workers of a queue: those
     /// whose presence record names it, and the holders of its leases seen
     /// within one TTL (a worker without a record, e.g. an older SDK or no

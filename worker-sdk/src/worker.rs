@@ -345,7 +345,11 @@ impl Worker {
             }
             retry_at = None;
             just_claimed.retain(|_, at| at.elapsed() < JUST_CLAIMED_FOR);
-            if let Some(until) = brake.paused_until(Instant::now()) {
+            let paused = brake.paused_until(Instant::now());
+            if let Some(leases) = &worker_leases {
+                leases.set_claims_paused(paused.is_some());
+            }
+            if let Some(until) = paused {
                 // Offers wait for other workers meanwhile; look again
                 // when the pause ends.
                 retry_at = Some(until);

@@ -63,6 +63,9 @@ struct State {
     /// attempt claimed before it was kept alive by an object that is no
     /// more, and is never named in its successor.
     lost_at: Option<Instant>,
+    /// The worker stopped claiming for a while (its claim brake): its
+    /// WorkerLease says no slots meanwhile, so nothing is addressed to it.
+    claims_paused: bool,
     /// `status.revoked` of the copy last seen: an attempt that registers
     /// after that copy was read (its claim answered late) is killed at its
     /// registration instead of being named, and fed, until the next copy.
@@ -91,6 +94,23 @@ impl WorkerLeases {
     pub(crate) fn claims_per_worker(&self) -> bool {
         let s = self.lock();
         s.live && s.entries.len() < MAX_HOLDS
+    }
+
+    /// The claim brake engaged (`true`) or let go: the next renewal, sent
+    /// now, says so in `slots`.
+    pub(crate) fn set_claims_paused(&self, paused: bool) {
+        let changed = {
+            let mut s = self.lock();
+            std::mem::replace(&mut s.claims_paused, paused) != paused
+        };
+        if changed {
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Whether the worker has stopped claiming for a while.
+    pub(crate) fn claims_paused(&self) -> bool {
+        self.lock().claims_paused
     }
 
     /// Whether the process holds as many attempts as a WorkerLease may

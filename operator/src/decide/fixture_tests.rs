@@ -101,9 +101,9 @@ pub(super) struct Case {
     pub(super) running_after: Duration,
     pub(super) needed_by: Option<String>,
     pub(super) queue: QueueGate,
-    /// Seconds since the offer was addressed to its worker, and whether
-    /// that worker is live.
-    pub(super) offer: Option<(u64, bool)>,
+    /// Seconds since the offer was addressed to its worker, and for how
+    /// many more seconds that worker counts as live (0: lapsed).
+    pub(super) offer: Option<(u64, u64)>,
 }
 
 impl Case {
@@ -122,8 +122,8 @@ impl Case {
             offer: None,
         }
     }
-    pub(super) fn offer(mut self, since: u64, live: bool) -> Self {
-        self.offer = Some((since, live));
+    pub(super) fn offer(mut self, since: u64, live_for: u64) -> Self {
+        self.offer = Some((since, live_for));
         self
     }
     pub(super) fn queue(mut self, gate: QueueGate) -> Self {
@@ -178,9 +178,9 @@ impl Case {
             running_after: self.running_after,
             needed_by: self.needed_by.clone(),
             queue: self.queue,
-            offer: self.offer.map(|(since, live)| OfferView {
+            offer: self.offer.map(|(since, live_for)| OfferView {
                 since: now - Duration::from_secs(since),
-                addressee_live: live,
+                addressee_live_until: (live_for > 0).then(|| now + Duration::from_secs(live_for)),
             }),
         })
     }

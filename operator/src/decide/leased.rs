@@ -206,9 +206,9 @@ fn held(
 }
 
 /// An offer waiting for its claim. One addressed to a worker is addressed
-/// again once that worker lapsed (its WorkerLease not renewed for its
-/// duration) or left it unclaimed for the lease's TTL; an unaddressed one
-/// waits for any worker.
+/// again once that worker lapsed (see `offers::addressable_until`) or left
+/// it unclaimed past its claim deadline; an unaddressed one waits for any
+/// worker.
 fn offered(input: &Input<'_>, lease: &TaskLease) -> Decision {
     let (Some(_), Some(view)) = (lease.spec.offered_to.as_ref(), input.offer) else {
         return Decision::Wait(None);
@@ -216,19 +216,21 @@ fn offered(input: &Input<'_>, lease: &TaskLease) -> Decision {
     match readdress_after(view, lease_ttl(lease), input.now) {
         None => Decision::Readdress {
             lease: Box::new(lease.clone()),
-            lapsed: !view.addressee_live,
+            lapsed: view.addressee_live_until.is_none_or(|t| t <= input.now),
         },
         Some(wait) => Decision::Wait(Some(wait)),
     }
 }
 
 /// Pure: `None` when an addressed offer is to be addressed again now, else
-/// how long until it is (a TTL unclaimed; at once if its worker lapsed).
+/// how long until it is: its claim deadline (`offers::CLAIM_DEADLINE`, at
+/// most the lease's TTL) unclaimed, or its worker's lapse if sooner (so a
+/// worker that died loses its offers when it lapses).
 pub(super) fn readdress_after(view: OfferView, ttl: Duration, now: Instant) -> Option<Duration> {
-    if !view.addressee_live {
-        return None;
-    }
-    let left = ttl.saturating_sub(now.saturating_duration_since(view.since));
+    let lapse = view.addressee_live_until?.saturating_duration_since(now);
+    let deadline = ttl.min(crate::offers::CLAIM_DEADLINE);
+    let unclaimed = deadline.saturating_sub(now.saturating_duration_since(view.since));
+    let left = lapse.min(unclaimed);
     (!left.is_zero()).then_some(left)
 }
 

@@ -11,7 +11,7 @@ fn addressed(token: i64, to: Option<&str>) -> Arc<TaskLease> {
 
 #[test]
 fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
-    // Leases of the fixture have a 30 s TTL.
+    // Leases of the fixture have a 30 s TTL: the claim deadline is 15 s.
     let ready = || task().phase(TaskPhase::Ready, 1);
     type Check = fn(&Decision) -> bool;
     let cases: Vec<(&str, Case, Check)> = vec![
@@ -21,31 +21,38 @@ fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
             |d| matches!(d, Decision::Wait(None)),
         ),
         (
-            "addressed, worker live, 10 s: waits the rest of its TTL",
+            "addressed, worker live for long, 5 s: waits the rest of its claim deadline",
             Case::new(ready())
                 .leases(vec![addressed(1, Some("w/1"))])
-                .offer(10, true),
-            |d| matches!(d, Decision::Wait(Some(w)) if *w == Duration::from_secs(20)),
+                .offer(5, 60),
+            |d| matches!(d, Decision::Wait(Some(w)) if *w == Duration::from_secs(10)),
         ),
         (
-            "addressed, worker live, a TTL unclaimed: moved (if someone has a slot)",
+            "addressed, worker lapses in 3 s: looks again then",
             Case::new(ready())
                 .leases(vec![addressed(1, Some("w/1"))])
-                .offer(30, true),
+                .offer(5, 3),
+            |d| matches!(d, Decision::Wait(Some(w)) if *w == Duration::from_secs(3)),
+        ),
+        (
+            "addressed, worker live, past its claim deadline: moved (if someone has a slot)",
+            Case::new(ready())
+                .leases(vec![addressed(1, Some("w/1"))])
+                .offer(30, 60),
             |d| matches!(d, Decision::Readdress { lapsed: false, .. }),
         ),
         (
             "addressed, worker lapsed: moved at once",
             Case::new(ready())
                 .leases(vec![addressed(1, Some("w/1"))])
-                .offer(0, false),
+                .offer(0, 0),
             |d| matches!(d, Decision::Readdress { lapsed: true, lease } if lease.spec.offered_to.as_deref() == Some("w/1")),
         ),
         (
             "a cancel withdraws it, addressed or not",
             Case::new(ready().spec(|s| s.cancel = true))
                 .leases(vec![addressed(1, Some("w/1"))])
-                .offer(0, false),
+                .offer(0, 0),
             |d| {
                 matches!(
                     d,
@@ -60,7 +67,7 @@ fn an_addressed_offer_is_moved_when_its_worker_lapsed_or_after_a_ttl() {
             "a paused queue withdraws it",
             Case::new(ready())
                 .leases(vec![addressed(1, Some("w/1"))])
-                .offer(0, false)
+                .offer(0, 0)
                 .queue(QueueGate::Paused),
             |d| {
                 matches!(
@@ -93,7 +100,7 @@ fn a_claimed_addressed_offer_is_a_held_lease() {
     let d = Case::new(task().phase(TaskPhase::Ready, 1))
         .leases(vec![Arc::new(l)])
         .observed(0, 0)
-        .offer(100, false)
+        .offer(100, 0)
         .run();
     assert!(
         !matches!(d, Decision::Readdress { .. }),

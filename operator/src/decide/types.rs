@@ -67,12 +67,13 @@ pub struct Input<'a> {
 }
 
 /// What the operator knows of an addressed offer: since when (its monotonic
-/// clock) it has been addressed to its current worker, and whether that
-/// worker's WorkerLease is still renewed.
+/// clock) it has been addressed to its current worker, and until when that
+/// worker counts as live — its last observed WorkerLease renewal plus the
+/// renewal's duration (`None`: not live, or never seen).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OfferView {
     pub since: Instant,
-    pub addressee_live: bool,
+    pub addressee_live_until: Option<Instant>,
 }
 
 /// What a queue's `TaskQueue` allows at this moment.

@@ -15,12 +15,31 @@ use crate::context::{Ctx, bounded, classify};
 use crate::error::Error;
 use crate::offers::{self, Candidate};
 
-/// The workers an offer of `queue` in `ns` may be addressed to now; none
-/// before the WorkerLease watch listed once (a new leader does not know
-/// who is live yet: its offers go to anyone, as before addressing).
-fn candidates_now(ctx: &Ctx, ns: &str, queue: &str, now: Instant) -> Vec<Candidate> {
+/// Why an offer of a queue goes to nobody in particular now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unaddressed {
+    /// `--address-offers=false`.
+    Disabled,
+    /// The WorkerLease watch has not listed yet (a new leader does not
+    /// know who is live).
+    NotListed,
+    /// A worker of the queue takes no addressed offers.
+    Mixed,
+}
+
+/// The workers an offer of `queue` in `ns` may be addressed to now, or why
+/// none may.
+fn candidates_now(
+    ctx: &Ctx,
+    ns: &str,
+    queue: &str,
+    now: Instant,
+) -> Result<Vec<Candidate>, Unaddressed> {
+    if !ctx.address_offers {
+        return Err(Unaddressed::Disabled);
+    }
     if !ctx.workers.listed() {
-        return Vec::new();
+        return Err(Unaddressed::NotListed);
     }
     let workers: Vec<_> = ctx
         .worker_leases
@@ -28,24 +47,35 @@ fn candidates_now(ctx: &Ctx, ns: &str, queue: &str, now: Instant) -> Vec<Candida
         .into_iter()
         .filter(|w| w.namespace().as_deref() == Some(ns))
         .collect();
+    let present = ctx.queues.workers_present(ns, queue, now);
+    if offers::mixed(
+        &present,
+        &offers::addressable(workers.iter().map(AsRef::as_ref)),
+    ) {
+        return Err(Unaddressed::Mixed);
+    }
     let addressed = ctx.offers.counts(ns);
-    offers::candidates(
+    Ok(offers::candidates(
         workers.iter().map(AsRef::as_ref),
         queue,
         now,
         |w| ctx.workers.renewed_at(ns, &w.name_any()),
         |identity| ctx.tracker.held_count(ns, identity),
         |identity| addressed.get(identity).copied().unwrap_or(0),
-    )
+    ))
 }
 
 /// `lease`, a new offer, addressed to the live worker of its queue with
 /// the most free slots (recorded in the book before the create, so the
-/// next pass counts it), or as it is when its queue has no such worker.
-pub fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
+/// next pass counts it), or as it is when its queue has no such worker or
+/// is served by one that takes no addressed offers.
+pub async fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
     let ns = lease.namespace().unwrap_or_default();
+    let _choosing = ctx.offers.choosing().await;
     let now = Instant::now();
-    let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
+    let Ok(candidates) = candidates_now(ctx, &ns, &lease.spec.queue, now) else {
+        return lease.clone();
+    };
     let Some(to) = offers::choose(&candidates, None) else {
         return lease.clone();
     };
@@ -66,9 +96,11 @@ pub fn unaddress(ctx: &Ctx, lease: &TaskLease) {
 
 /// Addresses `lease` (an unclaimed offer, as cached) again, as
 /// [`offers::readdress`] says: a worker that is live but slow to claim
-/// keeps it while nobody else has a free slot (looked at again a TTL
-/// later); one that lapsed loses it to another live worker, or to nobody
-/// (any worker may claim it).
+/// keeps it while nobody else has a free slot (looked at again after the
+/// claim deadline); one that lapsed loses it to another live worker, or to
+/// nobody (any worker may claim it). With addressing off, or in a queue
+/// served by a worker that takes no addressed offers, it is opened to all;
+/// before the WorkerLease watch listed, nothing moves.
 pub async fn readdress(
     ctx: &Ctx,
     task: &BatchTask,
@@ -78,37 +110,60 @@ pub async fn readdress(
     let ns = lease.namespace().unwrap_or_default();
     let name = lease.name_any();
     let from = lease.spec.offered_to.clone().unwrap_or_default();
-    let now = Instant::now();
     let ttl =
         Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
-    let candidates = candidates_now(ctx, &ns, &lease.spec.queue, now);
-    let Some(to) = offers::readdress(&candidates, &from, lapsed) else {
-        // Nobody else can take it now: count its wait afresh.
-        ctx.offers.addressed(&ns, &name, Some(&from), now);
-        return Ok(Action::requeue(ttl));
+    let again = ttl.min(offers::CLAIM_DEADLINE);
+    let choosing = ctx.offers.choosing().await;
+    let now = Instant::now();
+    let to = match candidates_now(ctx, &ns, &lease.spec.queue, now) {
+        Err(Unaddressed::NotListed) => return Ok(Action::requeue(Duration::from_secs(1))),
+        Err(Unaddressed::Disabled | Unaddressed::Mixed) => None,
+        Ok(candidates) => match offers::readdress(&candidates, &from, lapsed) {
+            Some(to) => to.cloned(),
+            None => {
+                // Nobody else can take it now: count its wait afresh.
+                ctx.offers.addressed(&ns, &name, Some(&from), now);
+                return Ok(Action::requeue(again));
+            }
+        },
     };
-    let moved = offers::addressed(lease, to);
+    // Recorded before the write (as a new offer's), so a pass choosing
+    // meanwhile counts it; put back below if the write does not land.
+    ctx.offers
+        .addressed(&ns, &name, to.as_ref().map(|c| c.identity.as_str()), now);
+    drop(choosing);
+    let moved = offers::addressed(lease, to.as_ref());
     ctx.leadership.ensure()?;
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
     let written = bounded(ctx, "offer re-address", async {
         Ok(api.replace(&name, &PostParams::default(), &moved).await)
     })
-    .await?;
+    .await;
+    let written = match written {
+        Ok(w) => w,
+        Err(e) => {
+            ctx.offers.addressed(&ns, &name, Some(&from), now);
+            return Err(e);
+        }
+    };
     match written {
         Ok(_) => {
-            let to_name = to.map_or("", |c| c.identity.as_str());
-            ctx.offers
-                .addressed(&ns, &name, to.map(|c| c.identity.as_str()), now);
+            let to_name = to.as_ref().map_or("", |c| c.identity.as_str());
             ctx.metrics.offers_readdressed.inc();
             info!(task = %task.name_any(), namespace = %ns, lease = %name, from = %from, to = %to_name, lapsed, "offer addressed again");
             Ok(Action::await_change())
         }
-        // A claim (or another write) landed first: decide on it.
+        // A claim (or another write) landed first: its watch event brings
+        // the next pass.
         Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+            ctx.offers.addressed(&ns, &name, Some(&from), now);
             ctx.metrics.write_conflicts.inc();
             debug!(lease = %name, "re-address lost to a newer write; deciding again on it");
-            Ok(Action::requeue(Duration::from_millis(200)))
+            Ok(Action::await_change())
         }
-        Err(e) => Err(classify(ctx, e, "offer re-address")),
+        Err(e) => {
+            ctx.offers.addressed(&ns, &name, Some(&from), now);
+            Err(classify(ctx, e, "offer re-address"))
+        }
     }
 }

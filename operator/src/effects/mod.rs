@@ -224,14 +224,18 @@ async fn issue(
         ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
     }
     ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
-    // Addressed to one worker if one has a free slot (`offers`): chosen
-    // after the status write, so a pass that failed there took no slot.
-    let lease = &address::address_new(ctx, lease);
+    // Addressed to one worker of the queue (`offers`): chosen after the
+    // status write, so a pass that failed there took no slot.
+    let lease = &address::address_new(ctx, lease).await;
     if let Err(e) = create_lease(ctx, lease).await {
         if create_refused(&e) {
             ctx.queues
                 .unreserve(&ns, &queue.queue, &lease_name, true, Instant::now());
-            address::unaddress(ctx, lease);
+            // Not on AlreadyExists: that lease is real, and the watch
+            // counts it by what it carries.
+            if !matches!(e, Error::Conflict { .. }) {
+                address::unaddress(ctx, lease);
+            }
         }
         return Err(e);
     }

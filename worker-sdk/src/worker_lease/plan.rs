@@ -75,11 +75,13 @@ pub fn lease_duration_seconds(ttls: impl IntoIterator<Item = Duration>) -> i32 {
         .clamp(MIN_DURATION_SECONDS, MAX_DURATION_SECONDS)
 }
 
-/// Pure: the slots to write — `slots` while the worker claims, 0 once it
-/// stopped claiming (draining: nothing more is addressed to it), nothing
-/// for a worker that takes no addressed offers.
-pub fn slots(slots: Option<i32>, draining: bool) -> Option<i32> {
-    slots.map(|n| if draining { 0 } else { n.max(0) })
+/// Pure: the slots to write — `slots` while the worker claims (at most
+/// the CRD's 1,000: a process lists no more attempts), 0 while it does not
+/// (draining, or its claim brake engaged: nothing more is addressed to
+/// it), nothing for a worker that takes no addressed offers.
+pub fn slots(slots: Option<i32>, not_claiming: bool) -> Option<i32> {
+    let max = i32::try_from(batchlease_api::worker_lease::MAX_HOLDS).unwrap_or(i32::MAX);
+    slots.map(|n| if not_claiming { 0 } else { n.clamp(0, max) })
 }
 
 /// The `renewTime` to write: the wall clock, unless that is not strictly
@@ -209,6 +211,7 @@ mod tests {
         assert_eq!(slots(Some(4), false), Some(4));
         assert_eq!(slots(Some(4), true), Some(0));
         assert_eq!(slots(Some(-1), false), Some(0));
+        assert_eq!(slots(Some(5000), false), Some(1000), "the CRD's maximum");
     }
 
     #[test]

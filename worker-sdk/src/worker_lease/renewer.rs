@@ -69,7 +69,10 @@ impl Renewer {
                 let desired = ops::object(
                     &self.identity,
                     &self.queues,
-                    plan::slots(self.slots, stop.is_cancelled()),
+                    plan::slots(
+                        self.slots,
+                        stop.is_cancelled() || self.leases.claims_paused(),
+                    ),
                     ops::pod_owner(),
                     Timestamp::now(),
                 );
@@ -126,7 +129,10 @@ impl Renewer {
                     current,
                     holds,
                     duration,
-                    plan::slots(self.slots, stop.is_cancelled()),
+                    plan::slots(
+                        self.slots,
+                        stop.is_cancelled() || self.leases.claims_paused(),
+                    ),
                     renew_time,
                 ),
             )

@@ -187,6 +187,9 @@ impl Fleet {
     }
 }
 
+/// The offers a hollow worker's watches show, by (watch, lease name).
+type Offers = HashMap<(usize, String), Arc<TaskLease>>;
+
 /// One hollow worker.
 struct Hollow {
     leases: Api<TaskLease>,
@@ -223,7 +226,7 @@ impl Hollow {
         // its own, and the claim loop reads them afresh before each claim
         // (a loop that handled one event per claim fell behind the stream
         // and raced for offers long taken).
-        let offers: Arc<std::sync::Mutex<HashMap<String, Arc<TaskLease>>>> = Arc::default();
+        let offers: Arc<std::sync::Mutex<Offers>> = Arc::default();
         let changed = Arc::new(Notify::new());
         tokio::spawn(me.clone().watch(offers.clone(), changed.clone()));
         loop {
@@ -253,7 +256,18 @@ impl Hollow {
                         &me.identity,
                         &HashSet::new(),
                     );
-                    order.first().and_then(|l| map.remove(&l.name_any()))
+                    let first = order.first().map(|l| l.name_any());
+                    // Out of every watch's map: claimed (or lost) now.
+                    let mut taken = None;
+                    map.retain(|(_, name), l| {
+                        if Some(name) == first.as_ref() {
+                            taken.get_or_insert_with(|| l.clone());
+                            false
+                        } else {
+                            true
+                        }
+                    });
+                    taken
                 };
                 let Some(offer) = first else { break };
                 if let Some((held, hold)) = me.claim(&offer).await {
@@ -269,11 +283,7 @@ impl Hollow {
     }
 
     /// Keeps `offers` to the leases of the queue the watch shows Offered.
-    async fn watch(
-        self: Arc<Self>,
-        offers: Arc<std::sync::Mutex<HashMap<String, Arc<TaskLease>>>>,
-        changed: Arc<Notify>,
-    ) {
+    async fn watch(self: Arc<Self>, offers: Arc<std::sync::Mutex<Offers>>, changed: Arc<Notify>) {
         // The SDK's selectors: renewing per worker, its own offers and the
         // queue's unaddressed ones (two watches, merged).
         let selectors = offer_selectors(
@@ -281,14 +291,19 @@ impl Hollow {
             &self.identity,
             self.mode == Mode::Worker,
         );
-        let stream = futures::stream::select_all(selectors.iter().map(|selector| {
-            watcher(
-                self.leases.clone(),
-                watcher::Config::default().labels(selector),
-            )
-            .backoff(WatchBackoff::new(rand::random))
-            .boxed()
-        }));
+        // Each watch's events tagged with its index: a lease moving from
+        // one selector to the other (a re-address) is added by one and
+        // deleted by the other, in either order.
+        let stream =
+            futures::stream::select_all(selectors.iter().enumerate().map(|(i, selector)| {
+                watcher(
+                    self.leases.clone(),
+                    watcher::Config::default().labels(selector),
+                )
+                .backoff(WatchBackoff::new(rand::random))
+                .map(move |ev| (i, ev))
+                .boxed()
+            }));
         futures::pin_mut!(stream);
         loop {
             let ev = tokio::select! {
@@ -296,20 +311,20 @@ impl Hollow {
                 ev = stream.next() => ev,
             };
             let Ok(mut map) = offers.lock() else { return };
+            let Some((i, ev)) = ev else { return };
             match ev {
-                Some(Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l))) => {
+                Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
                     if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
-                        map.insert(l.name_any(), Arc::new(l));
+                        map.insert((i, l.name_any()), Arc::new(l));
                         changed.notify_one();
                     } else {
-                        map.remove(&l.name_any());
+                        map.remove(&(i, l.name_any()));
                     }
                 }
-                Some(Ok(watcher::Event::Delete(l))) => {
-                    map.remove(&l.name_any());
+                Ok(watcher::Event::Delete(l)) => {
+                    map.remove(&(i, l.name_any()));
                 }
-                Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) | Some(Err(_)) => {}
-                None => return,
+                Ok(watcher::Event::Init | watcher::Event::InitDone) | Err(_) => {}
             }
         }
     }
