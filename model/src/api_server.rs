@@ -3,7 +3,9 @@
 //! rules that matter to the protocol (final leases frozen, a held lease
 //! never offered again, holder set once, Completed only from Held, phase
 //! never removed, the task's token never decreasing, `spec.renewal` turned
-//! only from Lease to Worker by the claim), of the `coordination.k8s.io/v1`
+//! only from Lease to Worker by the claim; an addressed offer claimed only
+//! by its addressee, and its address fixed from the claim on — the CEL
+//! rules on `offeredTo`, see [`crate::offers`]), of the `coordination.k8s.io/v1`
 //! Leases that lock resources, in the operator's namespace (create fails
 //! if one exists, update is a compare-and-swap), and of the WorkerLeases
 //! (spec and status subresource, one resourceVersion).
@@ -70,6 +72,8 @@ pub struct ApiServer {
     /// The last state of each WorkerLease deleted (and not created again
     /// since): what its Delete event carries to the operator's watch.
     pub deleted_workers: BTreeMap<String, String>,
+    /// The CRD's rules on `spec.offeredTo` (a mutation leaves one out).
+    pub offer_rules: crate::offers::CelRules,
 }
 
 pub fn decode<T: serde::de::DeserializeOwned>(json: &str) -> T {
@@ -149,6 +153,7 @@ impl ApiServer {
             deleted_leases: BTreeMap::new(),
             workers: BTreeMap::new(),
             deleted_workers: BTreeMap::new(),
+            offer_rules: crate::offers::CelRules::default(),
         }
     }
 
@@ -295,6 +300,9 @@ impl ApiServer {
         {
             return Err(Refused::NotFound);
         }
+        if !self.offer_rules.valid(new) {
+            return Err(Refused::Invalid);
+        }
         let mut stored = new.clone();
         let rv = self.next_rv(&format!("lease/{name}"));
         stored.metadata.uid = Some(format!("lease-uid-{name}-{rv}"));
@@ -311,7 +319,10 @@ impl ApiServer {
         if cur.metadata.resource_version != new.metadata.resource_version {
             return Err(Refused::Conflict);
         }
-        if !lease_update_allowed(&cur, new) {
+        if !lease_update_allowed(&cur, new)
+            || !self.offer_rules.valid(new)
+            || !self.offer_rules.transition(&cur, new)
+        {
             return Err(Refused::Invalid);
         }
         let mut stored = new.clone();

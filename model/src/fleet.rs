@@ -157,7 +157,7 @@ pub(crate) enum Send {
 
 /// The WorkerLease of `holder` as its worker creates it (no renewal yet,
 /// nothing held).
-fn fresh(holder: &str) -> WorkerLease {
+fn fresh(holder: &str, slots: Option<i32>) -> WorkerLease {
     let mut l = WorkerLease::new(
         &worker_lease_name(holder),
         WorkerLeaseSpec {
@@ -166,7 +166,7 @@ fn fresh(holder: &str) -> WorkerLease {
             lease_duration_seconds: TTL_SECONDS,
             renew_time: None,
             holds: Vec::new(),
-            slots: None,
+            slots,
         },
     );
     l.metadata.namespace = Some("ns".into());
@@ -183,9 +183,10 @@ fn attempt_of(s: &State, w: usize) -> Option<AttemptRef> {
 
 /// The start of a run in per-worker mode: each worker has created its
 /// WorkerLease (the SDK does at its start, before any claim).
-pub(crate) fn start(s: &mut State) {
+/// `slots`: what each says (addressed offers).
+pub(crate) fn start(s: &mut State, slots: Option<i32>) {
     for w in 0..s.fleet.clients.len() {
-        if let Ok(stored) = s.api.create_worker_lease(&fresh(&worker_name(w))) {
+        if let Ok(stored) = s.api.create_worker_lease(&fresh(&worker_name(w), slots)) {
             s.fleet.clients[w].copy = Some(encode(&stored));
         }
     }
@@ -339,7 +340,8 @@ impl Cluster {
             s.fleet.stopped_by_deletion = true;
             crate::worker::end(s, w);
         }
-        let created = s.api.create_worker_lease(&fresh(&worker_name(w)));
+        let slots = self.cfg.addressed.then_some(crate::offers::SLOTS);
+        let created = s.api.create_worker_lease(&fresh(&worker_name(w), slots));
         s.fleet.clients[w].copy = created.ok().map(|c| encode(&c));
     }
 

@@ -21,6 +21,10 @@
 //!   `WorkerLease` (the CRD) listing their attempts; the operator credits
 //!   its renewals and its departure with the production `worker_leases`
 //!   rule and revokes an attempt in its status before it ends its lease;
+//! - addressed offers ([`offers`], issue 27): the operator addresses each
+//!   offer with the production `offers::candidates`/`choose` and re-addresses
+//!   on `decide`'s `Readdress` by a CAS; the API server enforces the CRD's
+//!   CEL rules on `offeredTo`;
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
@@ -41,6 +45,7 @@ pub mod cancel;
 pub mod election;
 pub mod fleet;
 pub mod locks;
+pub mod offers;
 pub mod operator;
 mod properties;
 pub mod spawn;
@@ -174,6 +179,19 @@ pub struct Config {
     /// How the operator times the holder of a lost lease of a cancelled
     /// task in per-worker mode (today's `decide`, or the refresh bound).
     pub lost_wait: fleet::LostWait,
+    /// Addressed offers (issue 27, with [`Config::per_worker`]): each
+    /// WorkerLease says [`offers::SLOTS`], the operator addresses each offer
+    /// to a worker and re-addresses it (see [`offers`]).
+    pub addressed: bool,
+    pub address_rule: offers::AddressRule,
+    /// Times the operator's view of a worker lapses (its WorkerLease not
+    /// seen renewed for its duration).
+    pub lapses: u8,
+    /// The last worker is an older one: it claims any offer of its queue,
+    /// whatever the address.
+    pub old_worker: Option<offers::OldClaim>,
+    /// Worker 0 is dead: it takes no step (its WorkerLease stands).
+    pub dead_worker: bool,
 }
 
 impl Config {
@@ -212,6 +230,11 @@ impl Config {
             worker_faults: 0,
             worker_deletions: 0,
             lost_wait: fleet::LostWait::Ttl,
+            addressed: false,
+            address_rule: offers::AddressRule::Real,
+            lapses: 0,
+            old_worker: None,
+            dead_worker: false,
         }
     }
 }
@@ -325,6 +348,8 @@ pub struct State {
     /// Workers' sides of their WorkerLeases, and ghosts of renewals per
     /// worker.
     pub fleet: fleet::Fleet,
+    /// Budgets and ghosts of addressed offers.
+    pub offers: offers::OfferGhosts,
 }
 
 /// A step.
@@ -385,6 +410,12 @@ pub enum Action {
     /// Worker `w` refreshes its held TaskLease's `renewTime` (per-worker
     /// mode: at least every R, see [`fleet::REFRESH_TTLS`]).
     Refresh(usize),
+    /// Task `i`'s pending create of a new offer, addressed to worker `w`,
+    /// reaches the API server.
+    SendAddressed(usize, usize),
+    /// The operator's view of worker `w` lapses: its WorkerLease not seen
+    /// renewed for its duration.
+    Lapse(usize),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -500,11 +531,13 @@ impl Model for Cluster {
             cancel: cancel::CancelGhosts::default(),
             spawn: spawn::SpawnGhosts::default(),
             fleet: fleet::Fleet::new(self.cfg.workers),
+            offers: offers::OfferGhosts::default(),
         });
         states
             .map(|mut s| {
+                s.api.offer_rules = self.cfg.address_rule.cel();
                 if self.cfg.per_worker {
-                    fleet::start(&mut s);
+                    fleet::start(&mut s, self.cfg.addressed.then_some(offers::SLOTS));
                 }
                 self.started(s)
             })
@@ -582,6 +615,9 @@ impl Cluster {
             }
             self.fleet_faults(s, actions);
         }
+        if self.cfg.addressed {
+            self.offer_steps(s, actions);
+        }
         if s.op.tasks.is_some() {
             for i in 0..s.api.tasks.len() {
                 if !s.op.pending.contains_key(&i) {
@@ -589,8 +625,17 @@ impl Cluster {
                 }
             }
         }
-        for i in s.op.pending.keys() {
-            actions.push(Action::SendWrite(*i));
+        for (i, w) in &s.op.pending {
+            // A new offer's create: addressed first (effects/mod.rs), to
+            // each worker `offers::choose` may pick.
+            let to = match w {
+                Write::Create(l) => self.addressees(s, l),
+                _ => Vec::new(),
+            };
+            if to.is_empty() {
+                actions.push(Action::SendWrite(*i));
+            }
+            actions.extend(to.into_iter().map(|w| Action::SendAddressed(*i, w)));
         }
         if s.crashes < self.cfg.operator_crashes && s.op != Operator::default() {
             actions.push(Action::CrashOperator);
@@ -622,11 +667,17 @@ impl Cluster {
             }
         }
         for (w, worker) in s.workers.iter().enumerate() {
+            if !self.acts(w) {
+                continue;
+            }
             match worker {
                 Worker::Idle => {
                     for (name, l) in &s.api.leases {
                         let l: TaskLease = decode(l);
-                        if phase(&l) == Some(LeasePhase::Offered) && self.serves(w, &l) {
+                        if phase(&l) == Some(LeasePhase::Offered)
+                            && self.serves(w, &l)
+                            && self.may_claim(w, &l)
+                        {
                             actions.push(Action::Claim(w, name.clone()));
                             if s.lost < self.cfg.lost_answers {
                                 actions.push(Action::ClaimAnswerLost(w, name.clone()));
@@ -722,6 +773,7 @@ impl Cluster {
                     }
                 }
                 s.op.seen = seen;
+                self.book_sync(&mut s);
                 s.op.leases = s.api.leases.clone();
                 s.op.refused.clear();
             }
@@ -729,6 +781,10 @@ impl Cluster {
                 self.reconcile(&mut s, *i);
             }
             Action::SendWrite(i) => self.send_pending(&mut s, *i),
+            Action::SendAddressed(i, w) => {
+                self.address_new(&mut s, *i, *w);
+                self.send_pending(&mut s, *i);
+            }
             Action::CrashOperator => {
                 s.crashes += 1;
                 // Already sent: they may still land.
@@ -790,8 +846,12 @@ impl Cluster {
                 s.lost_renewal = true;
                 s.api.replace_lease(&l).ok()?;
             }
+            Action::Lapse(w) => Self::lapse(&mut s, *w),
             Action::Claim(w, name) => {
-                let stored = self.claim(&mut s, *w, name)?;
+                // A refused claim is no step (a ghost may record it).
+                let Some(stored) = self.claim(&mut s, *w, name) else {
+                    return (s != *last).then_some(s);
+                };
                 let task = s.api.task_index(&stored.spec.task_name)?;
                 // The SDK runs the attempt in the task's effectiveMode, as
                 // read for the claim.

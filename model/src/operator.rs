@@ -55,6 +55,11 @@ pub struct Operator {
     /// leases of their holders claimed before may end without a
     /// revocation (`Cluster::fleet_guard`).
     pub wgone: BTreeMap<String, tokio::time::Instant>,
+    /// Addressed offers: its book of outstanding addresses (lease → its
+    /// worker and the tick since when, `offers::OfferBook`), and the
+    /// workers its view has lapsed (see [`crate::offers`]).
+    pub book: BTreeMap<String, (String, u8)>,
+    pub lapsed: std::collections::BTreeSet<String>,
 }
 
 /// What became of a request.
@@ -101,6 +106,9 @@ pub enum Write {
     /// `PUT …/status` of a WorkerLease (a CAS on the cached copy)
     /// revoking an attempt (JSON); then the write that ends its lease.
     Revoke { lease: String, then: Box<Write> },
+    /// `PUT` of an unclaimed offer addressed again (a CAS on the cached
+    /// copy; JSON), its addressee `lapsed` or a TTL unclaimed.
+    Readdress { lease: String, lapsed: bool },
 }
 
 impl Write {
@@ -211,6 +219,11 @@ impl Cluster {
                 lookup = Lookup::Creating;
             }
         }
+        let offer = current
+            .as_deref()
+            .and_then(|c| leases.iter().find(|l| l.name_any() == c))
+            .cloned()
+            .and_then(|l| self.offer_view(s, &l));
         let tick = s.now;
         let decide_with = |leases: &[Arc<TaskLease>], lookup, locks: Option<Vec<Slot>>| {
             decide(&Input {
@@ -236,7 +249,7 @@ impl Cluster {
                 running_after: std::time::Duration::ZERO,
                 needed_by: None,
                 queue: QueueGate::Open,
-                offer: None,
+                offer,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -290,8 +303,7 @@ impl Cluster {
             | Decision::LookUpLease(_)
             | Decision::FetchLocks(_)
             | Decision::DeleteTask { .. } => None,
-            // The model's offers are not addressed yet (offer: None above).
-            Decision::Readdress { .. } => None,
+            Decision::Readdress { lease, lapsed } => self.readdress(s, &lease, lapsed),
             Decision::TakeLock(lease) => Some(Write::TakeLock {
                 lease: encode(&*lease),
                 pass: Some(Box::new(pass())),
@@ -428,6 +440,8 @@ impl Cluster {
         };
         let sent = self.send(s, w.clone());
         if let (Some(name), true) = (creating, sent.already_exists) {
+            // effects/address.rs `unaddress`: it counts against nobody.
+            s.op.book.remove(&name);
             s.op.expect.remove(&name);
         }
         // A refused lock write fails the pass (reconcile.rs returns the
@@ -522,18 +536,22 @@ impl Cluster {
                     l.status.as_ref().and_then(|st| st.reason.as_deref()) == Some("TokenRetired");
                 match s.api.create_lease(&l) {
                     Ok(_) if tombstone => s.tombstones += 1,
-                    Ok(_) => {
+                    Ok(stored) => {
                         if let Some(ti) = s.api.task_index(&l.spec.task_name) {
                             s.created[ti].push(l.spec.fencing_token);
                             crate::cancel::lease_created(s, ti);
                             crate::spawn::lease_created(s, self, ti);
                         }
                         locks::lease_created(s, &l);
+                        if self.cfg.addressed {
+                            crate::offers::created(s, &stored);
+                        }
                     }
                     Err(_) => sent.already_exists = true,
                 }
                 sent.applied = !sent.already_exists;
             }
+            Write::Readdress { lease, lapsed } => return self.send_readdress(s, &lease, lapsed),
             Write::Revoke { lease, then } => {
                 if s.api.replace_worker_status(&decode(&lease)).is_ok() {
                     sent.applied = true;

@@ -34,6 +34,7 @@ impl Cluster {
         p.extend(crate::cancel::properties());
         p.extend(crate::spawn::properties());
         p.extend(crate::fleet::properties());
+        p.extend(crate::offers::properties());
         p
     }
 

@@ -156,7 +156,11 @@ impl Cluster {
         if t.spec.cancel {
             return None;
         }
+        let before = lease.clone();
         let mut l = lease;
+        if self.old_claim(w) == Some(crate::offers::OldClaim::DropsField) {
+            l.spec.offered_to = None;
+        }
         l.spec.holder_identity = Some(worker_name(w));
         l.spec.acquire_time = Some(MicroTime(self.wall(s.now, s.api.lease_writes(name))));
         l.spec.renew_time = l.spec.acquire_time.clone();
@@ -165,7 +169,21 @@ impl Cluster {
             // Renewed through its WorkerLease from now on.
             l.spec.renewal = Some(Renewal::Worker);
         }
-        s.api.replace_lease(&l).ok()
+        match s.api.replace_lease(&l) {
+            Ok(stored) => {
+                if self.cfg.addressed {
+                    crate::offers::claimed(s, &worker_name(w), &before);
+                }
+                Some(stored)
+            }
+            Err(Refused::Invalid) => {
+                if self.old_claim(w).is_some() && before.spec.offered_to.is_some() {
+                    s.offers.old_claim_refused = true;
+                }
+                None
+            }
+            Err(_) => None,
+        }
     }
 
     fn kill_clock(&self, a: &Attempt) -> KillClock {

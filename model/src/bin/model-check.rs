@@ -11,7 +11,9 @@
 //!  [--ttl-edit] [--delete-task]
 //!  [--per-worker [--worker-faults=1] [--worker-deletions=1]
 //!  [--worker-rule=no-revoke|ignore|named-only|ignore-departures]
-//!  [--lost-wait=refresh-bound]]
+//!  [--lost-wait=refresh-bound]
+//!  [--addressed [--lapses=1] [--old-worker=keeps-field|drops-field] [--dead-worker]
+//!  [--address-rule=no-claim-rule|no-fixed-rule|patch|patch-no-fixed-rule]]]
 //!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--cancel`: a user may set `spec.cancel` on the first task at any step;
@@ -29,6 +31,12 @@
 //! WorkerLeases ignored; only listed attempts credited; departures not
 //! credited); `--lost-wait=refresh-bound`: a lost Worker-mode lease's
 //! holder timed by R + TTL instead of today's TTL.
+//! `--addressed` (with `--per-worker`): offers addressed to one worker and
+//! re-addressed (issue 27); `--lapses`: how many times the operator's view
+//! of a worker lapses; `--old-worker`: the last worker claims whatever the
+//! address, keeping or dropping `offeredTo`; `--dead-worker`: worker 0
+//! takes no step; `--address-rule`: the mutations (a CEL rule left out, the
+//! re-address without its CAS).
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -47,6 +55,7 @@ use std::time::{Duration, Instant};
 use batchlease_model::KillRule;
 use batchlease_model::fleet::WorkerRule;
 use batchlease_model::locks::LockRule;
+use batchlease_model::offers::{AddressRule, OldClaim};
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
@@ -96,6 +105,17 @@ fn main() {
             "--worker-rule" if v == "named-only" => cfg.worker_rule = WorkerRule::NamedOnly,
             "--worker-rule" if v == "ignore-departures" => {
                 cfg.worker_rule = WorkerRule::IgnoreDepartures;
+            }
+            "--addressed" => cfg.addressed = true,
+            "--lapses" => cfg.lapses = n(),
+            "--dead-worker" => cfg.dead_worker = true,
+            "--old-worker" if v == "keeps-field" => cfg.old_worker = Some(OldClaim::KeepsField),
+            "--old-worker" if v == "drops-field" => cfg.old_worker = Some(OldClaim::DropsField),
+            "--address-rule" if v == "no-claim-rule" => cfg.address_rule = AddressRule::NoClaimRule,
+            "--address-rule" if v == "no-fixed-rule" => cfg.address_rule = AddressRule::NoFixedRule,
+            "--address-rule" if v == "patch" => cfg.address_rule = AddressRule::Patch,
+            "--address-rule" if v == "patch-no-fixed-rule" => {
+                cfg.address_rule = AddressRule::PatchNoFixedRule;
             }
             "--lost-wait" if v == "refresh-bound" => {
                 cfg.lost_wait = batchlease_model::fleet::LostWait::RefreshBound;
