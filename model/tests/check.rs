@@ -12,12 +12,13 @@ use batchlease_model::cancel::CancelRule;
 use batchlease_model::election::{Election, ElectionConfig, ElectionRule};
 use batchlease_model::fleet::{LostWait, WorkerRule};
 use batchlease_model::locks::LockRule;
+use batchlease_model::offers::{AddressRule, OldClaim};
 use batchlease_model::spawn::SpawnRule;
 use batchlease_model::storage::{CasRule, StorageRule};
 use batchlease_model::{Cluster, Config, KillRule, RepairRule};
 use stateright::{Checker, HasDiscoveries, Model};
 
-const SAFETY: [&str; 20] = [
+const SAFETY: [&str; 22] = [
     "at most one attempt's effect is committed",
     "a token is used by at most one lease",
     "tokens of created leases strictly increase",
@@ -38,6 +39,8 @@ const SAFETY: [&str; 20] = [
     "no storage write is accepted after the task is Cancelled",
     "no lease is created for a child spawned after its parent ended",
     "a child spawned while its parent's attempt was live is not refused",
+    "a lease addressed at its claim is held by its addressee",
+    "a claimed lease's address never changes",
 ];
 
 /// How long one bound may take; stateright's `is_done()` is true after a
@@ -886,3 +889,160 @@ fn the_old_election_rules_are_caught() {
 
 /// Seconds explored by the election bounds.
 const ELECTION_TICKS: u8 = 6;
+
+/// Addressed offers (issue 27): renewals per worker, each WorkerLease
+/// saying one slot; the operator addresses each offer to the live worker
+/// with the most free slots and re-addresses it by a CAS when its worker
+/// lapsed in its view (`lapses` times, any worker, any step) or left it
+/// unclaimed for a TTL.
+fn addressed(ticks: u8, lapses: u8) -> Config {
+    Config {
+        addressed: true,
+        lapses,
+        ..per_worker(ticks, 0)
+    }
+}
+
+/// An offer addressed to a worker that lapsed (dead, paused, or its
+/// WorkerLease unseen), at any step: the operator addresses it to the
+/// other worker — racing the first one's claim (a claim landing first
+/// makes the re-address meet 409) — or, with the other worker busy or
+/// lapsed too, drops the address; every property holds, the new ones
+/// included: a lease addressed at its claim is held by its addressee, a
+/// claimed lease's address never changes. 0 s, one operator crash
+/// anywhere (its book and view lost, a re-address landing late).
+#[test]
+fn safe_when_an_addressed_offer_is_moved() {
+    let mut cfg = addressed(0, 2);
+    cfg.operator_crashes = 1;
+    assert_safe(
+        cfg,
+        &[
+            "an offer is addressed again after its worker lapsed",
+            "an offer's address is dropped",
+            "an offer first addressed to one worker is claimed by another",
+            "a re-address meets 409: a claim landed first",
+        ],
+    );
+}
+
+/// Addressed offers through an expiry and a reassignment, 6 s: an offer
+/// left unclaimed for a TTL by a live worker (paused) is moved to the
+/// other, the next offer after an expiry goes to the worker with a free
+/// slot.
+#[test]
+fn safe_when_an_addressed_offer_waits_a_ttl() {
+    assert_safe(
+        addressed(3, 0),
+        &[
+            "an offer is addressed again after a TTL unclaimed",
+            "an offer first addressed to one worker is claimed by another",
+            "an expired lease's task is offered again",
+        ],
+    );
+}
+
+/// An older worker (the last one) claims any offer of its queue: today's
+/// SDK, whose claim keeps `offeredTo` — refused by rule B unless the
+/// offer is addressed to it — and an SDK built before the field, whose
+/// claim drops it — refused by rule A for every addressed offer, its own
+/// included (the operator addresses only workers whose WorkerLease says
+/// `slots`, which such a worker never writes).
+#[test]
+fn safe_when_an_older_worker_claims_addressed_offers() {
+    for old in [OldClaim::KeepsField, OldClaim::DropsField] {
+        let mut cfg = addressed(0, 1);
+        cfg.old_worker = Some(old);
+        assert_safe(
+            cfg,
+            &["an older worker's claim of an addressed offer is refused"],
+        );
+    }
+}
+
+/// Without rule B (a mutation of the CRD): today's SDK, which does not
+/// look at the address, claims an offer addressed to the other worker.
+#[test]
+fn a_claim_by_another_worker_without_rule_b_is_caught() {
+    let mut cfg = addressed(0, 0);
+    cfg.old_worker = Some(OldClaim::KeepsField);
+    cfg.address_rule = AddressRule::NoClaimRule;
+    let p = "a lease addressed at its claim is held by its addressee";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Without rule A (a mutation of the CRD), rule B alone: an SDK built
+/// before the field drops `offeredTo` in its claim, so the new object has
+/// no address for rule B to check — it holds an offer addressed to the
+/// other worker.
+#[test]
+fn a_claim_dropping_the_address_without_rule_a_is_caught() {
+    let mut cfg = addressed(0, 0);
+    cfg.old_worker = Some(OldClaim::DropsField);
+    cfg.address_rule = AddressRule::NoFixedRule;
+    let p = "a lease addressed at its claim is held by its addressee";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// The re-address without its CAS (a merge patch on the lease as stored),
+/// rules kept: a re-address decided on a stale copy lands on the claimed
+/// lease and rule A (or B) refuses it — the CAS is not what keeps a claim.
+#[test]
+fn safe_when_a_readdress_is_a_patch() {
+    for workers in [1, 2] {
+        let mut cfg = addressed(0, 1);
+        cfg.workers = workers;
+        cfg.address_rule = AddressRule::Patch;
+        assert_safe(
+            cfg,
+            &["a re-address of a claimed lease is refused by the CRD"],
+        );
+    }
+}
+
+/// Without the CAS and without rule A (a mutation): the operator, its
+/// cache not yet showing the claim, drops the address of its one worker,
+/// which it judged lapsed — the patch lands on the claimed lease (rule B
+/// has no address to check) and the holder's lease leaves the label it
+/// watches.
+#[test]
+fn a_readdress_without_cas_or_rule_a_is_caught() {
+    let mut cfg = addressed(0, 1);
+    cfg.workers = 1;
+    cfg.address_rule = AddressRule::PatchNoFixedRule;
+    let p = "a claimed lease's address never changes";
+    let path = run(cfg, Some(p)).0.assert_any_discovery(p);
+    eprintln!("counterexample: {:?}", path.into_actions());
+}
+
+/// Liveness: worker 0 is dead (it takes no step; its WorkerLease stands),
+/// every other actor acts before time moves on, 12 s: an offer addressed
+/// to the dead worker is moved to the other, which claims it — the task
+/// finishes on every path. Twice: the operator's view of the dead worker
+/// never lapses (the offer moves after a TTL unclaimed), or lapses (under
+/// fairness, before time moves: it moves at once).
+#[test]
+fn an_offer_addressed_to_a_dead_worker_is_claimed_by_another_under_fairness() {
+    for (lapses, moved) in [
+        (0, "an offer is addressed again after a TTL unclaimed"),
+        (1, "an offer is addressed again after its worker lapsed"),
+    ] {
+        let mut cfg = addressed(6, lapses);
+        cfg.dead_worker = true;
+        cfg.fair = true;
+        let (checker, finished) = run(cfg, None);
+        assert!(finished);
+        checker.assert_no_discovery("the task finishes");
+        for p in SAFETY {
+            checker.assert_no_discovery(p);
+        }
+        for p in [
+            "an offer first addressed to one worker is claimed by another",
+            moved,
+        ] {
+            checker.assert_any_discovery(p);
+        }
+    }
+}
