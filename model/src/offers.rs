@@ -40,6 +40,7 @@
 
 use std::collections::BTreeMap;
 
+use batchlease_api::worker_lease::worker_lease_name;
 use batchlease_api::{LeasePhase, TaskLease, WorkerLease};
 use batchlease_operator::decide::OfferView;
 use batchlease_operator::offers::{self as operator_offers, Candidate};
@@ -164,6 +165,10 @@ pub struct OfferGhosts {
     pub readdress_lost_to_claim: bool,
     pub readdress_refused: bool,
     pub old_claim_refused: bool,
+    /// Coverage: the operator decided to drop the address of an offer
+    /// whose worker it had not seen lapse — its WorkerLease not yet seen
+    /// (after a restart).
+    pub dropped_unseen: bool,
 }
 
 impl Cluster {
@@ -299,9 +304,13 @@ impl Cluster {
                 s.now
             }
         };
+        // inputs.rs: live if its WorkerLease was seen renewed (within its
+        // duration: the model's lapse) — not yet seen, after a restart
+        // before the WorkerLease watch delivered it, is not live.
+        let seen = s.op.wseen.contains_key(&worker_lease_name(&to));
         Some(OfferView {
             since: self.instant(since),
-            addressee_live: !s.op.lapsed.contains(&to),
+            addressee_live: seen && !s.op.lapsed.contains(&to),
         })
     }
 
@@ -323,6 +332,9 @@ impl Cluster {
         if to.is_none() && !lapsed {
             s.op.book.insert(lease.name_any(), (from, s.now));
             return None;
+        }
+        if to.is_none() && !s.op.lapsed.contains(&from) {
+            s.offers.dropped_unseen = true;
         }
         Some(Write::Readdress {
             lease: encode(&operator_offers::addressed(lease, to)),
@@ -480,6 +492,10 @@ pub(crate) fn properties() -> Vec<stateright::Property<Cluster>> {
         Property::sometimes(
             "an offer first addressed to one worker is claimed by another",
             |_, s: &State| s.offers.claimed_by_another,
+        ),
+        Property::sometimes(
+            "an offer's address is dropped because its worker's WorkerLease is not seen yet",
+            |_, s: &State| s.offers.dropped_unseen,
         ),
         Property::sometimes(
             "a re-address meets 409: a claim landed first",

@@ -922,6 +922,7 @@ fn safe_when_an_addressed_offer_is_moved() {
             "an offer's address is dropped",
             "an offer first addressed to one worker is claimed by another",
             "a re-address meets 409: a claim landed first",
+            "an offer's address is dropped because its worker's WorkerLease is not seen yet",
         ],
     );
 }
