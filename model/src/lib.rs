@@ -794,9 +794,13 @@ impl Cluster {
             }
             Action::LateWrite(i) => {
                 let w = s.late.remove(*i);
+                // The book of the operator that sent it is gone; the one
+                // running now learns of the write from its lease cache.
+                let book = s.op.book.clone();
                 if self.send(&mut s, w).applied {
                     s.late_landed = true;
                 }
+                s.op.book = book;
             }
             Action::Cancel(i) => {
                 let cut = self.cfg.ttl_edit;
