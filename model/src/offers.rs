@@ -6,9 +6,10 @@
 //! worker: the operator addresses the workers whose WorkerLease says
 //! `slots`).
 //!
-//! - Real: the candidates and the choice (`offers::candidates`,
-//!   `offers::choose`: the live worker with the most free slots, ties by
-//!   name, never the one an offer moves away from), the addressed lease
+//! - Real: the candidates and the choices (`offers::candidates`,
+//!   `offers::choose`: the live worker with the most free slots — the
+//!   least loaded when none has one — ties by name; `offers::readdress`:
+//!   where an offer goes when it is addressed again), the addressed lease
 //!   (`offers::addressed`: `offeredTo` and the label), and `decide`'s
 //!   `Readdress` on the [`OfferView`] the model gives it.
 //! - Mirrored: the operator's book of outstanding addresses
@@ -136,8 +137,9 @@ impl CelRules {
 /// address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OldClaim {
-    /// Its claim keeps `offeredTo` as read: today's SDK (built with the
-    /// field, no filter), or a client that patches the claim fields.
+    /// Its claim keeps `offeredTo` as read: the SDK between the field and
+    /// its filter (built with the field, trying every offer of its
+    /// queues), or a client that patches the claim fields.
     KeepsField,
     /// Its claim drops `offeredTo`: an SDK built before the field, whose
     /// PUT of the typed object it decoded carries no unknown field.
@@ -314,9 +316,10 @@ impl Cluster {
         })
     }
 
-    /// `effects::address::readdress`: to another candidate with a free
-    /// slot; to nobody if the addressee `lapsed` and there is none; else
-    /// no write, its wait counted afresh.
+    /// `effects::address::readdress`: where `offers::readdress` says — to
+    /// another candidate (one with a free slot, unless the addressee
+    /// `lapsed`), to nobody if it lapsed and there is none; else no write,
+    /// its wait counted afresh.
     pub(crate) fn readdress(
         &self,
         s: &mut State,
@@ -328,11 +331,10 @@ impl Cluster {
         }
         let from = lease.spec.offered_to.clone().unwrap_or_default();
         let candidates = self.candidates(s, &lease.spec.queue);
-        let to = operator_offers::choose(&candidates, Some(&from));
-        if to.is_none() && !lapsed {
+        let Some(to) = operator_offers::readdress(&candidates, &from, lapsed) else {
             s.op.book.insert(lease.name_any(), (from, s.now));
             return None;
-        }
+        };
         if to.is_none() && !s.op.lapsed.contains(&from) {
             s.offers.dropped_unseen = true;
         }

@@ -943,8 +943,8 @@ fn safe_when_an_addressed_offer_waits_a_ttl() {
     );
 }
 
-/// An older worker (the last one) claims any offer of its queue: today's
-/// SDK, whose claim keeps `offeredTo` — refused by rule B unless the
+/// An older worker (the last one) claims any offer of its queue: the SDK
+/// before its filter, whose claim keeps `offeredTo` — refused by rule B unless the
 /// offer is addressed to it — and an SDK built before the field, whose
 /// claim drops it — refused by rule A for every addressed offer, its own
 /// included (the operator addresses only workers whose WorkerLease says
@@ -961,8 +961,9 @@ fn safe_when_an_older_worker_claims_addressed_offers() {
     }
 }
 
-/// Without rule B (a mutation of the CRD): today's SDK, which does not
-/// look at the address, claims an offer addressed to the other worker.
+/// Without rule B (a mutation of the CRD): an SDK that does not look at
+/// the address (as before the SDK's filter) claims an offer addressed to
+/// the other worker.
 #[test]
 fn a_claim_by_another_worker_without_rule_b_is_caught() {
     let mut cfg = addressed(0, 0);
