@@ -28,12 +28,12 @@
 //!   Whether the worker then acts again is the checker's choice (any actor
 //!   may take no step); [`Config::dead_worker`](crate::Config::dead_worker)
 //!   makes worker 0 take none at all, for the liveness check.
-//! - The workers (the SDK to be) claim only offers addressed to them or to
-//!   nobody; an older worker ([`OldClaim`], the last worker) claims any
-//!   offer of its queue. Claims read the lease as it is now (as the
-//!   model's claims always have): a claim from a copy older than a
-//!   re-address meets 409 by the CAS alone, so the CRD rules matter for
-//!   claims whose copy is current — which the model makes.
+//! - The workers, as the SDK since its filter, claim only offers
+//!   addressed to them or to nobody; an older worker ([`OldClaim`], the
+//!   last worker) claims any offer of its queue. Claims read the lease as
+//!   it is now (as the model's claims always have): a claim from a copy
+//!   older than a re-address meets 409 by the CAS alone, so the CRD rules
+//!   matter for claims whose copy is current — which the model makes.
 //! - The API server enforces the CRD's CEL rules on `offeredTo`
 //!   ([`CelRules`], `api/src/task_lease.rs`): (B) only the addressee claims
 //!   an addressed offer, (A) once `holderIdentity` is set `offeredTo` is
@@ -174,9 +174,9 @@ pub struct OfferGhosts {
 }
 
 impl Cluster {
-    /// Whether worker `w` claims `l` (offered, of its queue): the SDK to
-    /// be takes only an offer addressed to it or to nobody; an older
-    /// worker any.
+    /// Whether worker `w` claims `l` (offered, of its queue): the SDK
+    /// takes only an offer addressed to it or to nobody; an older worker
+    /// any.
     pub(crate) fn may_claim(&self, w: usize, l: &TaskLease) -> bool {
         !self.cfg.addressed
             || self.old_claim(w).is_some()
