@@ -300,9 +300,6 @@ impl ApiServer {
         {
             return Err(Refused::NotFound);
         }
-        if !self.offer_rules.valid(new) {
-            return Err(Refused::Invalid);
-        }
         let mut stored = new.clone();
         let rv = self.next_rv(&format!("lease/{name}"));
         stored.metadata.uid = Some(format!("lease-uid-{name}-{rv}"));
@@ -319,10 +316,7 @@ impl ApiServer {
         if cur.metadata.resource_version != new.metadata.resource_version {
             return Err(Refused::Conflict);
         }
-        if !lease_update_allowed(&cur, new)
-            || !self.offer_rules.valid(new)
-            || !self.offer_rules.transition(&cur, new)
-        {
+        if !lease_update_allowed(&cur, new) || !self.offer_rules.transition(&cur, new) {
             return Err(Refused::Invalid);
         }
         let mut stored = new.clone();

@@ -400,6 +400,7 @@ impl Cluster {
         }
         s.op.wseen = seen;
         s.op.wleases = s.api.workers.clone();
+        s.op.wlisted = true;
     }
 
     /// The operator's write `then` ending held lease `lease` on its own

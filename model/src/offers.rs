@@ -66,8 +66,8 @@ pub enum AddressRule {
     Real,
     /// Without rule B (a mutation): anyone may claim an addressed offer.
     NoClaimRule,
-    /// Without rule A (a mutation): a write that sets the holder may
-    /// change or drop `offeredTo`.
+    /// Without rule A (a mutation): a write of a claimed lease may set or
+    /// change `offeredTo`.
     NoFixedRule,
     /// The re-address without its CAS (a merge patch of `offeredTo` and
     /// the label on the lease as stored), rules kept.
@@ -80,13 +80,16 @@ pub enum AddressRule {
 /// server model enforces them (a mutation leaves one out).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CelRules {
-    /// (B) `!has(self.offeredTo) || !has(self.holderIdentity) ||
-    /// self.holderIdentity == '' || self.holderIdentity == self.offeredTo`.
+    /// (B, a transition rule) `!has(oldSelf.offeredTo) ||
+    /// (has(oldSelf.holderIdentity) && oldSelf.holderIdentity != '') ||
+    /// !has(self.holderIdentity) || self.holderIdentity == '' ||
+    /// self.holderIdentity == oldSelf.offeredTo`: the claim of an addressed
+    /// offer names the address before it.
     pub claim_by_addressee: bool,
     /// (A, a transition rule) `!has(self.holderIdentity) ||
-    /// self.holderIdentity == '' || (has(self.offeredTo) ==
-    /// has(oldSelf.offeredTo) && (!has(self.offeredTo) || self.offeredTo ==
-    /// oldSelf.offeredTo))`.
+    /// self.holderIdentity == '' || !has(self.offeredTo) ||
+    /// (has(oldSelf.offeredTo) && self.offeredTo == oldSelf.offeredTo)`:
+    /// from the claim on the address may be dropped, never set or changed.
     pub address_fixed: bool,
 }
 
@@ -117,18 +120,16 @@ fn holder(l: &TaskLease) -> Option<&str> {
 }
 
 impl CelRules {
-    /// Rule B, on the new object (create and update).
-    pub(crate) fn valid(self, new: &TaskLease) -> bool {
-        !self.claim_by_addressee
-            || match (new.spec.offered_to.as_deref(), holder(new)) {
-                (Some(to), Some(h)) => to == h,
-                _ => true,
-            }
-    }
-
-    /// Rule A, on an update.
+    /// Rules B and A, on an update (both are transition rules).
     pub(crate) fn transition(self, old: &TaskLease, new: &TaskLease) -> bool {
-        !self.address_fixed || holder(new).is_none() || new.spec.offered_to == old.spec.offered_to
+        let b = match (old.spec.offered_to.as_deref(), holder(old), holder(new)) {
+            (Some(to), None, Some(h)) => h == to,
+            _ => true,
+        };
+        let a = holder(new).is_none()
+            || new.spec.offered_to.is_none()
+            || (old.spec.offered_to.is_some() && new.spec.offered_to == old.spec.offered_to);
+        (!self.claim_by_addressee || b) && (!self.address_fixed || a)
     }
 }
 
@@ -295,10 +296,19 @@ impl Cluster {
     /// (the book's, recorded now if it did not know) and whether the
     /// operator's view has it live.
     pub(crate) fn offer_view(&self, s: &mut State, lease: &TaskLease) -> Option<OfferView> {
-        if !self.cfg.addressed || lease.spec.holder_identity.is_some() {
+        if !self.cfg.addressed || !operator_offers::is_open(lease) {
             return None;
         }
         let to = lease.spec.offered_to.clone()?;
+        let now = self.instant(s.now);
+        if !s.op.wlisted {
+            // A fresh leader before its WorkerLease list: the offer counts
+            // as just addressed to a worker live one more second.
+            return Some(OfferView {
+                since: now,
+                addressee_live_until: Some(now + std::time::Duration::from_secs(1)),
+            });
+        }
         let since = match s.op.book.get(&lease.name_any()) {
             Some((t, at)) if *t == to => *at,
             _ => {
@@ -306,13 +316,18 @@ impl Cluster {
                 s.now
             }
         };
-        // inputs.rs: live if its WorkerLease was seen renewed (within its
-        // duration: the model's lapse) — not yet seen, after a restart
-        // before the WorkerLease watch delivered it, is not live.
-        let seen = s.op.wseen.contains_key(&worker_lease_name(&to));
+        // inputs.rs: addressable until `offers::addressable_until` its
+        // last observed renewal — in the model "now" unless its view
+        // lapsed (see the module) — if its WorkerLease is seen.
+        let until =
+            s.op.wleases
+                .get(&worker_lease_name(&to))
+                .map(|j| decode::<WorkerLease>(j))
+                .filter(|w| w.worker() == Some(to.as_str()) && !s.op.lapsed.contains(&to))
+                .and_then(|w| operator_offers::addressable_until(&w, now));
         Some(OfferView {
             since: self.instant(since),
-            addressee_live: seen && !s.op.lapsed.contains(&to),
+            addressee_live_until: until,
         })
     }
 
@@ -327,6 +342,10 @@ impl Cluster {
         lapsed: bool,
     ) -> Option<Write> {
         if !self.cfg.addressed {
+            return None;
+        }
+        if !s.op.wlisted {
+            // Before the WorkerLease list nothing moves.
             return None;
         }
         let from = lease.spec.offered_to.clone().unwrap_or_default();
@@ -449,16 +468,15 @@ pub(crate) fn claimed(s: &mut State, me: &str, before: &TaskLease) {
         .insert(uid, (me.to_owned(), before.spec.offered_to.clone()));
 }
 
-/// The lease's address has not changed since its claim (rule A's promise).
+/// The lease's address has not been set or changed since its claim (rule
+/// A's promise; dropping it is allowed: a rolled-back operator's writes).
 fn address_kept(s: &State) -> bool {
     s.api.leases.values().all(|j| {
         let l: TaskLease = decode(j);
         match (holder(&l), l.uid()) {
-            (Some(_), Some(uid)) => s
-                .offers
-                .claims
-                .get(&uid)
-                .is_none_or(|(_, at_claim)| *at_claim == l.spec.offered_to),
+            (Some(_), Some(uid)) => s.offers.claims.get(&uid).is_none_or(|(_, at_claim)| {
+                l.spec.offered_to.is_none() || *at_claim == l.spec.offered_to
+            }),
             _ => true,
         }
     })
@@ -477,9 +495,10 @@ pub(crate) fn properties() -> Vec<stateright::Property<Cluster>> {
                     .all(|(h, to)| to.as_ref().is_none_or(|to| to == h))
             },
         ),
-        Property::always("a claimed lease's address never changes", |_, s: &State| {
-            address_kept(s)
-        }),
+        Property::always(
+            "a claimed lease's address is never set or changed",
+            |_, s: &State| address_kept(s),
+        ),
         Property::sometimes(
             "an offer is addressed again after its worker lapsed",
             |_, s: &State| s.offers.moved_lapsed,

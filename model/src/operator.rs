@@ -60,6 +60,8 @@ pub struct Operator {
     /// workers its view has lapsed (see [`crate::offers`]).
     pub book: BTreeMap<String, (String, u8)>,
     pub lapsed: std::collections::BTreeSet<String>,
+    /// Its WorkerLease cache has synced once (the watch listed).
+    pub wlisted: bool,
 }
 
 /// What became of a request.
