@@ -299,8 +299,11 @@ async fn main() -> anyhow::Result<()> {
                 match fleet::run(&cluster, o, &mut report).await {
                     Ok(m) => runs.push(m),
                     Err(e) => {
+                        // Its first lines: a protocol violation lists each
+                        // violation on a line of its own (the diagnostics
+                        // after them are long).
                         let first = format!("{e:#}");
-                        let first = first.lines().next().unwrap_or_default().to_owned();
+                        let first = first.lines().take(20).collect::<Vec<_>>().join("\n  ");
                         emit(
                             &mut report,
                             &format!(
