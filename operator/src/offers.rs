@@ -1,7 +1,7 @@
-//! Addressed offers (issue 27): each offer goes to one worker with a free
-//! slot, which alone watches it — as the kubelet watches only the pods
-//! bound to its node — so a lease's changes are sent to its worker and the
-//! operator, not to every worker of the queue.
+//! Addressed offers (issue 27): each offer goes to one worker — the one
+//! with the most free slots — which alone watches it, as the kubelet
+//! watches only the pods bound to its node, so a lease's changes are sent
+//! to its worker and the operator, not to every worker of the queue.
 //!
 //! A worker takes addressed offers when its WorkerLease says how many
 //! `slots` it has (`batchlease_api::WorkerLeaseSpec::slots`); it then
@@ -16,9 +16,10 @@
 //! claim an addressed offer, and a re-address is a CAS on the unclaimed
 //! lease, so a claim and a re-address cannot both land. Addressing is
 //! about cost and liveness: an offer whose worker lapsed, or that its
-//! worker left unclaimed for a TTL while another has a free slot, is
-//! addressed again (`decide::leased`), and with no live candidate its
-//! address is dropped and any worker may claim it.
+//! worker left unclaimed past [`CLAIM_DEADLINE`] while another has a free
+//! slot, is addressed again (`decide::leased`); with no live candidate its
+//! address is dropped and any worker may claim it. A queue also served by
+//! a worker that takes no addressed offers is offered to all ([`mixed`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
