@@ -17,8 +17,8 @@
 //!
 //! And for addressed offers (`check_addressed`):
 //! - a claim of an offer addressed to a worker (`spec.offeredTo`) names
-//!   that worker: the version before the claim was addressed to it or to
-//!   nobody;
+//!   that worker: the claimed version, which keeps the address the claim
+//!   met, is addressed to its holder or to nobody;
 //! - the address never changes once the lease is claimed (it may be
 //!   dropped: an operator without the field rewrites the lease);
 //! - an addressed offer carries the label its worker watches
@@ -154,8 +154,15 @@ pub fn check_addressed(leases: &[Recorded]) -> Vec<String> {
         };
         let holder = l.spec.holder_identity.as_deref();
         let claim = before.spec.holder_identity.is_none() && holder.is_some();
+        // Judged on the claimed version's own address: the CRD keeps the
+        // claim from changing it, so it is the address the claim met. The
+        // version recorded before it need not be: a watch that relisted
+        // (an API server or etcd restart) skips versions, a re-address
+        // among them (the soak found it so). A claim that dropped the
+        // address is the CRD's to judge (rule B, checked by the model and
+        // `addressed_offers.rs`), not this record's.
         if claim
-            && let Some(to) = before.spec.offered_to.as_deref()
+            && let Some(to) = l.spec.offered_to.as_deref()
             && holder != Some(to)
         {
             out.push(format!(
@@ -330,6 +337,13 @@ mod tests {
             v.len() == 1 && v[0].contains("while addressed to a/1"),
             "{v:?}"
         );
+        // A re-address the record skipped (a relist): the claim met the
+        // address it carries.
+        let skipped = [
+            offer(1, Some("a/1"), Some(&a), None),
+            offer(3, Some("b/1"), Some(&b), Some("b/1")),
+        ];
+        assert_eq!(check_addressed(&skipped), Vec::<String>::new());
 
         let moved = [
             offer(1, Some("a/1"), Some(&a), Some("a/1")),
