@@ -201,6 +201,17 @@ pub struct OfferBook {
 
 type Key = (String, String);
 
+/// Where an address comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Record {
+    /// This process wrote it (its age starts now).
+    Written,
+    /// The lease watch showed it (an address already known keeps its age).
+    Watched,
+    /// A pass looked it up (keeps its age; not a sign the lease was listed).
+    Looked,
+}
+
 #[derive(Debug, Default)]
 struct BookState {
     /// (namespace, lease name) → its address.
@@ -213,26 +224,12 @@ struct BookState {
 impl OfferBook {
     /// The operator wrote (or is about to write) `lease`'s address.
     pub fn addressed(&self, namespace: &str, lease: &str, to: Option<&str>, now: Instant) {
-        let key = (namespace.to_owned(), lease.to_owned());
-        let mut state = self.lock();
-        if let Some(listing) = &mut state.listing {
-            listing.insert(key.clone());
-        }
-        let offers = &mut state.offers;
-        match to {
-            Some(to) => {
-                offers.insert(
-                    key,
-                    Address {
-                        to: to.to_owned(),
-                        since: now,
-                    },
-                );
-            }
-            None => {
-                offers.remove(&key);
-            }
-        }
+        self.record(
+            (namespace.to_owned(), lease.to_owned()),
+            to,
+            now,
+            Record::Written,
+        );
     }
 
     /// A lease event from the watch: an unclaimed addressed offer is
@@ -240,27 +237,36 @@ impl OfferBook {
     /// addressed there; anything else is not.
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let key = (lease.namespace().unwrap_or_default(), lease.name_any());
-        let offered = is_open(lease);
+        let to = lease.spec.offered_to.as_deref().filter(|_| is_open(lease));
+        self.record(key, to, now, Record::Watched);
+    }
+
+    /// Records `key` addressed to `to` (or to nobody) at `now`, as `how`
+    /// says; returns since when it is addressed there.
+    fn record(&self, key: Key, to: Option<&str>, now: Instant, how: Record) -> Instant {
+        let keep_age = how != Record::Written;
         let mut state = self.lock();
-        if let Some(listing) = &mut state.listing {
+        if how != Record::Looked
+            && let Some(listing) = &mut state.listing
+        {
             listing.insert(key.clone());
         }
         let offers = &mut state.offers;
-        match lease.spec.offered_to.as_deref().filter(|_| offered) {
-            Some(to) => {
-                let same = offers.get(&key).is_some_and(|a| a.to == to);
-                if !same {
-                    offers.insert(
-                        key,
-                        Address {
-                            to: to.to_owned(),
-                            since: now,
-                        },
-                    );
-                }
-            }
-            None => {
-                offers.remove(&key);
+        let Some(to) = to else {
+            offers.remove(&key);
+            return now;
+        };
+        match offers.get(&key) {
+            Some(a) if keep_age && a.to == to => a.since,
+            _ => {
+                offers.insert(
+                    key,
+                    Address {
+                        to: to.to_owned(),
+                        since: now,
+                    },
+                );
+                now
             }
         }
     }
@@ -296,21 +302,12 @@ impl OfferBook {
     /// did not know (a fresh process between its list and the watch's
     /// first event of it).
     pub fn since(&self, namespace: &str, lease: &str, to: &str, now: Instant) -> Instant {
-        let key = (namespace.to_owned(), lease.to_owned());
-        let offers = &mut self.lock().offers;
-        match offers.get(&key) {
-            Some(a) if a.to == to => a.since,
-            _ => {
-                offers.insert(
-                    key,
-                    Address {
-                        to: to.to_owned(),
-                        since: now,
-                    },
-                );
-                now
-            }
-        }
+        self.record(
+            (namespace.to_owned(), lease.to_owned()),
+            Some(to),
+            now,
+            Record::Looked,
+        )
     }
 
     /// How many outstanding offers of `namespace` are addressed to each
