@@ -65,6 +65,28 @@ async fn wait_slots(ns: &TestNamespace, identity: &str, logs: impl Fn() -> Strin
     .unwrap();
 }
 
+/// A WorkerLease of a worker `identity` of queue demo that announces
+/// `slots`, renewed once now (for `duration` seconds), and never again:
+/// no process stands behind it, so it claims nothing.
+async fn ghost_worker(ns: &TestNamespace, identity: &str, duration: i32, slots: i32) {
+    let mut wl = WorkerLease::new(
+        &worker_lease_name(identity),
+        WorkerLeaseSpec {
+            holder_identity: identity.into(),
+            queues: vec!["demo".into()],
+            lease_duration_seconds: duration,
+            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            holds: vec![],
+            slots: Some(slots),
+        },
+    );
+    wl.metadata.namespace = Some(ns.name.clone());
+    ns.api::<WorkerLease>()
+        .create(&PostParams::default(), &wl)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn each_offer_goes_to_one_worker_and_only_it_claims() {
     let (ns, op) = setup("addr").await;
@@ -125,20 +147,7 @@ async fn an_offer_to_a_worker_that_died_is_addressed_again_and_runs() {
     // A worker that announced many slots, renewed once and died: the
     // operator prefers it (the most free slots) until it lapses.
     let ghost = "ghost/000001";
-    let api: Api<WorkerLease> = ns.api();
-    let mut wl = WorkerLease::new(
-        &worker_lease_name(ghost),
-        WorkerLeaseSpec {
-            holder_identity: ghost.into(),
-            queues: vec!["demo".into()],
-            lease_duration_seconds: 10,
-            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
-            holds: vec![],
-            slots: Some(50),
-        },
-    );
-    wl.metadata.namespace = Some(ns.name.clone());
-    api.create(&PostParams::default(), &wl).await.unwrap();
+    ghost_worker(&ns, ghost, 10, 50).await;
     job(&ns, "job", 100).await;
     let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, logs)
         .await
@@ -226,20 +235,7 @@ async fn with_addressing_off_outstanding_offers_open_to_all() {
     op.wait_leading(T).await.unwrap();
     // A worker that announced slots and will never claim.
     let ghost = "ghost/000002";
-    let api: Api<WorkerLease> = ns.api();
-    let mut wl = WorkerLease::new(
-        &worker_lease_name(ghost),
-        WorkerLeaseSpec {
-            holder_identity: ghost.into(),
-            queues: vec!["demo".into()],
-            lease_duration_seconds: 600,
-            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
-            holds: vec![],
-            slots: Some(5),
-        },
-    );
-    wl.metadata.namespace = Some(ns.name.clone());
-    api.create(&PostParams::default(), &wl).await.unwrap();
+    ghost_worker(&ns, ghost, 600, 5).await;
     tasks::create(
         &ns,
         "job",

@@ -1,0 +1,63 @@
+//! Unit tests of the worker's builder and its pure helpers.
+
+use super::*;
+
+fn config() -> kube::Config {
+    kube::Config::new("http://127.0.0.1:1".parse().unwrap())
+}
+
+/// A 254-character identity made every claim fail with 422, which the
+/// worker took for lost races: silently nothing ran.
+#[tokio::test]
+async fn build_refuses_an_identity_the_crd_would_refuse() {
+    for bad in ["", &"w".repeat(254)] {
+        let e = WorkerBuilder::new(config(), "ns")
+            .queue("q")
+            .identity(bad)
+            .build()
+            .unwrap_err();
+        assert!(matches!(e, Error::Config(m) if m.contains("253")), "{e:?}");
+    }
+    let w = WorkerBuilder::new(config(), "ns")
+        .queue("q")
+        .identity("w".repeat(253))
+        .build()
+        .unwrap();
+    assert_eq!(w.identity().len(), 253);
+}
+
+#[test]
+fn build_outside_a_runtime_is_an_error_not_a_panic() {
+    let e = WorkerBuilder::new(config(), "ns")
+        .queue("q")
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Config(m) if m.contains("runtime")),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn renewals_per_worker_are_turned_on_by_1_or_true() {
+    for (value, on) in [
+        (None, false),
+        (Some(""), false),
+        (Some("0"), false),
+        (Some("false"), false),
+        (Some("yes"), false),
+        (Some("1"), true),
+        (Some("true"), true),
+        (Some(" TRUE "), true),
+    ] {
+        assert_eq!(renew_per_worker_from_env(value), on, "{value:?}");
+    }
+}
+
+#[test]
+fn the_default_identity_is_the_pod_then_a_suffix() {
+    assert_eq!(identity_of(Some("w-0"), Some("h"), 0xab), "w-0/0000ab");
+    assert_eq!(identity_of(None, Some("w-1"), 1), "w-1/000001");
+    assert_eq!(identity_of(Some(""), Some("w-1"), 1), "w-1/000001");
+    assert_eq!(identity_of(None, None, 0xff_fffe), "worker/fffffe");
+}
