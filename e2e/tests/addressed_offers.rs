@@ -226,6 +226,63 @@ async fn an_offer_to_a_worker_that_died_is_addressed_again_and_runs() {
 }
 
 #[tokio::test]
+async fn an_offer_moves_at_once_when_its_workers_lease_is_deleted() {
+    let (ns, op) = setup("addr-gone").await;
+    let w = per_worker(&ns, "w", 1);
+    let logs = || op.logs_with(&[&w]);
+    wait_slots(&ns, "w", logs).await;
+    // A worker that announced many slots and would stay addressable for
+    // 300 s (half its WorkerLease's 600 s), then stops and deletes its
+    // WorkerLease: its offer moves when the deletion is seen, not at its
+    // lapse nor at the 15 s claim deadline.
+    let ghost = "ghost/000003";
+    ghost_worker(&ns, ghost, 600, 50).await;
+    let created = std::time::Instant::now();
+    tasks::create(
+        &ns,
+        "job",
+        json!({"queue": "demo", "leaseDurationSeconds": 300,
+               "payload": {"steps": 1, "stepMillis": 10}}),
+    )
+    .await
+    .unwrap();
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, logs)
+        .await
+        .unwrap();
+    assert_eq!(offered.spec.offered_to.as_deref(), Some(ghost));
+    ns.api::<WorkerLease>()
+        .delete(&worker_lease_name(ghost), &Default::default())
+        .await
+        .unwrap();
+    let leases: Api<TaskLease> = ns.api();
+    wait_for("the offer moved to the live worker", T, logs, || {
+        let leases = leases.clone();
+        async move {
+            let l = leases.get("job-1").await?;
+            Ok((l.spec.offered_to.as_deref() == Some("w")).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    let moved_after = created.elapsed();
+    assert!(
+        moved_after < Duration::from_secs(12),
+        "moved {moved_after:?} after the task was created: the claim deadline (15 s), not the deletion, moved it\n{}",
+        logs()
+    );
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, logs)
+        .await
+        .unwrap();
+    assert_eq!(
+        done.status.unwrap().fencing_token,
+        1,
+        "the same offer, moved"
+    );
+    drop(w);
+    ns.finish().await.unwrap();
+}
+
+#[tokio::test]
 async fn with_addressing_off_outstanding_offers_open_to_all() {
     // The runbook before a rollback: --address-offers=false opens what an
     // operator with addressing offered to one worker, and offers no more.

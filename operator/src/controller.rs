@@ -204,6 +204,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         workers.clone(),
         tracker_for_workers,
         queues.clone(),
+        offers.clone(),
         shared.synced.register(),
     );
     let ctx = Arc::new(Ctx {
@@ -347,6 +348,7 @@ fn watch_worker_leases(
     workers: Arc<WorkerTracker>,
     leases: Arc<Tracker>,
     book: Arc<QueueBook>,
+    offers: Arc<OfferBook>,
     synced: impl Fn(bool) + Send + 'static,
 ) -> impl futures::Stream<Item = Result<watcher::Event<WorkerLease>, watcher::Error>> + Send {
     watcher(api, watcher::Config::default())
@@ -375,10 +377,18 @@ fn watch_worker_leases(
                     if let Some(holder) = w.worker() {
                         let (ns, _) = presence(w);
                         book.worker_gone(&ns, holder, &w.spec.queues);
+                        // Its offers move at their next pass (a deleted
+                        // addressee counts as lapsed): have it now.
+                        book.wake_tasks(&ns, offers.tasks_offered_to(&ns, holder));
                     }
                 }
                 watcher::Event::Init => workers.list_started(),
-                watcher::Event::InitDone => workers.list_done(&leases, now),
+                watcher::Event::InitDone => {
+                    // Deleted while the watch was down: as a Delete.
+                    for (ns, holder) in workers.list_done(&leases, now) {
+                        book.wake_tasks(&ns, offers.tasks_offered_to(&ns, &holder));
+                    }
+                }
             }
         })
         .reflect(writer)

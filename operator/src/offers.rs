@@ -183,6 +183,9 @@ pub fn addressed(lease: &TaskLease, to: Option<&Candidate>) -> TaskLease {
 struct Address {
     to: String,
     since: Instant,
+    /// The task the offer is for, once the watch showed the lease (what
+    /// to wake when the addressee goes: [`OfferBook::tasks_offered_to`]).
+    task: Option<String>,
 }
 
 /// The offers this process addressed, or saw addressed, that are still
@@ -232,13 +235,28 @@ impl OfferBook {
         );
     }
 
+    /// The operator is about to create offer `lease` of `task` addressed
+    /// to `to` (its task is known before the watch shows it).
+    pub fn addressed_new(&self, namespace: &str, lease: &str, task: &str, to: &str, now: Instant) {
+        let key = (namespace.to_owned(), lease.to_owned());
+        self.record(key.clone(), Some(to), now, Record::Written);
+        self.set_task(&key, task);
+    }
+
+    fn set_task(&self, key: &Key, task: &str) {
+        if let Some(a) = self.lock().offers.get_mut(key) {
+            a.task = Some(task.to_owned());
+        }
+    }
+
     /// A lease event from the watch: an unclaimed addressed offer is
     /// (still) outstanding, counted from when this process first saw it
     /// addressed there; anything else is not.
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let key = (lease.namespace().unwrap_or_default(), lease.name_any());
         let to = lease.spec.offered_to.as_deref().filter(|_| is_open(lease));
-        self.record(key, to, now, Record::Watched);
+        self.record(key.clone(), to, now, Record::Watched);
+        self.set_task(&key, &lease.spec.task_name);
     }
 
     /// Records `key` addressed to `to` (or to nobody) at `now`, as `how`
@@ -258,12 +276,14 @@ impl OfferBook {
         };
         match offers.get(&key) {
             Some(a) if keep_age && a.to == to => a.since,
-            _ => {
+            prev => {
+                let task = prev.and_then(|a| a.task.clone());
                 offers.insert(
                     key,
                     Address {
                         to: to.to_owned(),
                         since: now,
+                        task,
                     },
                 );
                 now
@@ -319,6 +339,21 @@ impl OfferBook {
                 *out.entry(a.to.clone()).or_default() += 1;
             }
         }
+        out
+    }
+
+    /// The tasks whose outstanding offers in `namespace` are addressed to
+    /// `to` (those the watch has shown): woken when `to`'s WorkerLease is
+    /// deleted, so they move at once instead of at its lapse.
+    pub fn tasks_offered_to(&self, namespace: &str, to: &str) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .lock()
+            .offers
+            .iter()
+            .filter(|((ns, _), a)| ns == namespace && a.to == to)
+            .filter_map(|(_, a)| a.task.clone())
+            .collect();
+        out.sort();
         out
     }
 

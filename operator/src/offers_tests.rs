@@ -211,6 +211,45 @@ fn book_counts_outstanding_offers_and_keeps_their_age() {
     );
 }
 
+/// The tasks to wake when an addressee's WorkerLease is deleted: those of
+/// its outstanding offers the watch has shown, kept across a move written
+/// by this process, not those claimed or moved elsewhere.
+#[test]
+fn the_book_knows_the_tasks_offered_to_a_worker() {
+    let book = OfferBook::default();
+    let t0 = Instant::now();
+    let task = |name: &str, to: Option<&str>, phase, holder| {
+        let mut l = offer(name, to, phase, holder);
+        l.spec.task_name = format!("task-{name}");
+        l
+    };
+    // Written before the watch shows it: known from the write.
+    book.addressed_new("ns", "a-1", "task-a-1", "w/1", t0);
+    assert_eq!(
+        book.tasks_offered_to("ns", "w/1"),
+        vec!["task-a-1".to_owned()]
+    );
+    book.observe(&task("a-1", Some("w/1"), LeasePhase::Offered, None), t0);
+    book.observe(&task("b-1", Some("w/1"), LeasePhase::Offered, None), t0);
+    book.observe(&task("c-1", Some("w/2"), LeasePhase::Offered, None), t0);
+    book.observe(&task("d-1", Some("w/1"), LeasePhase::Held, Some("w/1")), t0);
+    assert_eq!(
+        book.tasks_offered_to("ns", "w/1"),
+        vec!["task-a-1".to_owned(), "task-b-1".to_owned()]
+    );
+    // Moved by this process: the task goes with it.
+    book.addressed("ns", "b-1", Some("w/2"), t0);
+    assert_eq!(
+        book.tasks_offered_to("ns", "w/1"),
+        vec!["task-a-1".to_owned()]
+    );
+    assert_eq!(
+        book.tasks_offered_to("ns", "w/2"),
+        vec!["task-b-1".to_owned(), "task-c-1".to_owned()]
+    );
+    assert!(book.tasks_offered_to("other", "w/1").is_empty());
+}
+
 #[test]
 fn addressing_sets_field_and_label_together() {
     let l = offer("a-1", None, LeasePhase::Offered, None);

@@ -308,6 +308,11 @@ impl QueueBook {
         }
     }
 
+    /// Wakes `tasks` of namespace `ns` (a pass for each, now).
+    pub fn wake_tasks(&self, ns: &str, tasks: Vec<String>) {
+        self.send(ns, tasks);
+    }
+
     /// What the queue allows task `task` now (for [`crate::decide::Input`]).
     pub fn peek(&self, ns: &str, queue: &str, task: &str, now: Instant) -> QueueGate {
         let mut book = self.lock();

@@ -325,11 +325,11 @@ impl WorkerTracker {
 
     /// The (re)list ended: a WorkerLease it no longer lists was deleted
     /// while the watch was down, with renewals perhaps unseen — a renewal
-    /// observed now.
-    pub fn list_done(&self, leases: &Tracker, now: Instant) {
+    /// observed now. Returns the holders gone so, by namespace.
+    pub fn list_done(&self, leases: &Tracker, now: Instant) -> Vec<(String, String)> {
         let mut state = self.lock();
         let Some(listed) = state.listed.take() else {
-            return;
+            return Vec::new();
         };
         state.synced = true;
         let gone: Vec<(Key, WorkerSeen)> = state
@@ -345,11 +345,14 @@ impl WorkerTracker {
             .found_gone
             .retain(|_, at| now.saturating_duration_since(*at) < FOUND_GONE_KEPT);
         drop(state);
+        let mut holders = Vec::with_capacity(gone.len());
         for ((ns, _), seen) in gone {
             if let Some(r) = seen.departure(None, Some(ns.clone()), now) {
                 apply(&ns, &r, leases);
             }
+            holders.push((ns, seen.holder().to_owned()));
         }
+        holders
     }
 
     /// A read found no WorkerLease for `attempt`'s holder (the cache had

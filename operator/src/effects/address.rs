@@ -79,8 +79,13 @@ pub async fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
     let Some(to) = offers::choose(&candidates, None) else {
         return lease.clone();
     };
-    ctx.offers
-        .addressed(&ns, &lease.name_any(), Some(&to.identity), now);
+    ctx.offers.addressed_new(
+        &ns,
+        &lease.name_any(),
+        &lease.spec.task_name,
+        &to.identity,
+        now,
+    );
     offers::addressed(lease, Some(to))
 }
 
