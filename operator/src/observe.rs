@@ -37,6 +37,13 @@ pub struct Seen {
     /// Held (not released) and claimed to be renewed through its holder's
     /// WorkerLease: what a WorkerLease renewal may be credited to.
     per_worker_held: bool,
+    /// The TTL the lease was issued with (the never-listed rule of
+    /// `worker_leases`).
+    ttl: Duration,
+    /// A WorkerLease renewal of its holder, from a watch that had seen
+    /// every version of that WorkerLease since before this claim was
+    /// observed, named this attempt (`worker_leases::credit_seen`).
+    listed: bool,
     pub observation: Observation,
 }
 
@@ -55,6 +62,24 @@ impl Seen {
     /// held, and claimed to be renewed per worker.
     pub fn per_worker_held(&self) -> bool {
         self.per_worker_held
+    }
+
+    /// The TTL the lease was issued with.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Whether a gap-free WorkerLease renewal named this attempt.
+    pub fn listed(&self) -> bool {
+        self.listed
+    }
+
+    /// The record, marked as named by a gap-free WorkerLease renewal.
+    pub fn seen_listed(&self) -> Seen {
+        Seen {
+            listed: true,
+            ..self.clone()
+        }
     }
 }
 
@@ -75,8 +100,9 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
     // renewTime is compared for equality only: its value is the holder's
     // clock and means nothing here.
     let renew_marker = lease.spec.renew_time.as_ref().map(|t| t.0.to_string());
-    let observation = match prev {
-        Some(p) if p.uid == uid && p.holder == holder => {
+    let same_attempt = prev.filter(|p| p.uid == uid && p.holder == holder);
+    let observation = match same_attempt {
+        Some(p) => {
             if p.renew_marker == renew_marker {
                 p.observation
             } else {
@@ -96,6 +122,8 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
         holder,
         renew_marker,
         per_worker_held: phase == Some(LeasePhase::Held) && lease.renewed_per_worker(),
+        ttl: lease_ttl(lease),
+        listed: same_attempt.is_some_and(|p| p.listed),
         observation,
     })
 }

@@ -26,7 +26,14 @@
 //! Crediting more than the worker renewed only delays an expiry. The cost:
 //! an attempt whose listing the operator never saw is kept alive while its
 //! worker renews — bounded by the SDK's rule (listed within T/3 of the
-//! claim, seen by a watch that does not skip).
+//! claim) and, against a worker that breaks it, by the never-listed rule
+//! below while the watch does not skip.
+//!
+//! **Never listed**: from 2·TTL after the claim was observed, renewals are
+//! not credited to an attempt no version has named — only when the watch
+//! delivered every version of the WorkerLease since before the claim was
+//! observed ([`never_listed_until`]; a relist or a first sight may have
+//! skipped the version that named it, and is credited as above).
 //!
 //! Not credited: a renewal observed before the TaskLease's claim was, a
 //! TaskLease no longer `Held` by that worker (a zombie's late write naming
@@ -116,6 +123,7 @@ impl WorkerSeen {
                 .map(|l| l.revoked().iter().cloned().collect())
                 .unwrap_or_default(),
             at: now,
+            gapless_since: None,
         })
     }
 }
@@ -145,6 +153,12 @@ pub struct Renewal {
     /// worker stopped listing alive for as long as the worker renews.
     pub revoked: BTreeSet<AttemptRef>,
     pub at: Instant,
+    /// Since when the watch has delivered every version of this object
+    /// without a gap (its first sight, or the last relist): set by
+    /// [`WorkerTracker`]; `None` (unknown) counts as a gap. The
+    /// never-listed rule applies only to renewals gap-free since before
+    /// the claim was observed.
+    pub gapless_since: Option<Instant>,
 }
 
 /// What one observation of a WorkerLease gives: the new record, and the
@@ -184,6 +198,7 @@ pub fn next_worker_seen(
         ended: ended_before,
         revoked: lease.revoked().iter().cloned().collect(),
         at: now,
+        gapless_since: None,
     });
     Some(WorkerObservation {
         seen: WorkerSeen {
@@ -226,17 +241,49 @@ pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
         name: name.to_owned(),
         uid: seen.uid().to_owned(),
     };
-    let credited = seen.per_worker_held()
+    let ours = seen.per_worker_held() && seen.holder() == renewal.holder;
+    // Every version of the WorkerLease since before the claim was observed
+    // has been seen: none that named this attempt was skipped.
+    let gap_free = ours
+        && renewal
+            .gapless_since
+            .is_some_and(|t| t < seen.observation.claimed_at);
+    let listed = seen.listed() || (gap_free && renewal.names.contains(&attempt));
+    let never_listed = gap_free && !listed && renewal.at >= never_listed_until(seen);
+    let credited = ours
         && !renewal.ended.contains(&attempt)
         && !renewal.revoked.contains(&attempt)
-        && seen.holder() == renewal.holder
         // Observed before the claim was: it says nothing of this attempt.
-        && renewal.at >= seen.observation.claimed_at;
-    let mut out = seen.clone();
+        && renewal.at >= seen.observation.claimed_at
+        && !never_listed;
+    let mut out = if listed && !seen.listed() {
+        seen.seen_listed()
+    } else {
+        seen.clone()
+    };
     if credited {
         out.observation.last_renewal = out.observation.last_renewal.max(renewal.at);
     }
     out
+}
+
+/// Pure: from when renewals of its holder's WorkerLease no longer keep
+/// alive an attempt that no version of it has named — 2·TTL after its
+/// claim was observed — provided the watch delivered every version of
+/// that WorkerLease since before then. The SDK names an attempt within
+/// TTL/3 of its claim; a worker that lost track of a claim, or never
+/// lists, would otherwise keep its task for as long as it renews.
+///
+/// Why gap-free only: a version the watch skipped (a relist) may have
+/// named the attempt and fed its kill clock, then a later one dropped it
+/// while it still ran (the model checker's counterexample for crediting
+/// only named attempts). With every version seen since before the claim
+/// was observed, a naming version observed after the claim marks the
+/// attempt listed, and one observed before was sent before: the kill
+/// clock it fed ran out by `claimed_at` + 2/3·TTL, long before the
+/// cut-off ends anything (and every end revokes first).
+pub fn never_listed_until(seen: &Seen) -> Instant {
+    seen.observation.claimed_at + 2 * seen.ttl()
 }
 
 type Key = (String, String);
@@ -252,6 +299,9 @@ struct State {
     found_gone: HashMap<(String, AttemptRef), Instant>,
     /// The first list is in.
     synced: bool,
+    /// (namespace, WorkerLease name) → since when the watch has delivered
+    /// every version of it (its first sight, or the last relist).
+    gapless_since: HashMap<Key, Instant>,
 }
 
 /// The WorkerLeases as the watch shows them, crediting each renewal it
@@ -296,19 +346,29 @@ impl WorkerTracker {
     pub fn observe(&self, w: &WorkerLease, leases: &Tracker, now: Instant) {
         let key = (w.namespace().unwrap_or_default(), w.name_any());
         let mut state = self.lock();
+        let relisting = state.listed.is_some();
         if let Some(listed) = &mut state.listed {
             listed.insert(key.clone());
         }
+        let prev_uid = state.seen.get(&key).map(|p| p.uid.clone());
         match next_worker_seen(state.seen.get(&key), w, now) {
             Some(o) => {
+                // A relist may have skipped versions; so may a first
+                // sight, or another object under the name.
+                if relisting || prev_uid.as_deref() != Some(o.seen.uid.as_str()) {
+                    state.gapless_since.insert(key.clone(), now);
+                }
+                let gapless_since = state.gapless_since.get(&key).copied();
                 state.seen.insert(key.clone(), o.seen);
                 drop(state);
-                if let Some(r) = o.renewal {
+                if let Some(mut r) = o.renewal {
+                    r.gapless_since = gapless_since;
                     apply(&key.0, &r, leases);
                 }
             }
             None => {
                 state.seen.remove(&key);
+                state.gapless_since.remove(&key);
             }
         }
     }
@@ -317,8 +377,13 @@ impl WorkerTracker {
     /// event): a renewal not seen before counts as observed now.
     pub fn forget(&self, last: &WorkerLease, leases: &Tracker, now: Instant) {
         let key = (last.namespace().unwrap_or_default(), last.name_any());
-        let prev = self.lock().seen.remove(&key);
-        if let Some(r) = prev.and_then(|p| p.departure(Some(last), last.namespace(), now)) {
+        let (prev, gapless_since) = {
+            let mut state = self.lock();
+            (state.seen.remove(&key), state.gapless_since.remove(&key))
+        };
+        if let Some(mut r) = prev.and_then(|p| p.departure(Some(last), last.namespace(), now)) {
+            // The Delete event follows every version before it.
+            r.gapless_since = gapless_since;
             apply(&key.0, &r, leases);
         }
     }
@@ -340,6 +405,7 @@ impl WorkerTracker {
             .collect();
         for (k, _) in &gone {
             state.seen.remove(k);
+            state.gapless_since.remove(k);
         }
         state
             .found_gone

@@ -115,6 +115,7 @@ fn credit_table() {
         ended: names(ended),
         revoked: BTreeSet::new(),
         at,
+        gapless_since: None,
     };
     let credited = |r: &Renewal, l: &TaskLease| credit(&seen, l, r).observation;
     let untouched = seen.observation;
@@ -236,6 +237,110 @@ fn a_lease_kept_alive_by_its_workers_renewals() {
     let r = o.departure(Some(&unseen), Some("ns".into()), t40).unwrap();
     assert_eq!((r.at, r.ended.clone()), (t40, names(&["t-1"])));
     assert!(o.departure(None, Some("ns".into()), t40).is_some());
+}
+
+/// The never-listed rule: with every version of the WorkerLease seen since
+/// before the claim was observed, renewals that do not name the attempt
+/// keep it alive for 2·TTL, not longer; one naming it lifts the bound for
+/// good. Renewals after a gap (a relist, a first sight, unknown) are
+/// credited as before: a skipped version may have named it.
+#[test]
+fn an_attempt_never_seen_listed_is_credited_for_two_ttls_when_no_version_was_skipped() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    // TTL 30 s (task_lease): the bound is 60 s after the claim's observation.
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    let claimed = next_seen(None, &held, t(10)).unwrap();
+    assert_eq!(never_listed_until(&claimed), t(70));
+    let renewal = |holds: &[&str], at: Instant, gapless_since: Option<Instant>| Renewal {
+        holder: "w1".into(),
+        namespace: Some("ns".into()),
+        names: names(holds),
+        ended: BTreeSet::new(),
+        revoked: BTreeSet::new(),
+        at,
+        gapless_since,
+    };
+    let watched = Some(t(0));
+    let early = credit(&claimed, &held, &renewal(&[], t(69), watched));
+    assert_eq!(
+        (early.observation.last_renewal, early.listed()),
+        (t(69), false)
+    );
+    let late = credit(&early, &held, &renewal(&[], t(71), watched));
+    assert_eq!(
+        late.observation.last_renewal,
+        t(69),
+        "not credited past 2·TTL"
+    );
+    // After a gap, or with the gap unknown, or gap-free only since the
+    // claim was observed: credited (a skipped version may have named it).
+    for (why, since) in [
+        ("a relist after the claim", Some(t(20))),
+        ("since the claim's observation", Some(t(10))),
+        ("unknown", None),
+    ] {
+        let r = credit(&early, &held, &renewal(&[], t(71), since));
+        assert_eq!(r.observation.last_renewal, t(71), "{why}");
+    }
+    // A naming version after a gap marks nothing.
+    let gap = credit(&claimed, &held, &renewal(&["t-1"], t(30), Some(t(25))));
+    assert!(!gap.listed());
+    // Named once, even after the bound: credited from then on, and the
+    // mark survives the lease's own changes.
+    let named = credit(&late, &held, &renewal(&["t-1"], t(80), watched));
+    assert_eq!(
+        (named.observation.last_renewal, named.listed()),
+        (t(80), true)
+    );
+    let own = next_seen(Some(&named), &held, t(81)).unwrap();
+    assert!(own.listed());
+    let after = credit(&own, &held, &renewal(&[], t(90), watched));
+    assert_eq!(after.observation.last_renewal, t(90));
+    // Another worker's version naming it marks nothing.
+    let other = Renewal {
+        holder: "w2".into(),
+        ..renewal(&["t-1"], t(20), watched)
+    };
+    assert!(!credit(&claimed, &held, &other).listed());
+    // A new claim under the name (another UID) starts unlisted.
+    let mut again = held.clone();
+    again.metadata.uid = Some("uid-t-1-again".into());
+    assert!(!next_seen(Some(&after), &again, t(95)).unwrap().listed());
+}
+
+/// The tracker sets `gapless_since`: a first sight and a relist start it
+/// afresh, the watch's events in between keep it, so the cut-off reaches
+/// an attempt claimed after the first sight and not one claimed before a
+/// relist.
+#[test]
+fn the_tracker_cuts_off_a_never_listed_attempt_only_between_relists() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    let leases = Tracker::default();
+    let workers = WorkerTracker::default();
+    workers.list_started();
+    workers.observe(&worker("w1", "u1", 1, ""), &leases, t(0));
+    assert!(workers.list_done(&leases, t(0)).is_empty());
+    let held = task_lease("t-1", "w1", LeasePhase::Held);
+    leases.observe(&held, t(1));
+    let last = || leases.observation("ns", "t-1").unwrap().last_renewal;
+    // Renewals that never name it: credited until 2·TTL after the claim.
+    for (i, at) in [(2, 30), (3, 60), (4, 62)] {
+        workers.observe(&worker("w1", "u1", i, ""), &leases, t(at));
+    }
+    assert_eq!(last(), t(60), "cut off 60 s after the claim's observation");
+    // A relist: versions may have been skipped — credited again.
+    workers.list_started();
+    workers.observe(&worker("w1", "u1", 5, ""), &leases, t(70));
+    workers.list_done(&leases, t(70));
+    assert_eq!(last(), t(70), "a relist is credited");
+    workers.observe(&worker("w1", "u1", 6, ""), &leases, t(80));
+    assert_eq!(
+        last(),
+        t(80),
+        "gap-free only since after the claim: credited"
+    );
 }
 
 /// The tracker end to end: WorkerLease events credited to the TaskLease
