@@ -351,9 +351,13 @@ fn watch_worker_leases(
     offers: Arc<OfferBook>,
     synced: impl Fn(bool) + Send + 'static,
 ) -> impl futures::Stream<Item = Result<watcher::Event<WorkerLease>, watcher::Error>> + Send {
+    let failed = workers.clone();
     watcher(api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
         .modify(forget_managed_fields)
+        // An error may stand for a version lost (one that did not decode):
+        // from here on nothing counts as seen without a gap.
+        .inspect_err(move |_| failed.watch_failed())
         .inspect_ok(move |event| {
             synced(matches!(event, watcher::Event::InitDone));
             let now = Instant::now();

@@ -30,10 +30,12 @@
 //! below while the watch does not skip.
 //!
 //! **Never listed**: from 2·TTL after the claim was observed, renewals are
-//! not credited to an attempt no version has named — only when the watch
-//! delivered every version of the WorkerLease since before the claim was
-//! observed ([`never_listed_until`]; a relist or a first sight may have
-//! skipped the version that named it, and is credited as above).
+//! not credited to an attempt that no version observed without a gap
+//! since then has named — and only renewals the watch delivered with no
+//! version skipped since before the claim was observed
+//! ([`never_listed_until`]; after a relist, a first sight or a watch error
+//! a skipped version may have named it, and renewals are credited as
+//! above).
 //!
 //! Not credited: a renewal observed before the TaskLease's claim was, a
 //! TaskLease no longer `Held` by that worker (a zombie's late write naming
@@ -268,9 +270,10 @@ pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
 }
 
 /// Pure: from when renewals of its holder's WorkerLease no longer keep
-/// alive an attempt that no version of it has named — 2·TTL after its
-/// claim was observed — provided the watch delivered every version of
-/// that WorkerLease since before then. The SDK names an attempt within
+/// alive an attempt that no gap-free version observed since its claim
+/// has named — 2·TTL after the claim was observed (by this process: a new
+/// leader starts it afresh) — provided the watch delivered every version
+/// of that WorkerLease since before then. The SDK names an attempt within
 /// TTL/3 of its claim; a worker that lost track of a claim, or never
 /// lists, would otherwise keep its task for as long as it renews.
 ///
@@ -279,9 +282,11 @@ pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
 /// while it still ran (the model checker's counterexample for crediting
 /// only named attempts). With every version seen since before the claim
 /// was observed, a naming version observed after the claim marks the
-/// attempt listed, and one observed before was sent before: the kill
-/// clock it fed ran out by `claimed_at` + 2/3·TTL, long before the
-/// cut-off ends anything (and every end revokes first).
+/// attempt listed (one observed while the lease watch had not yet stored
+/// the claim was written before that instant), and one observed before
+/// `claimed_at` was sent before it: the kill clock it fed ran out by
+/// `claimed_at` + 2/3·TTL, while an end the cut-off brings comes after
+/// `claimed_at` + 2·TTL. The attempt then lives up to about 3·TTL.
 pub fn never_listed_until(seen: &Seen) -> Instant {
     seen.observation.claimed_at + 2 * seen.ttl()
 }
@@ -354,8 +359,12 @@ impl WorkerTracker {
         match next_worker_seen(state.seen.get(&key), w, now) {
             Some(o) => {
                 // A relist may have skipped versions; so may a first
-                // sight, or another object under the name.
-                if relisting || prev_uid.as_deref() != Some(o.seen.uid.as_str()) {
+                // sight, another object under the name, or the events
+                // before a watch error (no mark since): gap-free from now.
+                if relisting
+                    || prev_uid.as_deref() != Some(o.seen.uid.as_str())
+                    || !state.gapless_since.contains_key(&key)
+                {
                     state.gapless_since.insert(key.clone(), now);
                 }
                 let gapless_since = state.gapless_since.get(&key).copied();
@@ -373,17 +382,25 @@ impl WorkerTracker {
         }
     }
 
+    /// The watch reported an error: a version may have been lost (one that
+    /// did not decode is skipped without a relist), so every WorkerLease
+    /// counts as seen without a gap only from its next observation on.
+    pub fn watch_failed(&self) {
+        self.lock().gapless_since.clear();
+    }
+
     /// A WorkerLease deletion (`last`: its final state from the Delete
     /// event): a renewal not seen before counts as observed now.
     pub fn forget(&self, last: &WorkerLease, leases: &Tracker, now: Instant) {
         let key = (last.namespace().unwrap_or_default(), last.name_any());
-        let (prev, gapless_since) = {
+        let prev = {
             let mut state = self.lock();
-            (state.seen.remove(&key), state.gapless_since.remove(&key))
+            state.gapless_since.remove(&key);
+            state.seen.remove(&key)
         };
-        if let Some(mut r) = prev.and_then(|p| p.departure(Some(last), last.namespace(), now)) {
-            // The Delete event follows every version before it.
-            r.gapless_since = gapless_since;
+        // A departure is a renewal only when its last state carries a
+        // renewTime never seen — a version was skipped: no gap-free mark.
+        if let Some(r) = prev.and_then(|p| p.departure(Some(last), last.namespace(), now)) {
             apply(&key.0, &r, leases);
         }
     }
