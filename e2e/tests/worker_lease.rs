@@ -15,8 +15,9 @@ use batchlease_e2e::process::Process;
 use batchlease_e2e::tasks::{self, wait_holder, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, TestNamespace, pg, wait_for};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(60);
@@ -302,5 +303,103 @@ async fn a_deleted_worker_lease_stops_its_attempts_and_the_task_runs_again() {
     assert_eq!(commits.len(), 1, "{commits:?}");
     assert_eq!(commits[0].0, st.fencing_token);
     drop(w);
+    ns.finish().await.unwrap();
+}
+
+/// The never-listed rule: a worker that claimed an attempt per worker and
+/// lost track of it — it keeps renewing its WorkerLease but never names
+/// the attempt — does not keep the task. Renewals stop counting for it
+/// 2·TTL after the claim was observed (the operator's watch saw every
+/// version of the WorkerLease since before the claim); the attempt is
+/// revoked, expires, and the task runs again under the next token.
+#[tokio::test]
+async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
+    let (ns, op, db) = setup("wl-unlisted").await;
+    let ghost = "ghost/000001";
+    let wls: Api<WorkerLease> = ns.api();
+    let mut wl = WorkerLease::new(
+        &worker_lease_name(ghost),
+        batchlease_api::WorkerLeaseSpec {
+            holder_identity: ghost.into(),
+            queues: vec!["demo".into()],
+            lease_duration_seconds: i32::try_from(TTL).unwrap(),
+            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            holds: vec![],
+            slots: None,
+        },
+    );
+    wl.metadata.namespace = Some(ns.name.clone());
+    wls.create(&PostParams::default(), &wl).await.unwrap();
+    job(&ns, "job", 1, 10).await;
+    let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
+        .await
+        .unwrap();
+    let leases: Api<TaskLease> = ns.api();
+    let claimed =
+        batchlease_worker_sdk::lease_ops::claim(&leases, &offered, ghost, Renewal::Worker)
+            .await
+            .unwrap()
+            .expect("the ghost's claim");
+    assert_eq!(claimed.spec.renewal, Some(Renewal::Worker));
+    let claimed_at = std::time::Instant::now();
+    // It renews every TTL/3, listing nothing.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let renewer = tokio::spawn({
+        let (wls, stop) = (wls.clone(), stop.clone());
+        async move {
+            let mut renewals = 0u32;
+            while !stop.is_cancelled() {
+                let mut w = wls.get(&worker_lease_name(ghost)).await.unwrap();
+                w.spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+                // A conflict with a revocation: read again and renew.
+                if wls
+                    .replace(&w.name_any(), &PostParams::default(), &w)
+                    .await
+                    .is_ok()
+                {
+                    renewals += 1;
+                }
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_secs(TTL / 3)) => {}
+                }
+            }
+            renewals
+        }
+    });
+    let expired = wait_lease(&ns, "job-1", LeasePhase::Expired, T * 2, || op.logs())
+        .await
+        .unwrap();
+    let after = claimed_at.elapsed();
+    stop.cancel();
+    let renewals = renewer.await.unwrap();
+    assert!(
+        after >= Duration::from_secs(2 * TTL),
+        "expired {after:?} after the claim: before the 2·TTL cut-off, so not by it"
+    );
+    assert!(
+        u64::from(renewals) * (TTL / 3) >= 2 * TTL,
+        "the worker renewed throughout ({renewals} renewals)"
+    );
+    // Revoked on its WorkerLease before it expired (the history checker
+    // judges the order).
+    let w = worker_lease(&ns, ghost).await.unwrap();
+    assert!(
+        w.is_revoked(&AttemptRef::of(&expired)),
+        "revoked: {:?}",
+        w.status
+    );
+    // A real worker runs the task under the next token.
+    let real = per_worker(&ns, "w", 1);
+    let done = wait_phase(&ns, "job", TaskPhase::Succeeded, T, || {
+        op.logs_with(&[&real])
+    })
+    .await
+    .unwrap();
+    let st = done.status.unwrap();
+    assert_eq!(st.fencing_token, 2, "{:?}", st.history);
+    let uid = tasks::uid(&ns, "job").await.unwrap();
+    assert_eq!(pg::audit(&db, &uid).await.unwrap().len(), 1);
+    drop(real);
     ns.finish().await.unwrap();
 }
