@@ -183,8 +183,9 @@ pub fn addressed(lease: &TaskLease, to: Option<&Candidate>) -> TaskLease {
 struct Address {
     to: String,
     since: Instant,
-    /// The task the offer is for, once the watch showed the lease (what
-    /// to wake when the addressee goes: [`OfferBook::tasks_offered_to`]).
+    /// The task the offer is for, once known (from this process's create,
+    /// or the watch): what to wake when the addressee goes
+    /// ([`OfferBook::tasks_offered_to`]).
     task: Option<String>,
 }
 
@@ -343,8 +344,9 @@ impl OfferBook {
     }
 
     /// The tasks whose outstanding offers in `namespace` are addressed to
-    /// `to` (those the watch has shown): woken when `to`'s WorkerLease is
-    /// deleted, so they move at once instead of at its lapse.
+    /// `to` (those whose task is known): woken when `to`'s WorkerLease is
+    /// deleted, so they move at that pass instead of at its lapse or the
+    /// claim deadline.
     pub fn tasks_offered_to(&self, namespace: &str, to: &str) -> Vec<String> {
         let mut out: Vec<String> = self
             .lock()
