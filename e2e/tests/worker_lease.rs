@@ -101,13 +101,16 @@ async fn tasks_longer_than_their_ttl_live_on_worker_renewals_alone() {
             "{name}: claimed to be renewed per worker, completed by its first attempt"
         );
         // Written by its holder: the claim, at most a checkpoint each T/3
-        // (two here), the completion — not a renewal every TTL/3.
+        // (two here), the completion, and at most one write again after
+        // an answer lost to a loaded API server (a timed-out checkpoint
+        // that landed) — not a renewal every TTL/3, which over 12 s at
+        // TTL 6 would be six more.
         let by_holder = versions
             .iter()
             .filter(|l| l.spec.holder_identity.is_some())
             .count();
         assert!(
-            by_holder <= 4,
+            by_holder <= 5,
             "{name}: {by_holder} versions written by its holder"
         );
         // Kept alive by its holder's WorkerLease, which listed it.
