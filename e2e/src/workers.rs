@@ -152,3 +152,35 @@ pub fn faketime_env(offset: &str) -> anyhow::Result<Vec<(String, String)>> {
         ("FAKETIME_NO_CACHE".into(), "0".into()),
     ])
 }
+
+/// A WorkerLease of a worker `identity` serving `queues`, renewed once now
+/// (for `duration` seconds) and never again by any process: a worker that
+/// announced itself — taking addressed offers when `slots` is given — and
+/// died, or one a test renews by hand.
+pub async fn ghost_worker_lease(
+    ns: &crate::TestNamespace,
+    identity: &str,
+    queues: &[&str],
+    duration: i32,
+    slots: Option<i32>,
+) -> anyhow::Result<batchlease_api::WorkerLease> {
+    use batchlease_api::{WorkerLease, WorkerLeaseSpec};
+    let mut wl = WorkerLease::new(
+        &batchlease_api::worker_lease::worker_lease_name(identity),
+        WorkerLeaseSpec {
+            holder_identity: identity.into(),
+            queues: queues.iter().map(|q| (*q).to_owned()).collect(),
+            lease_duration_seconds: duration,
+            renew_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::now(),
+            )),
+            holds: vec![],
+            slots,
+        },
+    );
+    wl.metadata.namespace = Some(ns.name.clone());
+    ns.api::<WorkerLease>()
+        .create(&kube::api::PostParams::default(), &wl)
+        .await
+        .context("creating a ghost WorkerLease")
+}

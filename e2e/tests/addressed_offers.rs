@@ -10,14 +10,13 @@ use std::time::Duration;
 
 use batchlease_api::keys::LABEL_WORKER;
 use batchlease_api::worker_lease::worker_lease_name;
-use batchlease_api::{LeasePhase, TaskLease, TaskPhase, WorkerLease, WorkerLeaseSpec};
+use batchlease_api::{LeasePhase, TaskLease, TaskPhase, WorkerLease};
 use batchlease_e2e::history::Change;
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::process::Process;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::workers::{self, WorkerOpts};
 use batchlease_e2e::{Cluster, TestNamespace, wait_for};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use serde_json::json;
@@ -65,26 +64,25 @@ async fn wait_slots(ns: &TestNamespace, identity: &str, logs: impl Fn() -> Strin
     .unwrap();
 }
 
-/// A WorkerLease of a worker `identity` of queue demo that announces
-/// `slots`, renewed once now (for `duration` seconds), and never again:
-/// no process stands behind it, so it claims nothing.
+/// A worker of queue demo that announced `slots`, renewed once (for
+/// `duration` seconds) and died: it claims nothing.
 async fn ghost_worker(ns: &TestNamespace, identity: &str, duration: i32, slots: i32) {
-    let mut wl = WorkerLease::new(
-        &worker_lease_name(identity),
-        WorkerLeaseSpec {
-            holder_identity: identity.into(),
-            queues: vec!["demo".into()],
-            lease_duration_seconds: duration,
-            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
-            holds: vec![],
-            slots: Some(slots),
-        },
-    );
-    wl.metadata.namespace = Some(ns.name.clone());
-    ns.api::<WorkerLease>()
-        .create(&PostParams::default(), &wl)
+    workers::ghost_worker_lease(ns, identity, &["demo"], duration, Some(slots))
         .await
         .unwrap();
+}
+
+/// A task of queue demo with a long TTL (300 s: the claim deadline, 15 s,
+/// is the shorter), `step_ms` of work.
+async fn long_job(ns: &TestNamespace, name: &str, step_ms: u64) {
+    tasks::create(
+        ns,
+        name,
+        json!({"queue": "demo", "leaseDurationSeconds": 300,
+               "payload": {"steps": 1, "stepMillis": step_ms}}),
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -238,14 +236,7 @@ async fn an_offer_moves_at_once_when_its_workers_lease_is_deleted() {
     let ghost = "ghost/000003";
     ghost_worker(&ns, ghost, 600, 50).await;
     let created = std::time::Instant::now();
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 300,
-               "payload": {"steps": 1, "stepMillis": 10}}),
-    )
-    .await
-    .unwrap();
+    long_job(&ns, "job", 10).await;
     let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, logs)
         .await
         .unwrap();
@@ -295,14 +286,7 @@ async fn with_addressing_off_outstanding_offers_open_to_all() {
     // A worker that announced slots and will never claim.
     let ghost = "ghost/000002";
     ghost_worker(&ns, ghost, 600, 5).await;
-    tasks::create(
-        &ns,
-        "job",
-        json!({"queue": "demo", "leaseDurationSeconds": 300,
-               "payload": {"steps": 1, "stepMillis": 10}}),
-    )
-    .await
-    .unwrap();
+    long_job(&ns, "job", 10).await;
     let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
         .await
         .unwrap();

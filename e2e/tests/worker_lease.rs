@@ -320,19 +320,9 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
     let (ns, op, db) = setup("wl-unlisted").await;
     let ghost = "ghost/000001";
     let wls: Api<WorkerLease> = ns.api();
-    let mut wl = WorkerLease::new(
-        &worker_lease_name(ghost),
-        batchlease_api::WorkerLeaseSpec {
-            holder_identity: ghost.into(),
-            queues: vec!["demo".into()],
-            lease_duration_seconds: i32::try_from(TTL).unwrap(),
-            renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
-            holds: vec![],
-            slots: None,
-        },
-    );
-    wl.metadata.namespace = Some(ns.name.clone());
-    wls.create(&PostParams::default(), &wl).await.unwrap();
+    workers::ghost_worker_lease(&ns, ghost, &["demo"], i32::try_from(TTL).unwrap(), None)
+        .await
+        .unwrap();
     job(&ns, "job", 1, 10).await;
     let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
         .await
@@ -351,7 +341,12 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
         let (wls, stop) = (wls.clone(), stop.clone());
         async move {
             let mut renewals = 0u32;
+            let mut every = tokio::time::interval(Duration::from_secs(TTL / 3));
             while !stop.is_cancelled() {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = every.tick() => {}
+                }
                 let mut w = wls.get(&worker_lease_name(ghost)).await.unwrap();
                 w.spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
                 // A conflict with a revocation: read again and renew.
@@ -361,10 +356,6 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
                     .is_ok()
                 {
                     renewals += 1;
-                }
-                tokio::select! {
-                    () = stop.cancelled() => {}
-                    () = tokio::time::sleep(Duration::from_secs(TTL / 3)) => {}
                 }
             }
             renewals

@@ -343,8 +343,7 @@ fn the_tracker_cuts_off_a_never_listed_attempt_only_between_relists() {
     );
     // A lease claimed after the relist, named by the watch: listed, and
     // credited past its bound.
-    let mut next = task_lease("t-2", "w1", LeasePhase::Held);
-    next.metadata.uid = Some("uid-t-2".into());
+    let next = task_lease("t-2", "w1", LeasePhase::Held);
     leases.observe(&next, t(81));
     let last2 = || leases.observation("ns", "t-2").unwrap().last_renewal;
     workers.observe(&worker("w1", "u1", 7, "t-2"), &leases, t(82));
@@ -352,8 +351,7 @@ fn the_tracker_cuts_off_a_never_listed_attempt_only_between_relists() {
     assert_eq!(last2(), t(150), "named once: credited past 2·TTL");
     // A watch error: gap-free again only from the next observation on, so
     // a lease claimed before it is credited as before.
-    let mut third = task_lease("t-3", "w1", LeasePhase::Held);
-    third.metadata.uid = Some("uid-t-3".into());
+    let third = task_lease("t-3", "w1", LeasePhase::Held);
     leases.observe(&third, t(151));
     workers.watch_failed();
     workers.observe(&worker("w1", "u1", 9, ""), &leases, t(152));
