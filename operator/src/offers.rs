@@ -231,6 +231,7 @@ impl OfferBook {
         self.record(
             (namespace.to_owned(), lease.to_owned()),
             to,
+            None,
             now,
             Record::Written,
         );
@@ -240,14 +241,7 @@ impl OfferBook {
     /// to `to` (its task is known before the watch shows it).
     pub fn addressed_new(&self, namespace: &str, lease: &str, task: &str, to: &str, now: Instant) {
         let key = (namespace.to_owned(), lease.to_owned());
-        self.record(key.clone(), Some(to), now, Record::Written);
-        self.set_task(&key, task);
-    }
-
-    fn set_task(&self, key: &Key, task: &str) {
-        if let Some(a) = self.lock().offers.get_mut(key) {
-            a.task = Some(task.to_owned());
-        }
+        self.record(key, Some(to), Some(task), now, Record::Written);
     }
 
     /// A lease event from the watch: an unclaimed addressed offer is
@@ -256,13 +250,20 @@ impl OfferBook {
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
         let key = (lease.namespace().unwrap_or_default(), lease.name_any());
         let to = lease.spec.offered_to.as_deref().filter(|_| is_open(lease));
-        self.record(key.clone(), to, now, Record::Watched);
-        self.set_task(&key, &lease.spec.task_name);
+        self.record(key, to, Some(&lease.spec.task_name), now, Record::Watched);
     }
 
     /// Records `key` addressed to `to` (or to nobody) at `now`, as `how`
-    /// says; returns since when it is addressed there.
-    fn record(&self, key: Key, to: Option<&str>, now: Instant, how: Record) -> Instant {
+    /// says, for `task` when known (else the task already recorded);
+    /// returns since when it is addressed there.
+    fn record(
+        &self,
+        key: Key,
+        to: Option<&str>,
+        task: Option<&str>,
+        now: Instant,
+        how: Record,
+    ) -> Instant {
         let keep_age = how != Record::Written;
         let mut state = self.lock();
         if how != Record::Looked
@@ -275,10 +276,17 @@ impl OfferBook {
             offers.remove(&key);
             return now;
         };
-        match offers.get(&key) {
-            Some(a) if keep_age && a.to == to => a.since,
+        match offers.get_mut(&key) {
+            Some(a) if keep_age && a.to == to => {
+                if let Some(t) = task {
+                    a.task = Some(t.to_owned());
+                }
+                a.since
+            }
             prev => {
-                let task = prev.and_then(|a| a.task.clone());
+                let task = task
+                    .map(str::to_owned)
+                    .or_else(|| prev.and_then(|a| a.task.clone()));
                 offers.insert(
                     key,
                     Address {
@@ -326,6 +334,7 @@ impl OfferBook {
         self.record(
             (namespace.to_owned(), lease.to_owned()),
             Some(to),
+            None,
             now,
             Record::Looked,
         )
