@@ -202,6 +202,19 @@ mod tests {
             .unwrap()
     }
 
+    /// Waits for `cond` with a deadline (no fixed sleeps: a loaded CI
+    /// machine is slow to fork and to reap).
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn stops() -> Stops {
         Stops {
             revoked: CancellationToken::new(),
@@ -231,7 +244,8 @@ mod tests {
         let child = spawn("trap '' TERM; sleep 30 & sleep 30; wait");
         let pgid = child.id().unwrap() as i32;
         let rx = supervise(child, s.clone(), Duration::from_millis(300), "t".into());
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The shell and both sleeps: the trap is in place.
+        until("the group to start", || live_members(pgid).len() >= 3).await;
         let t0 = std::time::Instant::now();
         s.revoked.cancel();
         let e = rx.await.unwrap();
@@ -240,8 +254,9 @@ mod tests {
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(e.status.unwrap().signal(), Some(9));
         // No live member of the group is left (a killed grandchild may
-        // stay a zombie until its new parent reaps it).
-        assert_eq!(live_members(pgid), Vec::<i32>::new());
+        // stay a zombie until its new parent reaps it, and SIGKILL to a
+        // group is delivered to each member on its own schedule).
+        until("the group to die", || live_members(pgid).is_empty()).await;
     }
 
     /// Processes of group `pgid` that are not zombies, from /proc.
@@ -286,7 +301,7 @@ mod tests {
         let child = spawn("sleep 30 & sleep 30");
         let pgid = child.id().unwrap() as i32;
         let rx = supervise(child, s.clone(), Duration::from_secs(30), "t".into());
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        until("the group to be listed", || !s.live.set().is_empty()).await;
         assert_eq!(s.live.set().iter().copied().collect::<Vec<_>>(), vec![pgid]);
         drop(KillOnExit(s.live.clone()));
         let e = rx.await.unwrap();
@@ -298,13 +313,11 @@ mod tests {
     #[tokio::test]
     async fn drain_forwards_sigterm() {
         let s = stops();
-        let rx = supervise(
-            spawn("trap 'exit 3' TERM; sleep 30 & wait"),
-            s.clone(),
-            Duration::from_secs(5),
-            "t".into(),
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let child = spawn("trap 'exit 3' TERM; sleep 30 & wait");
+        let pgid = child.id().unwrap() as i32;
+        let rx = supervise(child, s.clone(), Duration::from_secs(5), "t".into());
+        // The shell and its sleep: the trap is in place.
+        until("the group to start", || live_members(pgid).len() >= 2).await;
         s.drain.cancel();
         let e = rx.await.unwrap();
         assert_eq!(e.stopped, Some(StopCause::Drain));
