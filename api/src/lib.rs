@@ -28,7 +28,7 @@ pub use json::{
     MAX_REASON_CHARS, MAX_RESULT_BYTES,
 };
 pub use task_lease::{
-    LeaseOutcome, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus,
+    BOUND_UNCONFIRMED, LeaseOutcome, LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus,
 };
 pub use task_queue::{
     TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,

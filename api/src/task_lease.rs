@@ -114,6 +114,12 @@ use serde::{Deserialize, Serialize};
 .message("offeredTo may change only while the lease is unclaimed: from the claim on it may only be removed")
 .field_path(".offeredTo")
 .reason(Reason::FieldValueForbidden))]
+#[x_kube(validation = Rule::new(
+    "!has(self.boundAt) || (has(oldSelf.boundAt) && self.boundAt == oldSelf.boundAt)"
+)
+.message("boundAt is written only by the operator's create of a bound attempt: it may be removed, never added or changed")
+.field_path(".boundAt")
+.reason(Reason::FieldValueForbidden))]
 pub struct TaskLeaseSpec {
     /// Name of the BatchTask this lease belongs to. Immutable.
     #[schemars(length(min = 1, max = 253))]
@@ -171,6 +177,17 @@ pub struct TaskLeaseSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub offered_to: Option<String>,
+    /// Set when the operator created the lease already `Held` by the
+    /// worker it is addressed to — a bound attempt, with no claim write:
+    /// the `spec.renewTime` of that worker's WorkerLease the operator had
+    /// observed before the create. The worker starts the attempt only when
+    /// that renewal is one it sent, its kill clock counted from when it
+    /// sent it (the operator's clock for the attempt starts later, at its
+    /// first sight of the lease). Written by the create alone; may be
+    /// removed (an older operator's typed writes drop it), never added or
+    /// changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_at: Option<MicroTime>,
 }
 
 /// How a held lease is kept alive.
@@ -182,11 +199,24 @@ pub enum Renewal {
     Worker,
 }
 
+/// The `status.reason` of a bound attempt its worker gave back unstarted
+/// because it could not confirm it: the renewal it cites was not sent by
+/// this process of the worker (another one, since restarted), went to a
+/// WorkerLease since lost, or no renewal naming it was answered in time.
+/// The operator binds nothing more to that worker citing the same renewal.
+pub const BOUND_UNCONFIRMED: &str = "BoundUnconfirmed";
+
 impl TaskLease {
     /// Whether the lease was claimed to be renewed through its holder's
     /// WorkerLease.
     pub fn renewed_per_worker(&self) -> bool {
         self.spec.renewal == Some(Renewal::Worker)
+    }
+
+    /// Whether the operator created it already held (no claim): see
+    /// `TaskLeaseSpec::bound_at`.
+    pub fn bound(&self) -> bool {
+        self.spec.bound_at.is_some()
     }
 }
 
@@ -211,6 +241,7 @@ impl TaskLeaseSpec {
             resource_tokens: BTreeMap::new(),
             renewal: None,
             offered_to: None,
+            bound_at: None,
         }
     }
 }

@@ -141,6 +141,10 @@ pub struct ThrottleCounts {
     pub max_concurrent: i64,
     #[serde(default)]
     pub rate: i64,
+    /// Held until a worker of the queue had a free slot (every live worker
+    /// of it taking bound attempts): the issue then goes out bound.
+    #[serde(default)]
+    pub worker_slots: i64,
 }
 
 /// Condition types of a TaskQueue.

@@ -92,6 +92,11 @@ pub struct WorkerLeaseSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1000))]
     pub slots: Option<i32>,
+    /// `true`: the worker also takes bound attempts — TaskLeases the
+    /// operator creates already `Held` by it, saving the claim write
+    /// (`TaskLeaseSpec::bound_at`). Unset: offers to it are claimed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub takes_bound: Option<bool>,
 }
 
 /// One attempt: a TaskLease by name and UID (a name repeats when a task is
@@ -223,6 +228,7 @@ mod tests {
                 renew_time: None,
                 holds: vec![],
                 slots: None,
+                takes_bound: None,
             },
         );
         w.metadata.namespace = Some("ns".into());

@@ -171,6 +171,7 @@ mod tests {
                 renew_time: Some(MicroTime(ts(renewed))),
                 holds: vec![],
                 slots,
+                takes_bound: None,
             },
         );
         w.metadata.namespace = Some("ns".into());

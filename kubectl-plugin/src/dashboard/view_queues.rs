@@ -90,6 +90,7 @@ mod tests {
                 paused: 3,
                 max_concurrent: 1,
                 rate: 0,
+                worker_slots: 0,
             },
             conditions: vec![Condition {
                 type_: "AtCapacity".into(),

@@ -130,6 +130,7 @@ async function queuesPage() {
     const held = q.throttled || {};
     const back = (held.paused || 0) + (held.maxConcurrent || 0) + (held.rate || 0);
     if (back) thr.push(`${back} held back`);
+    if (held.workerSlots) thr.push(`${held.workerSlots} waited for a worker slot`);
     h += `<tr data-queue="${esc(q.namespace)}/${esc(q.queue)}">${all ? `<td>${esc(q.namespace)}</td>` : ""}` +
       `<td><a href="${link}">${esc(q.queue)}</a></td><td>${q.paused ? "<strong>paused</strong>" : "no"}</td>` +
       PHASES.map((p) => `<td class="num" data-phase="${p}"><a href="${link}&phase=${p}">${q.phases[p] || 0}</a></td>`).join("") +
