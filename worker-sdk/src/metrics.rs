@@ -27,6 +27,8 @@ pub struct WorkerMetrics {
     pub fenced_commit_rejected: Counter,
     pub refused_by_storage: Counter,
     pub claims: Counter,
+    /// Bound attempts (created held by this worker, no claim) started.
+    pub bound_started: Counter,
     pub claim_conflicts: Counter,
     pub claims_refused: Counter,
     pub completions: Family<OutcomeLabels, Counter>,
@@ -55,6 +57,7 @@ impl Default for WorkerMetrics {
             fenced_commit_rejected: Counter::default(),
             refused_by_storage: Counter::default(),
             claims: Counter::default(),
+            bound_started: Counter::default(),
             claim_conflicts: Counter::default(),
             claims_refused: Counter::default(),
             completions: Family::default(),
@@ -103,6 +106,11 @@ impl WorkerMetrics {
             self.refused_by_storage.clone(),
         );
         r.register("claims", "Leases claimed", self.claims.clone());
+        r.register(
+            "bound_attempts_started",
+            "Bound attempts (leases the operator created held by this worker, no claim) started",
+            self.bound_started.clone(),
+        );
         r.register(
             "claims_refused",
             "Offered leases not claimed because they are not their task's current lease (stale or forged)",

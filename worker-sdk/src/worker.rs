@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, LeasePhase, Renewal, TaskLease, check_current};
+use batchlease_api::{AttemptRef, BatchTask, LeasePhase, Renewal, TaskLease, check_current};
 use kube::api::Api;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
@@ -28,9 +28,12 @@ use crate::metrics::WorkerMetrics;
 use crate::registry::Registry;
 use crate::worker_lease::{Renewer, WorkerLeases};
 
+mod bound;
 mod offer_watch;
+mod signal;
 mod start;
 pub use offer_watch::selectors as offer_selectors;
+pub use signal::shutdown_signal;
 use start::AttemptStart;
 
 /// Configures a [`Worker`].
@@ -296,6 +299,7 @@ impl Worker {
                 identity: self.identity.clone(),
                 queues: self.queues.clone(),
                 slots: Some(i32::try_from(self.slots).unwrap_or(i32::MAX)),
+                takes_bound: true,
                 leases: leases.clone(),
             };
             let runtime = self
@@ -334,25 +338,80 @@ impl Worker {
         let mut failed_rounds: u32 = 0;
         let mut just_claimed: HashMap<String, Instant> = HashMap::new();
         let mut brake = ClaimBrake::default();
+        // Bound attempts (created held by us) started, given back or
+        // declined, and when each waiting one was first seen.
+        let mut taken: HashMap<AttemptRef, Instant> = HashMap::new();
+        let mut bound_seen: HashMap<AttemptRef, Instant> = HashMap::new();
+        let confirmed = async |w: &Option<WorkerLeases>| match w {
+            Some(w) => w.confirmed().await,
+            None => std::future::pending().await,
+        };
+        let start = |running: &mut JoinSet<(Ended, Instant)>,
+                     permit: tokio::sync::OwnedSemaphorePermit,
+                     held: TaskLease,
+                     task: BatchTask,
+                     sent: Instant| {
+            let attempt = AttemptStart {
+                leases: leases.clone(),
+                heartbeat_on: Some((
+                    self.heartbeats.clone(),
+                    Api::namespaced(self.heartbeats.client(), &self.namespace),
+                )),
+                identity: self.identity.clone(),
+                metrics: self.metrics.clone(),
+                interrupt: interrupt.clone(),
+                registry: self.registry.clone(),
+                background: background.clone(),
+                worker_leases: worker_leases.clone(),
+            };
+            let handler = handler.clone();
+            running.spawn(async move {
+                let _permit = permit;
+                let ended = attempt.run(held, task, sent, move |ctx| handler(ctx)).await;
+                (ended, sent)
+            });
+        };
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = changed.notified() => {}
+                () = confirmed(&worker_leases) => {}
                 Some(ended) = running.join_next(), if !running.is_empty() => {
                     self.brake_on(&mut brake, ended);
                 }
                 _ = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if retry_at.is_some() => {}
             }
-            retry_at = None;
             just_claimed.retain(|_, at| at.elapsed() < JUST_CLAIMED_FOR);
             let paused = brake.paused_until(Instant::now());
             if let Some(leases) = &worker_leases {
                 leases.set_claims_paused(paused.is_some());
             }
+            // Bound attempts first: they are ours already.
+            let round = bound::look(
+                bound::Look {
+                    stores: &stores,
+                    identity: &self.identity,
+                    leases: &leases,
+                    tasks: &tasks,
+                    slots: &slots,
+                    may_start: paused.is_none(),
+                    worker_leases: worker_leases.as_ref(),
+                    metrics: &self.metrics,
+                },
+                &mut taken,
+                &mut bound_seen,
+            )
+            .await;
+            retry_at = round.look_again;
+            for r in round.ready {
+                self.metrics.bound_started.inc();
+                info!(lease = %r.lease.name_any(), token = r.lease.spec.fencing_token, "bound attempt started");
+                start(&mut running, r.permit, r.lease, r.task, r.sent);
+            }
             if let Some(until) = paused {
                 // Offers wait for other workers meanwhile; look again
                 // when the pause ends.
-                retry_at = Some(until);
+                retry_at = Some(retry_at.map_or(until, |r| r.min(until)));
                 continue;
             }
             self.metrics.claims_paused.set(0);
@@ -378,35 +437,29 @@ impl Worker {
                         // One line per round, not one per offer.
                         warn!(offers, failed_rounds, retry_in = ?delay, error = %batchlease_api::Chain(&error), "claims failed");
                         failed_rounds = failed_rounds.saturating_add(1);
-                        retry_at = Some(Instant::now() + delay);
+                        let at = Instant::now() + delay;
+                        retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
                         break;
                     }
                 };
-                let attempt = AttemptStart {
-                    leases: leases.clone(),
-                    heartbeat_on: Some((
-                        self.heartbeats.clone(),
-                        Api::namespaced(self.heartbeats.client(), &self.namespace),
-                    )),
-                    identity: self.identity.clone(),
-                    metrics: self.metrics.clone(),
-                    interrupt: interrupt.clone(),
-                    registry: self.registry.clone(),
-                    background: background.clone(),
-                    worker_leases: worker_leases.clone(),
-                };
-                let handler = handler.clone();
-                running.spawn(async move {
-                    let _permit = permit;
-                    let ended = attempt.run(held, task, sent, move |ctx| handler(ctx)).await;
-                    (ended, sent)
-                });
+                start(&mut running, permit, held, task, sent);
             }
         }
-        stop_watch.cancel();
         // A draining worker serves no queue any more (the WorkerLease,
-        // though, is renewed until its last attempt has stopped).
+        // though, is renewed until its last attempt has stopped, and says
+        // `slots: 0` at once, so nothing more is bound to it).
         stop_presence.cancel();
+        // Bound to us but not started: back to the operator at once — and
+        // again once drained, for an attempt bound before the operator saw
+        // the slots go (the watches run until then).
+        bound::give_back_all(
+            &stores,
+            &self.identity,
+            &leases,
+            &mut taken,
+            worker_leases.as_ref(),
+        )
+        .await;
         info!(running = running.len(), grace = ?self.drain_grace, "draining: no more claims");
         let drained = tokio::time::timeout(self.drain_grace, async {
             while running.join_next().await.is_some() {}
@@ -420,6 +473,15 @@ impl Worker {
             interrupt.cancel();
             while running.join_next().await.is_some() {}
         }
+        bound::give_back_all(
+            &stores,
+            &self.identity,
+            &leases,
+            &mut taken,
+            worker_leases.as_ref(),
+        )
+        .await;
+        stop_watch.cancel();
         background.close();
         if !background.is_empty() {
             info!(
@@ -619,25 +681,6 @@ enum Claim {
     /// API errors on `offers` offers (the last one given): look again after
     /// a backoff.
     Failed { offers: usize, error: Error },
-}
-
-/// Resolves at the first SIGTERM (the kubelet stopping the pod) or SIGINT
-/// (^C): the `shutdown` future every worker binary hands to
-/// [`Worker::run`], which then drains. Where no SIGTERM handler can be
-/// installed, SIGINT alone.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
 
 #[cfg(test)]

@@ -15,11 +15,12 @@
 //! every renewal of the worker's next WorkerLease. The renewal loop is in
 //! `renewer`; its decisions in `plan`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use batchlease_api::AttemptRef;
 use batchlease_api::worker_lease::MAX_HOLDS;
+use k8s_openapi::jiff::Timestamp;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -51,6 +52,8 @@ struct Shared {
     state: Mutex<State>,
     /// Wakes the renewal loop: an attempt registered or deregistered.
     wake: Notify,
+    /// Wakes the worker's loop: a waiting bound attempt was confirmed.
+    confirmed: Notify,
 }
 
 #[derive(Default)]
@@ -70,7 +73,44 @@ struct State {
     /// after that copy was read (its claim answered late) is killed at its
     /// registration instead of being named, and fed, until the next copy.
     revoked: Vec<AttemptRef>,
+    /// The `renewTime` of each recent write of the WorkerLease (create or
+    /// renewal) and when it was sent, newest last: a bound attempt cites
+    /// one ([`WorkerLeases::sent_at`]).
+    sent: VecDeque<(Timestamp, Instant)>,
+    /// Bound attempts not started yet that wait for a renewal naming them
+    /// ([`WorkerLeases::confirm`]): named from the next renewal on, their
+    /// start counted from the send of one that was answered in time.
+    pending: HashMap<AttemptRef, Pending>,
 }
+
+/// A bound attempt waiting for a renewal that names it.
+struct Pending {
+    ttl: std::time::Duration,
+    /// When it began to wait.
+    since: Instant,
+    /// When the last renewal that named it was sent, answered in time or
+    /// not: the next one follows at the usual pace, not at once.
+    tried: Option<Instant>,
+    confirmation: Confirmation,
+}
+
+/// Where a bound attempt waiting for a renewal naming it stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Confirmation {
+    /// Not named by an answered renewal yet.
+    Waiting,
+    /// The last renewal that named it was sent at this instant and
+    /// answered in time: a kill clock may count from it.
+    Fed(Instant),
+    /// The operator revoked it: never start it.
+    Revoked,
+    /// The WorkerLease is gone or refused: it cannot be confirmed.
+    Lost,
+}
+
+/// How many recent writes [`State::sent`] remembers: at one per TTL/3, far
+/// longer than a bound attempt may wait to start (half its TTL).
+const SENT_KEPT: usize = 64;
 
 struct Entry {
     fence: Fence,
@@ -116,7 +156,8 @@ impl WorkerLeases {
     /// Whether the process holds as many attempts as a WorkerLease may
     /// list: no more claims until one ends.
     pub(crate) fn full(&self) -> bool {
-        self.lock().entries.len() >= MAX_HOLDS
+        let s = self.lock();
+        s.entries.len() + s.pending.len() >= MAX_HOLDS
     }
 
     /// Registers the attempt `attempt`, claimed (renewed per worker) by a
@@ -129,6 +170,23 @@ impl WorkerLeases {
         claim_sent: Instant,
     ) -> Membership {
         let mut s = self.lock();
+        if s.entries.contains_key(&attempt) {
+            // Already running in this process (a second start of one bound
+            // attempt): refused, and the running one keeps its entry. No
+            // give-back either: the lease is the running one's.
+            fence.kill(KillReason::LeaseLost);
+            tracing::warn!(lease = %attempt.name, uid = %attempt.uid, "attempt already running in this process: not started again");
+            let (_, rx) = watch::channel(Mode::PerLease);
+            return Membership {
+                leases: self.clone(),
+                attempt,
+                mode: rx,
+                owns: false,
+            };
+        }
+        // A bound attempt confirmed by a renewal naming it: named without
+        // a gap from here on.
+        s.pending.remove(&attempt);
         let state = if s.revoked.contains(&attempt) {
             // Revoked before it even registered (a cancel right after the
             // claim): a revocation is final.
@@ -170,7 +228,97 @@ impl WorkerLeases {
             leases: self.clone(),
             attempt,
             mode: rx,
+            owns: true,
         }
+    }
+
+    /// Whether `attempt` runs in this process (registered, until its
+    /// membership is dropped).
+    pub(crate) fn is_registered(&self, attempt: &AttemptRef) -> bool {
+        self.lock().entries.contains_key(attempt)
+    }
+
+    /// The bound attempts waiting for a renewal naming them.
+    pub(crate) fn pending(&self) -> Vec<AttemptRef> {
+        self.lock().pending.keys().cloned().collect()
+    }
+
+    /// A write of the WorkerLease carrying `renew_time` is being sent at
+    /// `sent` (whether it lands or not: the operator may observe it even
+    /// when its answer is lost).
+    pub(crate) fn record_sent(&self, renew_time: Timestamp, sent: Instant) {
+        let mut s = self.lock();
+        s.sent.push_back((renew_time, sent));
+        while s.sent.len() > SENT_KEPT {
+            s.sent.pop_front();
+        }
+    }
+
+    /// When this process sent the WorkerLease write that carried
+    /// `renew_time` — the renewal a bound attempt cites — if it did and
+    /// still remembers it.
+    pub(crate) fn sent_at(&self, renew_time: Timestamp) -> Option<Instant> {
+        self.lock()
+            .sent
+            .iter()
+            .find(|(t, _)| *t == renew_time)
+            .map(|(_, at)| *at)
+    }
+
+    /// Bound attempt `attempt` (TTL `ttl`) waits for a renewal naming it:
+    /// it is named from the next renewal (sent at once) until it starts
+    /// ([`WorkerLeases::register`] takes it over) or is dropped
+    /// ([`WorkerLeases::drop_pending`]). Returns where it stands.
+    pub(crate) fn confirm(&self, attempt: &AttemptRef, ttl: std::time::Duration) -> Confirmation {
+        let mut s = self.lock();
+        if let Some(p) = s.pending.get(attempt) {
+            return p.confirmation;
+        }
+        let confirmation = if s.revoked.contains(attempt) {
+            Confirmation::Revoked
+        } else if s.live {
+            Confirmation::Waiting
+        } else {
+            Confirmation::Lost
+        };
+        s.pending.insert(
+            attempt.clone(),
+            Pending {
+                ttl,
+                since: Instant::now(),
+                tried: None,
+                confirmation,
+            },
+        );
+        drop(s);
+        if confirmation == Confirmation::Waiting {
+            self.shared.wake.notify_one();
+        }
+        confirmation
+    }
+
+    /// Whether a write sent at `sent` went to a WorkerLease this process
+    /// has since found gone (and created again).
+    pub(crate) fn lost_since(&self, sent: Instant) -> bool {
+        self.lock().lost_at.is_some_and(|lost| sent <= lost)
+    }
+
+    /// Where bound attempt `attempt` stands in its wait for a renewal
+    /// naming it, if it waits.
+    pub(crate) fn confirmation(&self, attempt: &AttemptRef) -> Option<Confirmation> {
+        self.lock().pending.get(attempt).map(|p| p.confirmation)
+    }
+
+    /// No longer waits for a renewal naming it (given back, or its lease
+    /// gone): named no more.
+    pub(crate) fn drop_pending(&self, attempt: &AttemptRef) {
+        self.lock().pending.remove(attempt);
+    }
+
+    /// Resolves when a renewal has confirmed (or ended) a waiting bound
+    /// attempt.
+    pub(crate) async fn confirmed(&self) {
+        self.shared.confirmed.notified().await;
     }
 
     /// Marks the WorkerLease live, as a successful create does.
@@ -202,6 +350,9 @@ pub(crate) struct Membership {
     leases: WorkerLeases,
     attempt: AttemptRef,
     mode: watch::Receiver<Mode>,
+    /// `false`: a refused second registration, which must not take the
+    /// running one's entry with it when dropped.
+    owns: bool,
 }
 
 impl Membership {
@@ -220,7 +371,9 @@ impl Membership {
 
 impl Drop for Membership {
     fn drop(&mut self) {
-        self.leases.deregister(&self.attempt);
+        if self.owns {
+            self.leases.deregister(&self.attempt);
+        }
     }
 }
 

@@ -22,12 +22,14 @@ pub enum Written {
 }
 
 /// The WorkerLease of `identity` serving `queues` with `slots` (`None`:
-/// it takes no addressed offers), holding nothing, renewed at `now`, owned
-/// by `owner` (the worker's pod) if known.
+/// it takes no addressed offers), taking bound attempts if `takes_bound`
+/// (`WorkerLeaseSpec::takes_bound`), holding nothing, renewed at `now`,
+/// owned by `owner` (the worker's pod) if known.
 pub fn object(
     identity: &str,
     queues: &[String],
     slots: Option<i32>,
+    takes_bound: bool,
     owner: Option<OwnerReference>,
     now: Timestamp,
 ) -> WorkerLease {
@@ -40,6 +42,7 @@ pub fn object(
             renew_time: Some(MicroTime(now)),
             holds: Vec::new(),
             slots,
+            takes_bound: takes_bound.then_some(true),
         },
     );
     w.metadata.owner_references = owner.map(|o| vec![o]);
@@ -189,6 +192,7 @@ mod tests {
             "pod-1/00beef",
             &["a".to_owned()],
             Some(3),
+            true,
             owner,
             Timestamp::from_second(1).unwrap(),
         );
@@ -201,6 +205,7 @@ mod tests {
         assert_eq!(w.spec.lease_duration_seconds, 90);
         assert_eq!(w.spec.queues, ["a"]);
         assert_eq!(w.spec.slots, Some(3));
+        assert_eq!(w.spec.takes_bound, Some(true));
         let o = &w.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
             (o.kind.as_str(), o.name.as_str(), o.uid.as_str()),

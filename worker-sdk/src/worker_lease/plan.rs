@@ -353,6 +353,7 @@ mod tests {
                     renew_time: None,
                     holds: vec![],
                     slots: None,
+                    takes_bound: None,
                 },
             );
             w.metadata.uid = uid.map(Into::into);

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::plan::{self, Held, OnCopy, Refusal};
-use super::{EntryState, Mode, WorkerLeases};
+use super::{Confirmation, EntryState, Mode, WorkerLeases};
 use crate::fence::{Fence, KillReason};
 use crate::worker_lease_ops::{self as ops, Adopted, Written};
 
@@ -35,6 +35,8 @@ pub(crate) struct Renewer {
     /// written as 0 once it stops claiming, so nothing more is addressed
     /// to it while it drains.
     pub(crate) slots: Option<i32>,
+    /// It takes bound attempts (`WorkerLeaseSpec::takes_bound`).
+    pub(crate) takes_bound: bool,
     pub(crate) leases: WorkerLeases,
 }
 
@@ -65,7 +67,10 @@ impl Renewer {
             }
             retry_at = None;
             let Some(current) = ours.as_ref() else {
+                let renew_time = plan::next_renew_time(last_renew_time, Timestamp::now());
+                last_renew_time = Some(renew_time);
                 let sent = Instant::now();
+                self.leases.record_sent(renew_time, sent);
                 let desired = ops::object(
                     &self.identity,
                     &self.queues,
@@ -73,8 +78,9 @@ impl Renewer {
                         self.slots,
                         stop.is_cancelled() || self.leases.claims_paused(),
                     ),
+                    self.takes_bound,
                     ops::pod_owner(),
-                    Timestamp::now(),
+                    renew_time,
                 );
                 match timeout(
                     plan::try_budget(&[]),
@@ -84,7 +90,8 @@ impl Renewer {
                 {
                     Ok(Ok(Adopted::Ours(w))) => {
                         info!(worker_lease = %name, identity = %self.identity, "worker lease ready: attempts are renewed per worker");
-                        last_renew_time = w.spec.renew_time.as_ref().map(|t| t.0);
+                        last_renew_time =
+                            last_renew_time.max(w.spec.renew_time.as_ref().map(|t| t.0));
                         last_ok_sent = sent;
                         // An adopted object may carry revocations.
                         self.revoke(&w);
@@ -122,6 +129,7 @@ impl Renewer {
             last_renew_time = Some(renew_time);
             let budget = plan::try_budget(&held);
             let sent = Instant::now();
+            self.leases.record_sent(renew_time, sent);
             let written = timeout(
                 budget,
                 ops::renew(
@@ -215,7 +223,9 @@ impl Renewer {
         self.named().into_iter().map(|n| n.held).collect()
     }
 
-    /// The registered attempts still named, sorted (stable holds).
+    /// The registered attempts still named, and the bound attempts waiting
+    /// for a renewal naming them, sorted (stable holds). One still waiting
+    /// makes the next renewal due at once.
     fn named(&self) -> Vec<Named> {
         let s = self.leases.lock();
         let mut named: Vec<Named> = s
@@ -228,9 +238,22 @@ impl Renewer {
                     ttl: e.fence.ttl(),
                     since: e.since,
                 },
-                fence: e.fence.clone(),
+                fence: Some(e.fence.clone()),
             })
             .collect();
+        named.extend(s.pending.iter().filter_map(|(a, p)| {
+            let since = match (p.confirmation, p.tried) {
+                (Confirmation::Waiting, None) => p.since.checked_sub(p.ttl / 3).unwrap_or(p.since),
+                (Confirmation::Waiting, Some(tried)) => tried,
+                (Confirmation::Fed(sent), _) => sent,
+                (Confirmation::Revoked | Confirmation::Lost, _) => return None,
+            };
+            Some(Named {
+                attempt: a.clone(),
+                held: Held { ttl: p.ttl, since },
+                fence: None,
+            })
+        }));
         named.sort_by(|a, b| a.attempt.cmp(&b.attempt));
         named
     }
@@ -243,7 +266,27 @@ impl Renewer {
     /// not move, nor a clock be fed past a revocation the worker has seen.
     fn fed(&self, named: &[Named], sent: Instant, answered: Instant) {
         let mut s = self.leases.lock();
+        let mut confirmed = false;
+        for n in named.iter().filter(|n| n.fence.is_none()) {
+            // A waiting bound attempt: confirmed, unless it ended meanwhile.
+            let Some(p) = s.pending.get_mut(&n.attempt) else {
+                continue;
+            };
+            p.tried = Some(sent);
+            if matches!(p.confirmation, Confirmation::Waiting | Confirmation::Fed(_))
+                && plan::feeds(sent, answered, n.held.ttl)
+            {
+                p.confirmation = Confirmation::Fed(sent);
+                confirmed = true;
+            }
+        }
+        if confirmed {
+            self.leases.shared.confirmed.notify_one();
+        }
         for n in named {
+            let Some(fence) = n.fence.as_ref() else {
+                continue;
+            };
             let Some(e) = s
                 .entries
                 .get_mut(&n.attempt)
@@ -254,7 +297,7 @@ impl Renewer {
             if !plan::feeds(sent, answered, n.held.ttl) {
                 continue;
             }
-            n.fence.renewed(sent);
+            fence.renewed(sent);
             e.since = e.since.max(sent);
         }
     }
@@ -283,7 +326,11 @@ impl Renewer {
                 killed.push(a.clone());
             }
         }
+        let ended = end_pending(&mut s, Confirmation::Revoked, |a| revoked.contains(a));
         drop(s);
+        if ended {
+            self.leases.shared.confirmed.notify_one();
+        }
         for a in killed {
             warn!(lease = %a.name, uid = %a.uid, reason = KillReason::Revoked.as_str(), "attempt revoked by the operator: stopping it");
         }
@@ -309,6 +356,9 @@ impl Renewer {
                 killed += 1;
             }
         }
+        if end_pending(&mut s, Confirmation::Lost, |_| true) {
+            self.leases.shared.confirmed.notify_one();
+        }
         drop(s);
         warn!(identity = %self.identity, killed, why, reason = KillReason::WorkerLeaseLost.as_str(), "worker lease gone: its attempts were stopped; creating it again");
     }
@@ -326,6 +376,10 @@ impl Renewer {
                 handed += 1;
             }
         }
+        // A bound attempt not started cannot be confirmed any more.
+        if end_pending(&mut s, Confirmation::Lost, |_| true) {
+            self.leases.shared.confirmed.notify_one();
+        }
         handed
     }
 }
@@ -334,7 +388,25 @@ impl Renewer {
 struct Named {
     attempt: AttemptRef,
     held: Held,
-    fence: Fence,
+    /// `None`: a bound attempt waiting for a renewal naming it.
+    fence: Option<Fence>,
+}
+
+/// Ends (as `to`) every bound attempt still waiting or confirmed that
+/// `which` selects; whether any was.
+fn end_pending(
+    s: &mut super::State,
+    to: Confirmation,
+    which: impl Fn(&AttemptRef) -> bool,
+) -> bool {
+    let mut any = false;
+    for (a, p) in &mut s.pending {
+        if matches!(p.confirmation, Confirmation::Waiting | Confirmation::Fed(_)) && which(a) {
+            p.confirmation = to;
+            any = true;
+        }
+    }
+    any
 }
 
 #[cfg(test)]
@@ -351,6 +423,7 @@ mod tests {
             identity: "pod-1/00beef".into(),
             queues: vec!["q".into()],
             slots: Some(2),
+            takes_bound: true,
             leases: leases.clone(),
         }
     }
@@ -399,6 +472,90 @@ mod tests {
         assert_eq!(leases.lock().entries[&attempt("a")].since, sent);
     }
 
+    /// A bound attempt waiting for a renewal is named at once (the next
+    /// renewal is due now), confirmed only by an answer in time, never by
+    /// a renewal that did not name it, and taken over by its registration
+    /// without a gap in the naming.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_bound_attempt_is_named_at_once_and_confirmed_in_time() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let t0 = Instant::now();
+        let before = r.named();
+        assert_eq!(
+            leases.confirm(&attempt("b"), Duration::from_secs(30)),
+            Confirmation::Waiting
+        );
+        // A renewal sent before it waited does not name it.
+        r.fed(&before, t0, t0);
+        assert_eq!(
+            leases.confirmation(&attempt("b")),
+            Some(Confirmation::Waiting)
+        );
+        let named = r.named();
+        assert_eq!(named.len(), 1);
+        assert!(
+            plan::next_renewal(t0, &r.held()) <= t0,
+            "a waiting attempt makes the renewal due at once"
+        );
+        let sent = t0 + Duration::from_millis(100);
+        r.fed(&named, sent, sent + Duration::from_secs(6));
+        assert_eq!(
+            leases.confirmation(&attempt("b")),
+            Some(Confirmation::Waiting),
+            "answered past T/6"
+        );
+        assert_eq!(
+            plan::next_renewal(sent, &r.held()),
+            sent + Duration::from_secs(10),
+            "then at the usual pace"
+        );
+        r.fed(&named, sent, sent + Duration::from_secs(1));
+        assert_eq!(
+            leases.confirmation(&attempt("b")),
+            Some(Confirmation::Fed(sent))
+        );
+        // Still named until it starts; then its entry is the one named.
+        assert_eq!(r.named().len(), 1);
+        let _m = leases.register(attempt("b"), fence(30, sent), sent);
+        assert_eq!(leases.confirmation(&attempt("b")), None);
+        let named = r.named();
+        assert_eq!(named.len(), 1);
+        assert!(named[0].fence.is_some(), "named as a running attempt now");
+    }
+
+    /// A waiting bound attempt the operator revoked, or whose WorkerLease
+    /// went, is never confirmed; one dropped is named no more.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_bound_attempt_revoked_or_lost_is_never_confirmed() {
+        let leases = WorkerLeases::default();
+        leases.lock().live = true;
+        let r = renewer(&leases);
+        let ttl = Duration::from_secs(30);
+        leases.confirm(&attempt("a"), ttl);
+        leases.confirm(&attempt("b"), ttl);
+        leases.confirm(&attempt("c"), ttl);
+        let mut copy = ops::object("pod-1/00beef", &[], None, false, None, Timestamp::now());
+        copy.status = Some(batchlease_api::WorkerLeaseStatus {
+            revoked: vec![attempt("a")],
+        });
+        r.revoke(&copy);
+        assert_eq!(
+            leases.confirmation(&attempt("a")),
+            Some(Confirmation::Revoked)
+        );
+        leases.drop_pending(&attempt("c"));
+        assert_eq!(r.named().len(), 1, "only b is named");
+        r.lost(Instant::now(), "deleted");
+        assert_eq!(leases.confirmation(&attempt("b")), Some(Confirmation::Lost));
+        assert!(r.named().is_empty());
+        // Revoked before it began to wait: revoked at once.
+        leases.lock().live = true;
+        leases.lock().revoked = vec![attempt("d")];
+        assert_eq!(leases.confirm(&attempt("d"), ttl), Confirmation::Revoked);
+    }
+
     /// 403/422: every named attempt goes back to per-lease renewals and is
     /// never named again; 404: every named attempt is killed.
     #[tokio::test(start_paused = true)]
@@ -441,7 +598,7 @@ mod tests {
         let _ma = leases.register(attempt("a"), a.clone(), t0);
         let _mb = leases.register(attempt("b"), b.clone(), t0);
         let named = r.named();
-        let mut copy = ops::object("pod-1/00beef", &[], None, None, Timestamp::now());
+        let mut copy = ops::object("pod-1/00beef", &[], None, false, None, Timestamp::now());
         copy.revoke(attempt("a"));
         r.revoke(&copy);
         assert_eq!(a.kill_reason(), Some(KillReason::Revoked));
@@ -469,7 +626,7 @@ mod tests {
         leases.lock().live = true;
         let r = renewer(&leases);
         let t0 = Instant::now();
-        let mut fresh = ops::object("pod-1/00beef", &[], None, None, Timestamp::now());
+        let mut fresh = ops::object("pod-1/00beef", &[], None, false, None, Timestamp::now());
         fresh.revoke(attempt("c"));
         r.revoke(&fresh);
         let c = fence(30, t0);
