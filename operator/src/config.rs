@@ -91,6 +91,13 @@ pub struct Config {
     /// rolling back to an operator without addressing.
     #[arg(long, env = "BATCHLEASE_ADDRESS_OFFERS", default_value_t = true, action = clap::ArgAction::Set)]
     pub address_offers: bool,
+    /// Bind a new offer to the worker it is addressed to when that worker
+    /// has a free slot and takes bound attempts: the lease is created
+    /// already `Held` by it, and the claim write goes (design "Fleets").
+    /// `false` offers every attempt to be claimed — set it before rolling
+    /// back to an operator that does not bind.
+    #[arg(long, env = "BATCHLEASE_BIND_OFFERS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub bind_offers: bool,
 }
 
 impl Config {

@@ -35,6 +35,8 @@ pub struct Ctx {
     pub offers: Arc<crate::offers::OfferBook>,
     /// `--address-offers`.
     pub address_offers: bool,
+    /// `--bind-offers`.
+    pub bind_offers: bool,
     /// Leases this process created that the watch has not shown yet.
     pub expectations: Expectations,
     pub metrics: Arc<Metrics>,

@@ -60,6 +60,8 @@ pub struct Shared {
     pub running_after: std::time::Duration,
     /// `--address-offers`.
     pub address_offers: bool,
+    /// `--bind-offers`.
+    pub bind_offers: bool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -216,6 +218,7 @@ pub fn start(shared: &Shared, namespace: Option<&str>, stop: CancellationToken) 
         workers,
         offers,
         address_offers: shared.address_offers,
+        bind_offers: shared.bind_offers,
         expectations: Default::default(),
         metrics: shared.metrics.clone(),
         recorder: Recorder::new(shared.client.clone(), shared.reporter.clone()),
@@ -357,7 +360,7 @@ fn watch_worker_leases(
         .modify(forget_managed_fields)
         // An error may stand for a version lost (one that did not decode):
         // from here on nothing counts as seen without a gap.
-        .inspect_err(move |_| failed.watch_failed())
+        .inspect_err(move |_| failed.watch_failed(Instant::now()))
         .inspect_ok(move |event| {
             synced(matches!(event, watcher::Event::InitDone));
             let now = Instant::now();
@@ -374,6 +377,12 @@ fn watch_worker_leases(
                     if let Some(holder) = w.worker() {
                         let (ns, duration) = presence(w);
                         book.worker_seen(&ns, holder, &w.spec.queues, duration, now);
+                        let slots = usize::try_from(w.spec.slots.unwrap_or(0)).unwrap_or(0);
+                        book.worker_changed(
+                            &ns,
+                            &w.spec.queues,
+                            slots.saturating_sub(w.holds().len()),
+                        );
                     }
                 }
                 watcher::Event::Delete(w) => {
@@ -381,6 +390,7 @@ fn watch_worker_leases(
                     if let Some(holder) = w.worker() {
                         let (ns, _) = presence(w);
                         book.worker_gone(&ns, holder, &w.spec.queues);
+                        book.worker_changed(&ns, &w.spec.queues, 0);
                         // Its offers move at their next pass (a deleted
                         // addressee counts as lapsed): have it now.
                         book.wake_tasks(&ns, offers.tasks_offered_to(&ns, holder));
@@ -392,6 +402,7 @@ fn watch_worker_leases(
                     for (ns, holder) in workers.list_done(&leases, now) {
                         book.wake_tasks(&ns, offers.tasks_offered_to(&ns, &holder));
                     }
+                    book.workers_listed();
                 }
             }
         })

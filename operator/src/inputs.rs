@@ -20,6 +20,7 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::time::Instant;
 use tracing::warn;
 
+use crate::addressees;
 use crate::context::{Ctx, bounded};
 use crate::decide::{Lookup, OfferView, QueueGate};
 use crate::deps::{self, Readiness};
@@ -107,6 +108,24 @@ pub fn gather(ctx: &Ctx, task: &BatchTask, leases: &[Arc<TaskLease>]) -> Gathere
     let needed_by = finished_with_ttl
         .then(|| ctx.index.needed_by(&ns, &name))
         .flatten();
+    // A pass that may issue tells the queue what its workers have room for
+    // (only these: the count costs a look at every worker of the queue).
+    let may_issue = matches!(readiness, Readiness::Ready)
+        && !task
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(TaskPhase::is_terminal)
+        && !leases.iter().any(|l| {
+            l.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_none_or(|p| !p.is_terminal())
+        });
+    if may_issue {
+        let free = addressees::bindable_free(ctx, &ns, &task.spec.queue, now);
+        ctx.queues.worker_slots(&ns, &task.spec.queue, free);
+    }
     let queue_gate = ctx.queues.peek(&ns, &task.spec.queue, &name, now);
     let offer = current
         .as_deref()

@@ -13,6 +13,7 @@ pub mod lease_build;
 pub mod locks;
 pub mod observe;
 pub mod offers;
+pub mod queue_gate;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;

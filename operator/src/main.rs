@@ -2,6 +2,7 @@
 //! claims, expires silent holders by observed time, settles attempts into
 //! success, retry or the dead-letter queue (design §3, §7, §8).
 
+mod addressees;
 mod config;
 mod context;
 mod controller;
@@ -26,8 +27,8 @@ mod supervise;
 mod sync_counter;
 
 use batchlease_operator::{
-    decide, deps, fit, leader_step, lease_build, locks, observe, offers, speculation, status,
-    worker_leases,
+    decide, deps, fit, leader_step, lease_build, locks, observe, offers, queue_gate, speculation,
+    status, worker_leases,
 };
 
 use std::sync::Arc;
@@ -133,6 +134,7 @@ async fn main() -> anyhow::Result<()> {
             events: cfg.events,
             running_after: std::time::Duration::from_millis(cfg.running_status_delay_ms),
             address_offers: cfg.address_offers,
+            bind_offers: cfg.bind_offers,
         };
         let stop = CancellationToken::new();
         let mut tasks = supervise::TermTasks::default();

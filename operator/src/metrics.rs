@@ -129,6 +129,7 @@ pub struct Metrics {
     /// Offers addressed again (their worker lapsed, or left them
     /// unclaimed while another had a free slot).
     pub offers_readdressed: Counter,
+    pub attempts_bound: Counter,
     pub is_leader: Gauge,
     graph_cycle_detected: Family<QueueLabels, Counter>,
     lock_acquisition_duration: Histograms,
@@ -159,6 +160,7 @@ impl Metrics {
             write_conflicts: Counter::default(),
             revocations: Counter::default(),
             offers_readdressed: Counter::default(),
+            attempts_bound: Counter::default(),
             is_leader: Gauge::default(),
             graph_cycle_detected: Family::default(),
             lock_acquisition_duration: Family::new_with_constructor(lock_wait_histogram),
@@ -236,6 +238,11 @@ impl Metrics {
             m.offers_readdressed.clone(),
         );
         r.register(
+            "attempts_bound",
+            "Leases created already Held by the worker they were addressed to (a bound attempt: no claim write)",
+            m.attempts_bound.clone(),
+        );
+        r.register(
             "is_leader",
             "1 while this replica holds the leader lease",
             m.is_leader.clone(),
@@ -277,7 +284,7 @@ impl Metrics {
         );
         r.register(
             "queue_issues_throttled",
-            "Tasks a TaskQueue held back from being issued, by reason (paused, max_concurrent, rate); counted once per wait",
+            "Tasks held back from being issued, by reason (paused, max_concurrent, rate: their TaskQueue; worker_slots: no free slot among the queue's workers that take bound attempts); counted once per wait",
             m.queue_issues_throttled.clone(),
         );
         // Its descriptors are named without the prefix, which the

@@ -26,6 +26,11 @@ pub struct Observation {
     pub last_renewal: Instant,
     /// When the claim was first observed (for `activeDeadlineSeconds`).
     pub claimed_at: Instant,
+    /// A WorkerLease version observed since then named this attempt: its
+    /// worker took it. A bound attempt that expires never named was never
+    /// taken — the operator's bind failed, not the task — and costs no
+    /// retry (`decide`'s `BoundNotTaken`).
+    pub named: bool,
 }
 
 /// The last state seen of one held lease.
@@ -115,6 +120,7 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
         _ => Observation {
             last_renewal: now,
             claimed_at: now,
+            named: false,
         },
     };
     Some(Seen {

@@ -29,7 +29,8 @@ fn observation_table() {
         first.observation,
         Observation {
             last_renewal: t0,
-            claimed_at: t0
+            claimed_at: t0,
+            named: false
         }
     );
 
@@ -47,7 +48,8 @@ fn observation_table() {
         got,
         Observation {
             last_renewal: t1,
-            claimed_at: t0
+            claimed_at: t0,
+            named: false
         }
     );
 
@@ -57,7 +59,8 @@ fn observation_table() {
         next_seen(Some(&first), &other, t1).unwrap().observation,
         Observation {
             last_renewal: t1,
-            claimed_at: t1
+            claimed_at: t1,
+            named: false
         }
     );
 

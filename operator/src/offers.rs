@@ -26,7 +26,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use batchlease_api::keys::LABEL_WORKER;
-use batchlease_api::{LeasePhase, TaskLease, WorkerLease};
+use batchlease_api::{LeasePhase, Renewal, TaskLease, WorkerLease};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 use tokio::time::Instant;
 
@@ -40,6 +41,22 @@ pub struct Candidate {
     /// Slots less held leases less offers addressed to it; may be negative
     /// when it holds more than it now says it has (a drain).
     pub free: i64,
+    /// It takes bound attempts: the `renewTime` of its WorkerLease as the
+    /// operator observed it, which a lease bound to it cites ([`bound`]).
+    pub bind_at: Option<MicroTime>,
+    /// When the operator observed that renewal as it happened (`None`: it
+    /// saw it only in a list, which may show a renewal made long before).
+    pub renewed: Option<Instant>,
+}
+
+/// What the operator saw of a worker's renewals (`WorkerTracker`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Renewals {
+    /// Its last renewal seen, in a list or not: whether it is live.
+    pub seen: Instant,
+    /// Its last renewal observed as it happened (a watch event outside a
+    /// list): whether a lease may be bound to it ([`bound`]).
+    pub observed: Option<Instant>,
 }
 
 /// Pure: the candidate to address, if any: the most free slots, ties by
@@ -123,16 +140,20 @@ pub fn mixed(present: &[String], addressable: &HashSet<String>) -> bool {
 /// Pure: the workers among `workers` (one namespace's WorkerLeases) that
 /// may be addressed an offer of `queue` at `now`: they serve the queue and
 /// are [`addressable_until`] a time after `now`.
-/// `renewed(w)`: when the operator last observed a renewal of `w`;
+/// `renewed(w)`: what the operator saw of `w`'s renewals;
 /// `held(identity)` and `addressed(identity)`: what it counts against
-/// their slots.
+/// their slots; `ended(attempt)`: the lease cache shows that attempt over
+/// (a WorkerLease lists what its worker ran until its next renewal, up to
+/// TTL/3 after the attempt ended, and counting those would take slots that
+/// are free — and bound attempts with them).
 pub fn candidates<'a>(
     workers: impl IntoIterator<Item = &'a WorkerLease>,
     queue: &str,
     now: Instant,
-    renewed: impl Fn(&WorkerLease) -> Option<Instant>,
+    renewed: impl Fn(&WorkerLease) -> Option<Renewals>,
     held: impl Fn(&str) -> usize,
     addressed: impl Fn(&str) -> usize,
+    ended: impl Fn(&batchlease_api::AttemptRef) -> bool,
 ) -> Vec<Candidate> {
     workers
         .into_iter()
@@ -142,18 +163,133 @@ pub fn candidates<'a>(
             if !w.spec.queues.iter().any(|q| q == queue) {
                 return None;
             }
-            let until = addressable_until(w, renewed(w)?)?;
+            let renewed = renewed(w)?;
+            let until = addressable_until(w, renewed.seen)?;
             if until <= now {
                 return None;
             }
-            let used = held(identity).max(w.holds().len()) + addressed(identity);
+            let listed = w.holds().iter().filter(|a| !ended(a)).count();
+            let used = held(identity).max(listed) + addressed(identity);
             Some(Candidate {
                 identity: identity.to_owned(),
                 label: w.name_any(),
                 free: i64::from(slots) - i64::try_from(used).unwrap_or(i64::MAX),
+                bind_at: w
+                    .spec
+                    .renew_time
+                    .clone()
+                    .filter(|_| w.spec.takes_bound == Some(true)),
+                renewed: renewed.observed,
             })
         })
         .collect()
+}
+
+/// Pure: the free slots between `candidates` when every one of them takes
+/// bound attempts — an issue held until one is free is then created bound
+/// (`queue_gate::worker_slots`) — or `None` when there is none, or one
+/// that only claims: its offers cost a claim anyway, and a backlog
+/// addressed to it is as cheap as one held here. `awaited`: workers of the
+/// queue that take bound attempts but are not candidates now ([`awaited`]:
+/// resting, or silent for a while); with no candidate but these, issues
+/// wait (none free) for them rather than go out open to every worker.
+pub fn bindable_free(candidates: &[Candidate], awaited: usize) -> Option<usize> {
+    if candidates.is_empty() {
+        return (awaited > 0).then_some(0);
+    }
+    if candidates.iter().any(|c| c.bind_at.is_none()) {
+        return None;
+    }
+    Some(
+        candidates
+            .iter()
+            .map(|c| usize::try_from(c.free).unwrap_or(0))
+            .sum(),
+    )
+}
+
+/// How long at least a worker that takes bound attempts and has gone
+/// silent keeps its queues' issues waiting for it ([`awaited`]).
+pub const SILENT_AWAITED: Duration = Duration::from_secs(60);
+
+/// Pure: until when a worker that takes bound attempts, silent since
+/// `silent` (its last renewal observed, or the operator's WorkerLease
+/// watch's last error if later: `WorkerTracker::silent_since`), is awaited
+/// by its queues when it is no candidate: twice its duration, at least
+/// [`SILENT_AWAITED`].
+///
+/// Why wait for a silent worker: its renewals stop in every outage of the
+/// API server or etcd, for every worker at once. Were its queues then
+/// offered open to all, the pass of every held task after the outage (the
+/// watches relist) would issue the whole backlog in one burst — two writes
+/// a task, to an API server just back, which in the 1,000-fault soak cost
+/// the leader its term, again and again — as open offers its workers must
+/// claim, one write more each. Waiting, the first renewal that lands
+/// wakes as many issues as it has slots, created bound. Why from the
+/// watch's last error: during the outage the operator sees no renewal of
+/// anyone, which says nothing of the workers. Why not forever: a worker
+/// that died without deleting its WorkerLease (outside a pod, no garbage
+/// collection) would hold its queues' tasks back for good; past this, they
+/// go out open, as with no worker (the next look of a waiter, within
+/// 30 s, finds it so). A new leader first sees every WorkerLease at its
+/// list, which counts as a renewal: a dead worker's leftover is awaited
+/// again for a while after each leader change.
+pub fn awaited_until(w: &WorkerLease, silent: Instant) -> Instant {
+    silent + (duration(w) * 2).max(SILENT_AWAITED)
+}
+
+/// Pure: how many of `workers` (one namespace's WorkerLeases) that serve
+/// `queue`, take bound attempts and take addressed offers (`slots` set)
+/// are awaited at `now` — silent (`silent(w)`) for less than
+/// [`awaited_until`] allows. The `awaited` of [`bindable_free`], which
+/// reads it only when no worker is a candidate: then these are
+/// - resting: live but giving no slots (`slots: 0`: draining, their claim
+///   brake engaged), so issues wait rather than go out open just when the
+///   workers say they take no more;
+/// - silent: not renewed within half their duration (not addressable),
+///   as every worker during an outage — a worker resting when it went
+///   silent included (a claim brake engages under faults).
+pub fn awaited<'a>(
+    workers: impl IntoIterator<Item = &'a WorkerLease>,
+    queue: &str,
+    now: Instant,
+    silent: impl Fn(&WorkerLease) -> Option<Instant>,
+) -> usize {
+    workers
+        .into_iter()
+        .filter(|w| w.spec.takes_bound == Some(true) && w.spec.slots.is_some())
+        .filter(|w| w.spec.queues.iter().any(|q| q == queue))
+        .filter(|w| silent(w).is_some_and(|s| awaited_until(w, s) > now))
+        .count()
+}
+
+/// Pure: the renewal a worker declined to start a bound attempt on —
+/// `(holder, the renewTime the attempt cited)` — when `lease` is a bound
+/// attempt given back unstarted as `BOUND_UNCONFIRMED`.
+pub fn declined_citation(lease: &TaskLease) -> Option<(String, MicroTime)> {
+    let st = lease.status.as_ref()?;
+    if st.reason.as_deref() != Some(batchlease_api::BOUND_UNCONFIRMED)
+        || !st.phase.is_some_and(LeasePhase::is_terminal)
+    {
+        return None;
+    }
+    Some((
+        lease.spec.holder_identity.clone()?,
+        lease.spec.bound_at.clone()?,
+    ))
+}
+
+/// Pure: whether `w`'s current renewal is one its worker declined
+/// (`declined`: the last renewal declined by that worker, from
+/// [`OfferBook::declined`]). Such a worker is no candidate until it renews
+/// again: every attempt bound to it now would cite the same renewal and
+/// be given back the same way. After a worker process restarts, the
+/// operator binds to it citing the renewal of the process before, until
+/// it sees the new one's: in the 1,000-fault soak each restart cost about
+/// three issues and give-backs so, in a loop of issue, give-back and
+/// issue again.
+pub fn cites_declined(w: &WorkerLease, declined: Option<&MicroTime>) -> bool {
+    declined.is_some_and(|d| w.spec.renew_time.as_ref() == Some(d))
 }
 
 /// How long a renewal of `w` counts.
@@ -176,6 +312,46 @@ pub fn addressed(lease: &TaskLease, to: Option<&Candidate>) -> TaskLease {
         }
     }
     out
+}
+
+/// Pure: `lease` (a new offer, already [`addressed`] to `to`) bound to
+/// `to` — created `Held` by it, to be renewed through its WorkerLease, no
+/// claim — when `to` has a free slot, takes bound attempts, and was seen
+/// renewing less than half the lease's TTL before `now` (a renewal seen
+/// in a list does not count: a new leader's first list, or a relist after
+/// an outage, shows renewals made long before, which the worker could
+/// only give back or confirm by a renewal of its own — in the 1,000-fault
+/// soak, attempts bound at each leader change expired `BoundNotTaken`);
+/// `None`: it stays an offer for `to` to claim.
+///
+/// Why fresh: a worker that stopped (a crash, a pause) keeps a WorkerLease
+/// that looks live for half its duration — 45 s when it was idle — and an
+/// attempt bound to it would wait a whole TTL to expire, where an offer is
+/// moved at its claim deadline. Half a TTL is also how old the cited
+/// renewal may be for the worker to start from it without sending another
+/// (`worker::bound`); a worker busy renewing every TTL/3 always is.
+///
+/// Why it is safe without the claim's compare-and-swap: the lease cites
+/// (`spec.boundAt`) the WorkerLease renewal the operator had observed
+/// before this create was sent. Its worker counts the attempt's kill clock
+/// from when it sent that renewal, so the kill switch fires 2/3·TTL after
+/// a send that came before the operator's first sight of the lease, where
+/// its own expiry clock starts; every later end goes through a revocation
+/// on the WorkerLease as for a claimed attempt (`effects::revoke`).
+pub fn bound(lease: &TaskLease, to: &Candidate, now: Instant) -> Option<TaskLease> {
+    let ttl =
+        Duration::from_secs(u64::try_from(lease.spec.lease_duration_seconds.max(1)).unwrap_or(1));
+    let fresh = to
+        .renewed
+        .is_some_and(|r| now.saturating_duration_since(r) < ttl / 2);
+    let at = to.bind_at.clone().filter(|_| to.free > 0 && fresh)?;
+    let mut out = lease.clone();
+    out.spec.holder_identity = Some(to.identity.clone());
+    out.spec.renewal = Some(Renewal::Worker);
+    out.spec.renew_time = Some(at.clone());
+    out.spec.bound_at = Some(at);
+    out.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Held);
+    Some(out)
 }
 
 /// One addressed offer outstanding: to whom, since when.
@@ -216,10 +392,17 @@ enum Record {
     Looked,
 }
 
+/// How long a declined renewal is remembered: far longer than a worker
+/// goes without renewing (a renewal not seen again is forgotten).
+const DECLINED_KEPT: Duration = Duration::from_secs(3600);
+
 #[derive(Debug, Default)]
 struct BookState {
     /// (namespace, lease name) → its address.
     offers: HashMap<Key, Address>,
+    /// (namespace, worker identity) → the last renewal it declined to
+    /// start a bound attempt on ([`declined_citation`]), and when seen.
+    declined: HashMap<Key, (MicroTime, Instant)>,
     /// During a (re)list of the lease watch: the offers listed, or written
     /// by this process, so far; at its end the others were deleted unseen.
     listing: Option<std::collections::HashSet<Key>>,
@@ -248,9 +431,31 @@ impl OfferBook {
     /// (still) outstanding, counted from when this process first saw it
     /// addressed there; anything else is not.
     pub fn observe(&self, lease: &TaskLease, now: Instant) {
-        let key = (lease.namespace().unwrap_or_default(), lease.name_any());
+        let ns = lease.namespace().unwrap_or_default();
+        if let Some((holder, at)) = declined_citation(lease) {
+            let mut state = self.lock();
+            state
+                .declined
+                .retain(|_, (_, seen)| now.saturating_duration_since(*seen) < DECLINED_KEPT);
+            // The latest citation declined (a list may show an older
+            // give-back after a newer one): the worker renews forward.
+            let key = (ns.clone(), holder);
+            if state.declined.get(&key).is_none_or(|(d, _)| *d < at) {
+                state.declined.insert(key, (at, now));
+            }
+        }
+        let key = (ns, lease.name_any());
         let to = lease.spec.offered_to.as_deref().filter(|_| is_open(lease));
         self.record(key, to, Some(&lease.spec.task_name), now, Record::Watched);
+    }
+
+    /// The last renewal worker `identity` of `namespace` declined to start
+    /// a bound attempt on, if the lease watch showed one.
+    pub fn declined(&self, namespace: &str, identity: &str) -> Option<MicroTime> {
+        self.lock()
+            .declined
+            .get(&(namespace.to_owned(), identity.to_owned()))
+            .map(|(at, _)| at.clone())
     }
 
     /// Records `key` addressed to `to` (or to nobody) at `now`, as `how`

@@ -19,8 +19,10 @@
 //! Tasks held back wait without polling, in line: the queue wakes the
 //! oldest waiters (through the controller's wake-up channel), one per free
 //! slot, when a lease ends, when the TaskQueue changes, and when a woken
-//! waiter leaves the line without issuing. Waiters keep their places until
-//! they issue; one not held back again for [`STALE_WAITER`] is dropped.
+//! waiter leaves the line without issuing — and, for issues waiting for
+//! workers' slots, on what may free one (`queue_slots.rs`). Waiters keep
+//! their places until they issue; one not held back again for
+//! [`STALE_WAITER`] is dropped.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -33,6 +35,7 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::time::Instant;
 
 use crate::decide::QueueGate;
+use crate::queue_gate::{self, Bucket, gate};
 
 /// A reservation the watch never confirmed (a lease create whose answer
 /// was lost and whose name no tombstone retired, e.g. its task was deleted)
@@ -47,81 +50,6 @@ const RESERVATION_TIMEOUT: Duration = Duration::from_secs(300);
 /// again every [`crate::decide::QUEUE_RECHECK`], throttled ones sooner.
 /// Paused waiters are kept (they are woken by the resume).
 const STALE_WAITER: Duration = Duration::from_secs(90);
-
-/// A token bucket holding one second's worth of `rate` (at least one).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Bucket {
-    tokens: f64,
-    at: Option<Instant>,
-}
-
-impl Bucket {
-    fn refill(&mut self, rate: u32, now: Instant) {
-        let cap = f64::from(rate.max(1));
-        self.tokens = match self.at {
-            None => cap,
-            Some(t) => (self.tokens
-                + f64::from(rate) * now.saturating_duration_since(t).as_secs_f64())
-            .min(cap),
-        };
-        self.at = Some(now);
-    }
-
-    /// How long until a token is there (zero: now).
-    pub fn wait(&mut self, rate: u32, now: Instant) -> Duration {
-        self.refill(rate, now);
-        if self.tokens >= 1.0 || rate == 0 {
-            return Duration::ZERO;
-        }
-        Duration::from_secs_f64((1.0 - self.tokens) / f64::from(rate))
-    }
-
-    /// Takes a token (call after [`Bucket::wait`] said zero).
-    pub fn take(&mut self, rate: u32, now: Instant) -> bool {
-        self.refill(rate, now);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-}
-
-/// Pure: what `spec` allows with `live` leases live (reserved included)
-/// and `token_wait` until the next rate token. `position`: how many tasks
-/// wait ahead of this one (a throttled task comes back when its turn is
-/// due, not all at once).
-pub fn gate(
-    spec: Option<&TaskQueueSpec>,
-    live: usize,
-    token_wait: Duration,
-    position: usize,
-) -> QueueGate {
-    let Some(spec) = spec else {
-        return QueueGate::Open;
-    };
-    if spec.paused {
-        return QueueGate::Paused;
-    }
-    if let Some(max) = spec.max_concurrent
-        && live >= usize::try_from(max.max(0)).unwrap_or(0)
-    {
-        return QueueGate::Full;
-    }
-    if let Some(rate) = spec
-        .max_issues_per_second
-        .and_then(|r| u32::try_from(r).ok())
-    {
-        // Whoever finds a token takes it; without one, a waiter comes back
-        // when its turn in the line is due rather than all at once.
-        if !token_wait.is_zero() {
-            let turn = Duration::from_secs_f64(position as f64 / f64::from(rate.max(1)));
-            return QueueGate::Throttled(token_wait + turn);
-        }
-    }
-    QueueGate::Open
-}
 
 type Key = (String, String);
 
@@ -145,6 +73,10 @@ struct Queue {
     /// Workers whose presence record names the queue → until when they
     /// count (the last observation plus the record's duration).
     present: HashMap<String, Instant>,
+    /// The free slots of the queue's live workers, as the last pass that
+    /// could issue found them, when every one of them takes bound attempts
+    /// (`queue_gate::worker_slots`); `None`: issues are not held for slots.
+    worker_slots: Option<usize>,
 }
 
 /// One issue's claim on a slot of its queue.
@@ -205,12 +137,33 @@ impl Queue {
         };
         // Slots go to the waiters in order: those ahead of this task count
         // as taken (a woken waiter keeps its place; a newcomer queues).
-        gate(
+        let g = gate(
             self.spec.as_ref(),
             occupied + position,
             token_wait,
             position,
-        )
+        );
+        queue_gate::worker_slots(g, self.worker_slots, self.in_flight(), position)
+    }
+
+    /// Issues reserved whose lease create is not on its way yet: their
+    /// addresses are not in the count of workers' free slots.
+    fn in_flight(&self) -> usize {
+        self.reserved.values().filter(|r| !r.create_sent).count()
+    }
+
+    /// Whether `identity` was seen serving this queue (a presence record
+    /// or WorkerLease naming it, or a lease of it held) and still counts.
+    fn serves(&self, identity: &str, now: Instant) -> bool {
+        [self.present.get(identity), self.holders.get(identity)]
+            .into_iter()
+            .flatten()
+            .any(|until| *until > now)
+    }
+
+    /// Whether anything may hold an issue of this queue back.
+    fn gated(&self) -> bool {
+        self.spec.is_some() || self.worker_slots.is_some()
     }
 
     fn wait(&mut self, task: &str, seq: &mut u64, why: QueueGate, now: Instant) -> bool {
@@ -225,6 +178,7 @@ impl Queue {
             QueueGate::Paused => self.throttled.paused += 1,
             QueueGate::Full => self.throttled.max_concurrent += 1,
             QueueGate::Throttled(_) => self.throttled.rate += 1,
+            QueueGate::WorkerSlots => self.throttled.worker_slots += 1,
             QueueGate::Open => {}
         }
         true
@@ -242,8 +196,12 @@ impl Queue {
     }
 
     /// The oldest waiters, one per free slot (all of them without a cap).
-    /// They keep their places until they issue (or are no longer held
-    /// back), so a newcomer cannot overtake them.
+    /// While issues wait for workers' slots, no more than the free slots
+    /// the last pass counted (less the issues on their way), and at least
+    /// one: whatever woke the line (an end, a failed issue) may have freed
+    /// a slot that count did not have. They keep their places until they
+    /// issue (or are no longer held back), so a newcomer cannot overtake
+    /// them.
     fn wake(&mut self, now: Instant) -> Vec<String> {
         self.prune_stale(now);
         let free = match self.spec.as_ref() {
@@ -255,6 +213,10 @@ impl Queue {
                 .unwrap_or(0)
                 .saturating_sub(self.occupied(now)),
             _ => usize::MAX,
+        };
+        let free = match self.worker_slots {
+            Some(slots) => free.min(slots.saturating_sub(self.in_flight()).max(1)),
+            None => free,
         };
         self.waiters.values().take(free).cloned().collect()
     }
@@ -317,7 +279,7 @@ impl QueueBook {
     pub fn peek(&self, ns: &str, queue: &str, task: &str, now: Instant) -> QueueGate {
         let mut book = self.lock();
         match book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) {
-            Some(q) if q.spec.is_some() => q.gate_for(task, now),
+            Some(q) if q.gated() => q.gate_for(task, now),
             _ => QueueGate::Open,
         }
     }
@@ -340,19 +302,19 @@ impl QueueBook {
         let Book { queues, seq, .. } = &mut *book;
         let q = queues.get_mut(&(ns.to_owned(), queue.to_owned()))?;
         let first = q.wait(task, seq, why, now);
-        if q.spec.is_none() || q.gate_for(task, now) == QueueGate::Open {
+        if !q.gated() || q.gate_for(task, now) == QueueGate::Open {
             return None;
         }
         Some(first)
     }
 
     /// Whether the queue holds `task` back for more than a moment (paused,
-    /// or full with it in line): such a task does not wait for resource
+    /// full or out of workers' slots with it in line): such a task does not wait for resource
     /// locks, so it must not keep younger users of its resources waiting.
     pub fn holds_back(&self, ns: &str, queue: &str, task: &str, now: Instant) -> bool {
         matches!(
             self.peek(ns, queue, task, now),
-            QueueGate::Paused | QueueGate::Full
+            QueueGate::Paused | QueueGate::Full | QueueGate::WorkerSlots
         )
     }
 
@@ -364,7 +326,7 @@ impl QueueBook {
             let Some(q) = book.queues.get_mut(&(ns.to_owned(), queue.to_owned())) else {
                 return;
             };
-            if !q.stop_waiting(task) || q.spec.is_none() {
+            if !q.stop_waiting(task) || !q.gated() {
                 return;
             }
             q.wake(Instant::now())
@@ -379,7 +341,7 @@ impl QueueBook {
         let mut book = self.lock();
         let Book { queues, seq, .. } = &mut *book;
         let q = queues.entry((ns.to_owned(), queue.to_owned())).or_default();
-        if q.spec.is_some() {
+        if q.gated() {
             let g = q.gate_for(task, now);
             if g != QueueGate::Open {
                 q.wait(task, seq, g, now);
@@ -470,7 +432,11 @@ impl QueueBook {
                 q.live.insert(name, l.spec.task_name.clone());
                 Vec::new()
             } else if q.live.remove(&name).is_some() {
-                q.wake(now)
+                let mut woken = q.wake(now);
+                if let Some(h) = l.spec.holder_identity.as_deref() {
+                    woken.extend(Self::slot_freed(&book, &key.0, &key.1, h));
+                }
+                woken
             } else {
                 Vec::new()
             }
@@ -488,7 +454,11 @@ impl QueueBook {
             };
             q.reserved.remove(&l.name_any());
             if q.live.remove(&l.name_any()).is_some() {
-                q.wake(now)
+                let mut woken = q.wake(now);
+                if let Some(h) = l.spec.holder_identity.as_deref() {
+                    woken.extend(Self::slot_freed(&book, &key.0, &key.1, h));
+                }
+                woken
             } else {
                 Vec::new()
             }
@@ -673,6 +643,9 @@ impl QueueBook {
         )
     }
 }
+
+#[path = "queue_slots.rs"]
+mod slots;
 
 #[cfg(test)]
 #[path = "queues_tests.rs"]

@@ -9,109 +9,6 @@ fn spec(paused: bool, max: Option<i32>, rate: Option<i32>) -> TaskQueueSpec {
     }
 }
 
-#[test]
-fn gate_table() {
-    let s = Duration::from_secs;
-    for (name, spec, live, wait, pos, want) in [
-        ("no TaskQueue", None, 100, s(0), 0, QueueGate::Open),
-        (
-            "all unset",
-            Some(spec(false, None, None)),
-            100,
-            s(0),
-            5,
-            QueueGate::Open,
-        ),
-        (
-            "paused",
-            Some(spec(true, None, None)),
-            0,
-            s(0),
-            0,
-            QueueGate::Paused,
-        ),
-        (
-            "paused beats full",
-            Some(spec(true, Some(1), None)),
-            5,
-            s(0),
-            0,
-            QueueGate::Paused,
-        ),
-        (
-            "below the cap",
-            Some(spec(false, Some(2), None)),
-            1,
-            s(0),
-            0,
-            QueueGate::Open,
-        ),
-        (
-            "at the cap",
-            Some(spec(false, Some(2), None)),
-            2,
-            s(0),
-            0,
-            QueueGate::Full,
-        ),
-        (
-            "full beats the rate",
-            Some(spec(false, Some(2), Some(1))),
-            2,
-            s(1),
-            0,
-            QueueGate::Full,
-        ),
-        (
-            "a token is there",
-            Some(spec(false, None, Some(2))),
-            0,
-            s(0),
-            7,
-            QueueGate::Open,
-        ),
-        (
-            "no token: the head waits for it",
-            Some(spec(false, None, Some(2))),
-            0,
-            Duration::from_millis(300),
-            0,
-            QueueGate::Throttled(Duration::from_millis(300)),
-        ),
-        (
-            "no token: the fifth in line waits its turn",
-            Some(spec(false, None, Some(2))),
-            0,
-            Duration::from_millis(300),
-            4,
-            QueueGate::Throttled(Duration::from_millis(2300)),
-        ),
-    ] {
-        assert_eq!(gate(spec.as_ref(), live, wait, pos), want, "{name}");
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn the_bucket_holds_one_second_and_refills_at_the_rate() {
-    let t0 = Instant::now();
-    let mut b = Bucket::default();
-    for _ in 0..4 {
-        assert_eq!(b.wait(4, t0), Duration::ZERO);
-        assert!(b.take(4, t0));
-    }
-    assert!(!b.take(4, t0), "a burst of one second's worth, no more");
-    assert_eq!(b.wait(4, t0), Duration::from_millis(250));
-    let t1 = t0 + Duration::from_millis(250);
-    assert!(b.take(4, t1));
-    assert!(!b.take(4, t1));
-    // An idle queue does not save up more than one second.
-    let t2 = t1 + Duration::from_secs(60);
-    for _ in 0..4 {
-        assert!(b.take(4, t2));
-    }
-    assert!(!b.take(4, t2));
-}
-
 fn book() -> (
     QueueBook,
     futures::channel::mpsc::UnboundedReceiver<ObjectRef<batchlease_api::BatchTask>>,
@@ -411,4 +308,155 @@ async fn workers_are_those_present_and_the_holders_seen_within_a_ttl() {
     assert_eq!(b.summary("ns", "q", later).1, 1, "only x");
     b.worker_gone("ns", "x", &queues(&["q"]));
     assert_eq!(b.summary("ns", "q", later).1, 0);
+}
+
+/// Holds `tasks` back for workers' slots, in this order.
+fn wait_for_slots(b: &QueueBook, tasks: &[&str], now: Instant) {
+    for t in tasks {
+        let g = b.peek("ns", "q", t, now);
+        assert_eq!(g, QueueGate::WorkerSlots, "{t}");
+        assert_eq!(b.hold("ns", "q", t, g, now), Some(true), "{t}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_free_worker_slot_issues_wait_in_line_and_an_end_wakes_one() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    assert_eq!(
+        b.peek("ns", "q", "c", now),
+        QueueGate::Open,
+        "not gated yet"
+    );
+    b.worker_slots("ns", "q", Some(0));
+    wait_for_slots(&b, &["c", "d", "e"], now);
+    assert_eq!(
+        b.summary("ns", "q", now).0.max_concurrent,
+        0,
+        "not the cap's"
+    );
+    // No TaskQueue: an end still wakes one waiter, not the line.
+    b.lease_seen(&lease("a", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    // The woken pass finds the slot (one more than the count had: the
+    // head is woken again, no one else); the next in line does not take it.
+    b.worker_slots("ns", "q", Some(1));
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Open);
+    assert_eq!(b.peek("ns", "q", "d", now), QueueGate::WorkerSlots);
+    assert!(b.reserve("ns", "q", "c", "c-1", now));
+    // c's issue is in flight, not yet in the count of free slots.
+    assert_eq!(b.peek("ns", "q", "d", now), QueueGate::WorkerSlots);
+    assert!(!b.reserve("ns", "q", "d", "d-1", now));
+    b.create_sent("ns", "q", "c-1");
+    b.worker_slots("ns", "q", Some(0));
+    assert_eq!(b.peek("ns", "q", "d", now), QueueGate::WorkerSlots);
+    assert_eq!(woken(&mut rx), Vec::<String>::new());
+    assert_eq!(b.summary("ns", "q", now).0.worker_slots, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_renewing_with_room_wakes_as_many_waiters_of_its_queues() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.worker_slots("ns", "q", Some(0));
+    wait_for_slots(&b, &["c", "d", "e"], now);
+    b.worker_changed("ns", &["q".into(), "other".into()], 2);
+    assert_eq!(woken(&mut rx), vec!["c", "d"]);
+    // No room, or gone: the head counts the slots again.
+    b.worker_changed("ns", &["q".into()], 0);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    // A count with more room than before wakes as many.
+    b.worker_slots("ns", "q", Some(2));
+    assert_eq!(woken(&mut rx), vec!["c", "d"]);
+    // The WorkerLease watch listed: each held line's head looks again.
+    b.workers_listed();
+    assert_eq!(woken(&mut rx), vec!["c"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_end_frees_the_slot_for_the_holders_other_queues_too() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    let d = Duration::from_secs(30);
+    b.worker_seen("ns", "w", &["q".into(), "q2".into()], d, now);
+    b.worker_seen("ns", "x", &["q3".into()], d, now);
+    let mut l2 = lease("b", LeasePhase::Held);
+    l2.spec.queue = "q2".into();
+    b.lease_seen(&l2, now);
+    for (queue, task) in [("q", "c"), ("q3", "z")] {
+        b.worker_slots("ns", queue, Some(0));
+        let g = b.peek("ns", queue, task, now);
+        assert_eq!(g, QueueGate::WorkerSlots);
+        assert_eq!(b.hold("ns", queue, task, g, now), Some(true));
+    }
+    // w's lease of q2 ends: q's line (w serves it) wakes, q3's does not.
+    l2.status.as_mut().unwrap().phase = Some(LeasePhase::Completed);
+    b.lease_seen(&l2, now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_woken_waiter_that_leaves_hands_its_wake_on_without_a_taskqueue() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    b.worker_slots("ns", "q", Some(0));
+    wait_for_slots(&b, &["c", "d"], now);
+    b.lease_seen(&lease("a", LeasePhase::Completed), now);
+    assert_eq!(woken(&mut rx), vec!["c"]);
+    // c is cancelled (or its lock is taken): d gets the slot's wake.
+    b.release_waiter("ns", "q", "c");
+    assert_eq!(woken(&mut rx), vec!["d"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resume_wakes_as_many_as_the_workers_have_slots() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    for t in ["x", "y", "z", "w"] {
+        let g = b.peek("ns", "q", t, now);
+        assert_eq!(g, QueueGate::Paused);
+        assert_eq!(b.hold("ns", "q", t, g, now), Some(true));
+    }
+    b.worker_slots("ns", "q", Some(3));
+    woken(&mut rx);
+    b.queue_seen(&queue(spec(false, None, None)), now);
+    assert_eq!(woken(&mut rx), vec!["x", "y", "z"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_slots_stop_holding_issues_back_the_line_goes_on() {
+    let (b, mut rx) = book();
+    let now = Instant::now();
+    b.worker_slots("ns", "q", Some(0));
+    wait_for_slots(&b, &["c", "d"], now);
+    // A worker that only claims joined (or none is live any more).
+    b.worker_slots("ns", "q", None);
+    assert_eq!(woken(&mut rx), vec!["c", "d"]);
+    assert_eq!(b.peek("ns", "q", "d", now), QueueGate::Open);
+    // With a TaskQueue's cap the line goes on as the cap allows (c and d
+    // are still in it: woken, not yet issued).
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    woken(&mut rx);
+    b.worker_slots("ns", "q", Some(0));
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::WorkerSlots);
+    b.worker_slots("ns", "q", None);
+    assert_eq!(woken(&mut rx), vec!["c"], "one slot under the cap");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_taskqueue_comes_before_the_workers_slots() {
+    let (b, _rx) = book();
+    let now = Instant::now();
+    b.queue_seen(&queue(spec(true, None, None)), now);
+    b.worker_slots("ns", "q", Some(0));
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Paused);
+    b.queue_seen(&queue(spec(false, Some(1), None)), now);
+    b.lease_seen(&lease("a", LeasePhase::Held), now);
+    b.worker_slots("ns", "q", Some(5));
+    assert_eq!(b.peek("ns", "q", "c", now), QueueGate::Full);
+    assert!(b.holds_back("ns", "q", "c", now));
 }

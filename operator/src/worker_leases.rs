@@ -14,7 +14,8 @@
 //! still `Held` by `H` — except an attempt the operator has seen that Lease
 //! list and, at a later observation, no longer list: that one's listing is
 //! over, and renewals after the observation that showed it ended are not
-//! credited to it (the observation that shows the end still is).
+//! credited to it (the observation that shows the end still is) — until a
+//! version names it again, which is credited as any naming one.
 //!
 //! Why not "the renewals that name it": the operator's view skips
 //! versions (a relist after a watch outage, a cache that catches up in
@@ -56,12 +57,14 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
 use kube::ResourceExt;
 use tokio::time::Instant;
 
 use crate::observe::{Seen, Tracker};
+use crate::offers::Renewals;
 
 /// The last state seen of one WorkerLease.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -75,6 +78,11 @@ pub struct WorkerSeen {
     /// When a renewal of this object was last observed (its first sight
     /// counts): whether its worker is live, for addressing offers.
     renewed_at: Instant,
+    /// When a renewal of it was last observed as it happened: a watch
+    /// event outside a (re)list. What a list shows may be a renewal made
+    /// long before (a new leader's first list, a relist after an outage),
+    /// too old to bind an attempt to (`offers::bound`).
+    renewal_observed: Option<Instant>,
 }
 
 impl WorkerSeen {
@@ -171,6 +179,18 @@ pub struct WorkerObservation {
     pub renewal: Option<Renewal>,
 }
 
+/// How much of a worker's silence the watch's errors may excuse
+/// ([`WorkerTracker::silent_since`]): longer than any outage the operator
+/// should ride out without opening a queue to all.
+pub const SILENCE_EXCUSED: Duration = Duration::from_secs(600);
+
+/// Pure: since when a worker last seen renewed at `renewed` counts as
+/// silent, the WorkerLease watch having last failed at `failed_at`: from
+/// that failure if later, by at most [`SILENCE_EXCUSED`].
+pub fn silent_since(renewed: Instant, failed_at: Option<Instant>) -> Instant {
+    failed_at.map_or(renewed, |f| f.clamp(renewed, renewed + SILENCE_EXCUSED))
+}
+
 /// Pure: the record of WorkerLease `lease` seen at `now`, given the
 /// previous one, and the renewal observed now, if any (a new `renewTime`,
 /// or a first sight of the object). `None` when `lease` is not well formed
@@ -187,7 +207,12 @@ pub fn next_worker_seen(
     // Another object under the name (deleted and created again) starts
     // afresh: its worker lists what still runs.
     let same_object = prev.filter(|p| p.uid == uid && p.holder == holder);
-    let ended_before = same_object.map(|p| p.ended.clone()).unwrap_or_default();
+    let mut ended_before = same_object.map(|p| p.ended.clone()).unwrap_or_default();
+    // Named again after its listing was seen to end (the SDK never does;
+    // another process of the same identity, adopting the object, could):
+    // credited again. Crediting more only delays an expiry — a renewal
+    // that feeds a kill clock must never go uncredited.
+    ended_before.retain(|a| !holds.contains(a));
     let mut ended = ended_before.clone();
     if let Some(p) = same_object {
         ended.extend(p.holds.difference(&holds).cloned());
@@ -212,6 +237,10 @@ pub fn next_worker_seen(
             renewed_at: match same_object {
                 Some(p) if !renewed => p.renewed_at,
                 _ => now,
+            },
+            renewal_observed: match same_object {
+                Some(p) if !renewed => p.renewal_observed,
+                _ => Some(now),
             },
         },
         renewal,
@@ -266,6 +295,9 @@ pub fn credit_seen(seen: &Seen, name: &str, renewal: &Renewal) -> Seen {
     if credited {
         out.observation.last_renewal = out.observation.last_renewal.max(renewal.at);
     }
+    if ours && renewal.at >= seen.observation.claimed_at && renewal.names.contains(&attempt) {
+        out.observation.named = true;
+    }
     out
 }
 
@@ -307,6 +339,9 @@ struct State {
     /// (namespace, WorkerLease name) → since when the watch has delivered
     /// every version of it (its first sight, or the last relist).
     gapless_since: HashMap<Key, Instant>,
+    /// When the watch last reported an error: renewals may have gone
+    /// unseen until then, so no worker has been silent since longer.
+    failed_at: Option<Instant>,
 }
 
 /// The WorkerLeases as the watch shows them, crediting each renewal it
@@ -341,6 +376,40 @@ impl WorkerTracker {
             .map(|s| s.renewed_at)
     }
 
+    /// What the watch showed of `w`'s renewals (one read of its record):
+    /// its last renewal seen, and the last observed as it happened (not in
+    /// a list) — the latter only while `w` is the version the record is
+    /// of, the one a lease bound to it would cite (the watch feeds this
+    /// tracker before the cache that `w` comes from).
+    pub fn renewals(&self, w: &WorkerLease) -> Option<Renewals> {
+        let key = (w.namespace().unwrap_or_default(), w.name_any());
+        let state = self.lock();
+        let s = state.seen.get(&key)?;
+        let current = s.uid == w.uid().unwrap_or_default() && s.renew_marker == renew_marker(w);
+        Some(Renewals {
+            seen: s.renewed_at,
+            observed: s.renewal_observed.filter(|_| current),
+        })
+    }
+
+    /// Since when WorkerLease `name` in `namespace` may have been silent,
+    /// as far as the watch can tell: its last renewal observed, or the
+    /// watch's last error if later (an outage of the API server hides the
+    /// renewals it stops; it is not the worker's silence). What a queue's
+    /// wait for a silent worker counts from (`offers::awaited`).
+    ///
+    /// At most [`SILENCE_EXCUSED`] after its last renewal: a watch that
+    /// keeps failing (not an outage: one that ends) must not have a dead
+    /// worker's leftover WorkerLease hold its queues for good.
+    pub fn silent_since(&self, namespace: &str, name: &str) -> Option<Instant> {
+        let state = self.lock();
+        let renewed = state
+            .seen
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|s| s.renewed_at)?;
+        Some(silent_since(renewed, state.failed_at))
+    }
+
     /// Whether the watch delivered its first complete list: before, an
     /// attempt's WorkerLease renewals may not have been credited yet.
     pub fn listed(&self) -> bool {
@@ -356,8 +425,18 @@ impl WorkerTracker {
             listed.insert(key.clone());
         }
         let prev_uid = state.seen.get(&key).map(|p| p.uid.clone());
+        let prev_observed = state.seen.get(&key).and_then(|p| p.renewal_observed);
+        // The first event of a known object after a watch error: a resumed
+        // watch replays what happened while it was down, late.
+        let resumed = prev_uid.is_some() && !state.gapless_since.contains_key(&key);
         match next_worker_seen(state.seen.get(&key), w, now) {
-            Some(o) => {
+            Some(mut o) => {
+                // A list shows the version as it is, not when it was made;
+                // a resumed watch, versions made while it was down.
+                if relisting || resumed {
+                    o.seen.renewal_observed =
+                        prev_observed.filter(|_| prev_uid.as_deref() == Some(o.seen.uid.as_str()));
+                }
                 // A relist may have skipped versions; so may a first
                 // sight, another object under the name, or the events
                 // before a watch error (no mark since): gap-free from now.
@@ -385,8 +464,10 @@ impl WorkerTracker {
     /// The watch reported an error: a version may have been lost (one that
     /// did not decode is skipped without a relist), so every WorkerLease
     /// counts as seen without a gap only from its next observation on.
-    pub fn watch_failed(&self) {
-        self.lock().gapless_since.clear();
+    pub fn watch_failed(&self, now: Instant) {
+        let mut state = self.lock();
+        state.gapless_since.clear();
+        state.failed_at = Some(now);
     }
 
     /// A WorkerLease deletion (`last`: its final state from the Delete

@@ -28,6 +28,7 @@ fn worker(holder: &str, uid: &str, renew: i64, holds: &str) -> WorkerLease {
             .into_iter()
             .collect(),
             slots: None,
+            takes_bound: None,
         },
     );
     l.metadata.namespace = Some("ns".into());
@@ -90,7 +91,12 @@ fn worker_lease_observations() {
     // The next one does not count for t-1 any more.
     let v3 = worker("w1", "u1", 6, "t-2");
     let next = next_worker_seen(Some(&got.seen), &v3, t1).unwrap();
-    assert_eq!(next.renewal.unwrap().ended, names(&["t-1"]));
+    assert_eq!(next.renewal.clone().unwrap().ended, names(&["t-1"]));
+    // Named again: credited again, and its listing no longer over.
+    let v4 = worker("w1", "u1", 7, "t-1,t-2");
+    let named_again = next_worker_seen(Some(&next.seen), &v4, t1).unwrap();
+    assert!(named_again.renewal.unwrap().ended.is_empty());
+    assert!(named_again.seen.ended().is_empty());
     // Created again after a deletion (another UID): a first sight, and
     // the old object's ended listings are not carried over.
     let again = worker("w1", "u2", 6, "");
@@ -117,12 +123,10 @@ fn credit_table() {
         at,
         gapless_since: None,
     };
-    let credited = |r: &Renewal, l: &TaskLease| credit(&seen, l, r).observation;
-    let untouched = seen.observation;
-    let renewed = Observation {
-        last_renewal: t1,
-        claimed_at: t0,
-    };
+    let timing = |o: Observation| (o.last_renewal, o.claimed_at);
+    let credited = |r: &Renewal, l: &TaskLease| timing(credit(&seen, l, r).observation);
+    let untouched = timing(seen.observation);
+    let renewed = (t1, t0);
     for (why, r) in [
         ("listed", renewal("w1", &["t-1"], &[], t1)),
         // Versions the operator never saw may have listed it.
@@ -191,7 +195,21 @@ fn credit_table() {
     // Never moves the last renewal back.
     let later = credit(&seen, &held, &listed);
     let earlier = renewal("w1", &["t-1"], &[], t0);
-    assert_eq!(credit(&later, &held, &earlier).observation, renewed);
+    assert_eq!(timing(credit(&later, &held, &earlier).observation), renewed);
+    // Named: once a version observed since the claim lists it, whatever
+    // the gaps; not by a version observed before the claim, nor another's.
+    assert!(!seen.observation.named);
+    assert!(later.observation.named, "listed");
+    for (why, r) in [
+        ("not listed", renewal("w1", &[], &[], t1)),
+        (
+            "before the claim",
+            renewal("w1", &["t-1"], &[], t0 - Duration::from_secs(1)),
+        ),
+        ("another worker", renewal("w2", &["t-1"], &[], t1)),
+    ] {
+        assert!(!credit(&seen, &held, &r).observation.named, "{why}");
+    }
 }
 
 /// The rule end to end, as a tracker would apply it: a TaskLease whose
@@ -353,7 +371,7 @@ fn the_tracker_cuts_off_a_never_listed_attempt_only_between_relists() {
     // a lease claimed before it is credited as before.
     let third = task_lease("t-3", "w1", LeasePhase::Held);
     leases.observe(&third, t(151));
-    workers.watch_failed();
+    workers.watch_failed(t(151));
     workers.observe(&worker("w1", "u1", 9, ""), &leases, t(152));
     workers.observe(&worker("w1", "u1", 10, ""), &leases, t(220));
     let last3 = leases.observation("ns", "t-3").unwrap().last_renewal;
@@ -470,4 +488,99 @@ fn a_frozen_workers_attempts_fall_due_together() {
         ]
     );
     assert!(leases.due_of_holder("ns", "w9", t(35)).is_empty());
+}
+
+/// A worker counts as silent from its last renewal observed, or from the
+/// watch's last error if later: an outage hides the renewals it stops.
+#[test]
+fn silence_counts_from_the_last_renewal_or_the_watch_error_after_it() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    let (workers, leases) = (WorkerTracker::default(), Tracker::default());
+    let name = worker_lease_name("w1");
+    assert_eq!(workers.silent_since("ns", &name), None, "never seen");
+    workers.observe(&worker("w1", "u1", 1, ""), &leases, t(10));
+    assert_eq!(workers.silent_since("ns", &name), Some(t(10)));
+    workers.watch_failed(t(50));
+    assert_eq!(workers.silent_since("ns", &name), Some(t(50)), "the error");
+    assert_eq!(
+        workers.renewed_at("ns", &name),
+        Some(t(10)),
+        "not a renewal"
+    );
+    workers.observe(&worker("w1", "u1", 2, ""), &leases, t(60));
+    assert_eq!(workers.silent_since("ns", &name), Some(t(60)), "renewed");
+    // The same version again (a relist): no renewal, the mark stays.
+    workers.observe(&worker("w1", "u1", 2, ""), &leases, t(70));
+    assert_eq!(workers.silent_since("ns", &name), Some(t(60)));
+}
+
+/// A renewal counts as observed as it happened only from a watch event
+/// outside a list: a list (a new leader's first, a relist after an
+/// outage) shows a version that may have been made long before, too old to
+/// bind an attempt to. Its sight still counts for liveness (`renewed_at`).
+#[test]
+fn renewals_seen_in_a_list_are_not_observed_as_they_happened() {
+    let base = Instant::now();
+    let t = |s: u64| base + Duration::from_secs(s);
+    let (workers, leases) = (WorkerTracker::default(), Tracker::default());
+    let name = worker_lease_name("w1");
+    // What binding reads of the version `w` (`WorkerTracker::renewals`).
+    let observed = |w: &WorkerLease| workers.renewals(w).and_then(|r| r.observed);
+    // A new leader's first list.
+    let v1 = worker("w1", "u1", 1, "");
+    workers.list_started();
+    workers.observe(&v1, &leases, t(1));
+    workers.list_done(&leases, t(1));
+    assert_eq!(workers.renewed_at("ns", &name), Some(t(1)), "live");
+    assert_eq!(observed(&v1), None, "listed only");
+    // Its next renewal, from the watch.
+    let v2 = worker("w1", "u1", 2, "");
+    workers.observe(&v2, &leases, t(5));
+    assert_eq!(observed(&v2), Some(t(5)));
+    assert_eq!(observed(&v1), None, "not for an older version");
+    // A relist showing a renewal made during the gap: not as it happened;
+    // the one observed before stays.
+    let v3 = worker("w1", "u1", 3, "");
+    workers.list_started();
+    workers.observe(&v3, &leases, t(30));
+    workers.list_done(&leases, t(30));
+    assert_eq!(workers.renewed_at("ns", &name), Some(t(30)));
+    assert_eq!(observed(&v3), Some(t(5)));
+    // Another object under the name, in a relist: nothing observed.
+    let u2 = worker("w1", "u2", 1, "");
+    workers.list_started();
+    workers.observe(&u2, &leases, t(40));
+    workers.list_done(&leases, t(40));
+    assert_eq!(observed(&u2), None);
+    // A worker's first write seen live (its create): observed.
+    let w2 = worker("w2", "u3", 1, "");
+    workers.observe(&w2, &leases, t(50));
+    assert_eq!(observed(&w2), Some(t(50)));
+    // A watch error, then the resumed watch replays a renewal made while
+    // it was down: not as it happened. The next one is.
+    workers.watch_failed(t(60));
+    let w2b = worker("w2", "u3", 2, "");
+    workers.observe(&w2b, &leases, t(70));
+    assert_eq!(observed(&w2b), Some(t(50)));
+    let w2c = worker("w2", "u3", 3, "");
+    workers.observe(&w2c, &leases, t(75));
+    assert_eq!(observed(&w2c), Some(t(75)));
+}
+
+/// The watch's errors excuse a worker's silence, by at most
+/// SILENCE_EXCUSED: a watch that keeps failing does not have a dead
+/// worker's WorkerLease awaited for good.
+#[test]
+fn watch_errors_excuse_silence_only_so_long() {
+    let t0 = Instant::now();
+    let t = |s: u64| t0 + Duration::from_secs(s);
+    assert_eq!(silent_since(t(10), None), t(10));
+    assert_eq!(silent_since(t(10), Some(t(5))), t(10), "an error before");
+    assert_eq!(silent_since(t(10), Some(t(100))), t(100), "an outage after");
+    assert_eq!(
+        silent_since(t(10), Some(t(10_000))),
+        t(10) + SILENCE_EXCUSED,
+        "errors for hours"
+    );
 }

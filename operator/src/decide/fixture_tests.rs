@@ -104,6 +104,8 @@ pub(super) struct Case {
     /// Seconds since the offer was addressed to its worker, and for how
     /// many more seconds that worker counts as live (0: lapsed).
     pub(super) offer: Option<(u64, u64)>,
+    /// A WorkerLease version seen since the claim named the attempt.
+    pub(super) named: bool,
 }
 
 impl Case {
@@ -120,7 +122,12 @@ impl Case {
             needed_by: None,
             queue: QueueGate::Open,
             offer: None,
+            named: false,
         }
+    }
+    pub(super) fn named(mut self) -> Self {
+        self.named = true;
+        self
     }
     pub(super) fn offer(mut self, since: u64, live_for: u64) -> Self {
         self.offer = Some((since, live_for));
@@ -164,6 +171,7 @@ impl Case {
         let observation = self.observed.map(|(r, c)| Observation {
             last_renewal: now - Duration::from_secs(r),
             claimed_at: now - Duration::from_secs(c),
+            named: self.named,
         });
         decide(&Input {
             task: &self.task,

@@ -155,6 +155,11 @@ fn held(
     {
         let seen_for = input.now.saturating_duration_since(obs.claimed_at);
         let due = input.running_after.min(ttl / 2);
+        if !taken(lease, obs) {
+            // Bound, and not taken by its worker yet: not running. Looked
+            // at again while it may be taken (no write meanwhile).
+            return Decision::Wait(Some(due.max(Duration::from_millis(500)).min(wait)));
+        }
         if seen_for < due {
             // Come back when the write is due, or at expiry if sooner.
             return Decision::Wait(Some((due - seen_for).min(wait)));
@@ -185,6 +190,9 @@ fn held(
     if !wait.is_zero() {
         return Decision::Wait(Some(wait));
     }
+    if reason == ExpiryReason::LeaseExpired && !taken(lease, obs) {
+        reason = ExpiryReason::BoundNotTaken;
+    }
     let mut expired = lease.clone();
     let st = expired.status.get_or_insert_with(Default::default);
     st.phase = Some(LeasePhase::Expired);
@@ -198,11 +206,23 @@ fn held(
             )
         }
         ExpiryReason::NotCurrentLease => "not the task's current lease".into(),
+        ExpiryReason::BoundNotTaken => format!(
+            "bound to {holder}, whose renewals never named it within {}s; issued again without spending a retry",
+            ttl.as_secs()
+        ),
     });
     Decision::Expire {
         lease: Box::new(expired),
         reason,
     }
+}
+
+/// Whether the worker holding `lease` has taken it: a claim did, and a
+/// bound attempt is taken once a renewal of its worker's WorkerLease was
+/// seen to name it, or its holder wrote it (a per-lease renewal, a
+/// refresh or a checkpoint changes `renewTime` from the cited one).
+fn taken(lease: &TaskLease, obs: crate::observe::Observation) -> bool {
+    !lease.bound() || obs.named || lease.spec.renew_time != lease.spec.bound_at
 }
 
 /// An offer waiting for its claim. One addressed to a worker is addressed

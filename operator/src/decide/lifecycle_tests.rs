@@ -71,6 +71,50 @@ fn a_new_task_with_resources_is_written_pending_first() {
 }
 
 #[test]
+fn a_new_task_held_for_workers_slots_is_not_written_until_its_issue() {
+    assert_eq!(
+        Case::new(task()).queue(QueueGate::WorkerSlots).run(),
+        Decision::HeldBack(QueueGate::WorkerSlots)
+    );
+    // A TaskQueue's hold may be long: the task is written Pending first.
+    for gate in [QueueGate::Full, QueueGate::Paused] {
+        let d = Case::new(task()).queue(gate).run();
+        let (st, tr) = status_of(&d);
+        assert_eq!(st.phase, Some(TaskPhase::Pending), "{gate:?}");
+        assert_eq!(*tr, Transition::Initialized);
+    }
+    // A spawned child's first write is its admission (its parent's end
+    // waits for it): written Pending even while it waits for slots.
+    let mut child = task();
+    child.metadata.labels = Some(
+        [(
+            batchlease_api::keys::LABEL_PARENT.to_owned(),
+            "p".to_owned(),
+        )]
+        .into(),
+    );
+    child.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "batchlease.dev/v1alpha1".into(),
+            kind: "BatchTask".into(),
+            name: "p".into(),
+            uid: "p-uid".into(),
+            controller: Some(true),
+            ..Default::default()
+        },
+    ]);
+    let d = Case::new(child).queue(QueueGate::WorkerSlots).run();
+    assert_eq!(status_of(&d).0.phase, Some(TaskPhase::Pending));
+    // Once Pending, a task held for slots is held without a write.
+    assert_eq!(
+        Case::new(task().phase(TaskPhase::Pending, 0))
+            .queue(QueueGate::WorkerSlots)
+            .run(),
+        Decision::HeldBack(QueueGate::WorkerSlots)
+    );
+}
+
+#[test]
 fn pending_issues_the_next_token() {
     let d = Case::new(task().phase(TaskPhase::Pending, 4)).run();
     let Decision::Issue {
@@ -302,6 +346,67 @@ fn two_claims_only_the_winner_is_followed() {
         .observed(0, 0)
         .run();
     assert_eq!(status_of(&d).0.holder.as_deref(), Some("winner"));
+}
+
+#[test]
+fn a_bound_attempt_never_named_expires_as_not_taken() {
+    let t = task()
+        .phase(TaskPhase::Ready, 1)
+        .with(|s| s.holder = Some("w1".into()));
+    let mut l = (*lease(1, LeasePhase::Held, Some("w1"))).clone();
+    l.spec.bound_at = l.spec.renew_time.clone();
+    let l = Arc::new(l);
+    let reason = |named: bool, bound: &Arc<TaskLease>| {
+        let mut c = Case::new(t.clone())
+            .leases(vec![bound.clone()])
+            .observed(31, 31);
+        if named {
+            c = c.named();
+        }
+        match c.run() {
+            Decision::Expire { reason, .. } => reason,
+            d => panic!("{d:?}"),
+        }
+    };
+    assert_eq!(reason(false, &l), ExpiryReason::BoundNotTaken);
+    assert_eq!(
+        reason(true, &l),
+        ExpiryReason::LeaseExpired,
+        "its worker took it"
+    );
+    let claimed = lease(1, LeasePhase::Held, Some("w1"));
+    assert_eq!(
+        reason(false, &claimed),
+        ExpiryReason::LeaseExpired,
+        "a claim is a take"
+    );
+    // Written by its holder (a refresh, a per-lease renewal): taken.
+    let mut written = (*l).clone();
+    written.spec.renew_time = Some(MicroTime(wall(5)));
+    assert_eq!(
+        reason(false, &Arc::new(written)),
+        ExpiryReason::LeaseExpired
+    );
+}
+
+#[test]
+fn a_bound_attempt_is_running_only_once_taken() {
+    let t = task().phase(TaskPhase::Ready, 1);
+    let mut l = (*lease(1, LeasePhase::Held, Some("w1"))).clone();
+    l.spec.bound_at = l.spec.renew_time.clone();
+    let case = || {
+        Case::new(t.clone())
+            .leases(vec![Arc::new(l.clone())])
+            .observed(2, 2)
+            .running_after(Duration::from_secs(1))
+    };
+    // Not named yet: no write, looked at again soon.
+    assert_eq!(case().run(), Decision::Wait(Some(Duration::from_secs(1))));
+    // Named by a renewal: Running, with its holder.
+    assert_eq!(
+        status_of(&case().named().run()).0.holder.as_deref(),
+        Some("w1")
+    );
 }
 
 #[test]

@@ -119,7 +119,13 @@ pub fn decide(input: &Input<'_>) -> Decision {
 /// dependency condition, or the rejection — with the first status folded
 /// into that one write. A task that needs (or respects) locks is written
 /// `Pending` first: only a `Pending` task counts as a waiter, which is what
-/// keeps younger tasks from overtaking it (see `locks::waiting`).
+/// keeps younger tasks from overtaking it (see `locks::waiting`). A task
+/// held back for workers' slots is not written at all until its issue:
+/// the wait is to save its claim write, and a `Pending` write would spend
+/// it again (a TaskQueue's pause, cap or rate may hold a task for long,
+/// and writes it `Pending` as before). Not so a spawned child: its first
+/// write is its admission, which its parent's end waits for
+/// (`spawn_gate`).
 fn first_status(input: &Input<'_>) -> Decision {
     let task = input.task;
     let init = start::initialize(task, input.wall);
@@ -136,6 +142,11 @@ fn first_status(input: &Input<'_>) -> Decision {
         pending::pending(input, status),
     ) {
         d @ (Decision::Issue { .. } | Decision::WriteStatus { .. }) => d,
+        d @ Decision::HeldBack(QueueGate::WorkerSlots)
+            if crate::spawn_gate::parent_of(task).is_none() =>
+        {
+            d
+        }
         _ => init,
     }
 }

@@ -35,6 +35,12 @@ pub fn settle(
     let lst = lease.status.clone().unwrap_or_default();
     let phase = lst.phase.unwrap_or(LeasePhase::Completed);
     let outcome = match phase {
+        // Never taken by the worker it was bound to: no fault of the task.
+        LeasePhase::Expired
+            if lst.reason.as_deref() == Some(ExpiryReason::BoundNotTaken.as_str()) =>
+        {
+            Outcome::Interrupted
+        }
         LeasePhase::Expired => Outcome::Expired,
         LeasePhase::Released => Outcome::Interrupted,
         _ => match lst.outcome {

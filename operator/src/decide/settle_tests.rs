@@ -319,6 +319,17 @@ fn interrupted_retries_at_once_without_spending_a_retry() {
     );
 }
 
+#[test]
+fn a_bound_attempt_never_taken_retries_at_once_without_spending_a_retry() {
+    let t = task().phase(TaskPhase::Ready, 3).with(|s| s.attempts = 1);
+    let mut l = (*lease(3, LeasePhase::Expired, Some("w1"))).clone();
+    l.status.get_or_insert_with(Default::default).reason =
+        Some(ExpiryReason::BoundNotTaken.as_str().into());
+    let (st, tr) = into_status(Case::new(t).leases(vec![Arc::new(l)]).run());
+    assert_eq!(tr, Transition::Interrupted { delay_seconds: 0.0 });
+    assert_eq!((st.phase, st.attempts), (Some(TaskPhase::Pending), 1));
+}
+
 /// `n` Interrupted attempts in the task's history.
 fn interrupted_before(s: &mut BatchTaskStatus, n: i64) {
     for k in 0..n {

@@ -76,7 +76,8 @@ pub struct OfferView {
     pub addressee_live_until: Option<Instant>,
 }
 
-/// What a queue's `TaskQueue` allows at this moment.
+/// What a queue allows at this moment: its `TaskQueue`, and its workers'
+/// free slots when every worker of it takes bound attempts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QueueGate {
     /// Issue (no TaskQueue, or one with room and a rate token).
@@ -90,6 +91,12 @@ pub enum QueueGate {
     Full,
     /// `spec.maxIssuesPerSecond` spent: look again after this long.
     Throttled(Duration),
+    /// Every live worker of the queue takes bound attempts and none has a
+    /// free slot for this task, or none is live but one that takes them
+    /// went silent lately (`offers::awaited`; `queue_gate::worker_slots`):
+    /// the task is woken when a lease of the queue ends or a worker renews
+    /// with room, and its offer is then created bound to that worker.
+    WorkerSlots,
 }
 
 impl QueueGate {
@@ -99,7 +106,7 @@ impl QueueGate {
             Self::Open => Some(Duration::ZERO),
             // Woken when the queue is resumed (a TaskQueue change).
             Self::Paused => None,
-            Self::Full => Some(QUEUE_RECHECK),
+            Self::Full | Self::WorkerSlots => Some(QUEUE_RECHECK),
             Self::Throttled(after) => Some(after),
         }
     }
@@ -146,6 +153,11 @@ pub enum ExpiryReason {
     /// A live lease of the task that is not its current lease (a stray a
     /// late create left, or an object claiming the task as its owner).
     NotCurrentLease,
+    /// A bound attempt (created held by its worker) that no renewal of
+    /// that worker was seen to name before it expired: the worker never
+    /// took it (it died, or lost it), and the task did nothing wrong — it
+    /// runs again at once, as after an `Interrupted` attempt.
+    BoundNotTaken,
 }
 
 impl ExpiryReason {
@@ -155,6 +167,7 @@ impl ExpiryReason {
             Self::LeaseExpired => "LeaseExpired",
             Self::ActiveDeadlineExceeded => "ActiveDeadlineExceeded",
             Self::NotCurrentLease => "NotCurrentLease",
+            Self::BoundNotTaken => "BoundNotTaken",
         }
     }
 }

@@ -11,64 +11,17 @@ use kube::runtime::controller::Action;
 use tokio::time::Instant;
 use tracing::{debug, info};
 
+use crate::addressees::{Unaddressed, candidates_now};
 use crate::context::{Ctx, bounded, classify};
 use crate::error::Error;
-use crate::offers::{self, Candidate};
-
-/// Why an offer of a queue goes to nobody in particular now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Unaddressed {
-    /// `--address-offers=false`.
-    Disabled,
-    /// The WorkerLease watch has not listed yet (a new leader does not
-    /// know who is live).
-    NotListed,
-    /// A worker of the queue takes no addressed offers.
-    Mixed,
-}
-
-/// The workers an offer of `queue` in `ns` may be addressed to now, or why
-/// none may.
-fn candidates_now(
-    ctx: &Ctx,
-    ns: &str,
-    queue: &str,
-    now: Instant,
-) -> Result<Vec<Candidate>, Unaddressed> {
-    if !ctx.address_offers {
-        return Err(Unaddressed::Disabled);
-    }
-    if !ctx.workers.listed() {
-        return Err(Unaddressed::NotListed);
-    }
-    let workers: Vec<_> = ctx
-        .worker_leases
-        .state()
-        .into_iter()
-        .filter(|w| w.namespace().as_deref() == Some(ns))
-        .collect();
-    let present = ctx.queues.workers_present(ns, queue, now);
-    if offers::mixed(
-        &present,
-        &offers::addressable(workers.iter().map(AsRef::as_ref)),
-    ) {
-        return Err(Unaddressed::Mixed);
-    }
-    let addressed = ctx.offers.counts(ns);
-    Ok(offers::candidates(
-        workers.iter().map(AsRef::as_ref),
-        queue,
-        now,
-        |w| ctx.workers.renewed_at(ns, &w.name_any()),
-        |identity| ctx.tracker.held_count(ns, identity),
-        |identity| addressed.get(identity).copied().unwrap_or(0),
-    ))
-}
+use crate::offers;
 
 /// `lease`, a new offer, addressed to the live worker of its queue with
 /// the most free slots (recorded in the book before the create, so the
-/// next pass counts it), or as it is when its queue has no such worker or
-/// is served by one that takes no addressed offers.
+/// next pass counts it) — and bound to it (created `Held` by it, no claim:
+/// [`offers::bound`]) when that worker has a free slot and takes bound
+/// attempts, unless `--bind-offers=false` — or as it is when its queue has
+/// no such worker or is served by one that takes no addressed offers.
 pub async fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
     let ns = lease.namespace().unwrap_or_default();
     let _choosing = ctx.offers.choosing().await;
@@ -86,7 +39,14 @@ pub async fn address_new(ctx: &Ctx, lease: &TaskLease) -> TaskLease {
         &to.identity,
         now,
     );
-    offers::addressed(lease, Some(to))
+    let addressed = offers::addressed(lease, Some(to));
+    if ctx.bind_offers
+        && let Some(bound) = offers::bound(&addressed, to, now)
+    {
+        ctx.metrics.attempts_bound.inc();
+        return bound;
+    }
+    addressed
 }
 
 /// The offer was not issued after all: it counts against nobody.

@@ -223,10 +223,12 @@ async fn issue(
     if cause != IssueCause::New {
         ctx.metrics.count(QueueCounter::Reassignments, &queue, 1);
     }
-    ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
     // Addressed to one worker of the queue (`offers`): chosen after the
-    // status write, so a pass that failed there took no slot.
+    // status write, so a pass that failed there took no slot. Marked sent
+    // only then: until its address is in the book, the queue counts the
+    // issue as one on its way (`queue_gate::worker_slots`).
     let lease = &address::address_new(ctx, lease).await;
+    ctx.queues.create_sent(&ns, &queue.queue, &lease_name);
     if let Err(e) = create_lease(ctx, lease).await {
         if create_refused(&e) {
             ctx.queues
@@ -239,7 +241,17 @@ async fn issue(
         }
         return Err(e);
     }
-    info!(task = %name, namespace = %ns, token, cause = ?cause, "lease issued");
+    // A bound attempt is created held by its worker (no claim follows).
+    let offered = match lease
+        .spec
+        .holder_identity
+        .as_deref()
+        .filter(|_| lease.bound())
+    {
+        Some(holder) => format!("bound to {holder}"),
+        None => "offered".to_owned(),
+    };
+    info!(task = %name, namespace = %ns, token, cause = ?cause, bound = lease.bound(), "lease issued");
     let locked = if lease.spec.resource_tokens.is_empty() {
         String::new()
     } else {
@@ -255,20 +267,20 @@ async fn issue(
         IssueCause::New => (
             EventType::Normal,
             "LeaseIssued",
-            format!("lease {lease_name} offered with fencing token {token}{locked}"),
+            format!("lease {lease_name} {offered} with fencing token {token}{locked}"),
         ),
         IssueCause::Reassigned => (
             EventType::Normal,
             "Reassigned",
             format!(
-                "previous holder's lease expired; lease {lease_name} offered with fencing token {token}"
+                "previous holder's lease expired; lease {lease_name} {offered} with fencing token {token}"
             ),
         ),
         IssueCause::Replaced => (
             EventType::Warning,
             "LeaseReplaced",
             format!(
-                "lease with fencing token {} is missing; its token is retired and lease {lease_name} offered with fencing token {token}",
+                "lease with fencing token {} is missing; its token is retired and lease {lease_name} {offered} with fencing token {token}",
                 token - 1
             ),
         ),
@@ -282,6 +294,7 @@ fn throttle_reason(gate: QueueGate) -> &'static str {
     match gate {
         QueueGate::Paused => "paused",
         QueueGate::Full => "max_concurrent",
+        QueueGate::WorkerSlots => "worker_slots",
         QueueGate::Throttled(_) => "rate",
         QueueGate::Open => "none",
     }
@@ -357,7 +370,11 @@ async fn expire(
     // Past its deadline an attempt ends whatever its renewals (its kill
     // switch fires at the deadline too); otherwise the timing is checked
     // again against the copy the revocation is based on.
-    let timed = (reason == ExpiryReason::LeaseExpired).then(|| crate::observe::lease_ttl(lease));
+    let timed = matches!(
+        reason,
+        ExpiryReason::LeaseExpired | ExpiryReason::BoundNotTaken
+    )
+    .then(|| crate::observe::lease_ttl(lease));
     if let Some(cached) = cached_held(ctx, lease)
         && revoke::revoke(ctx, &cached, timed).await? == revoke::Revoked::Renewed
     {
