@@ -120,6 +120,11 @@ fn lease_update_allowed(old: &TaskLease, new: &TaskLease) -> bool {
     if !renewal_ok {
         return false;
     }
+    // `spec.boundAt`: written by the create of a bound attempt alone; may
+    // be removed, never added or changed.
+    if new.spec.bound_at.is_some() && new.spec.bound_at != old.spec.bound_at {
+        return false;
+    }
     let old_holder = old.spec.holder_identity.as_deref().unwrap_or("");
     if !old_holder.is_empty() && new.spec.holder_identity.as_deref() != Some(old_holder) {
         return false;

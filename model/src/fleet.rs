@@ -109,6 +109,13 @@ pub struct Client {
     pub last_ok: Option<u8>,
     /// A renewal on its way: sent at this tick, the WorkerLease as sent.
     pub in_flight: Option<(u8, String)>,
+    /// Bound attempts: the recent writes of its WorkerLease it remembers,
+    /// and the bound leases it has seen and not taken yet (by name).
+    pub sent: Vec<crate::bound::Stamp>,
+    pub bound: std::collections::BTreeMap<String, crate::bound::Pending>,
+    /// Its WorkerLease was found gone at least once (the SDK's `lost_at`
+    /// is set): not with [`crate::bound::BoundRule::FirstCut`].
+    pub found_gone: bool,
 }
 
 /// Per-worker state of the clients, the fault budget and the ghosts.
@@ -132,6 +139,10 @@ pub struct Fleet {
     pub stopped_by_deletion: bool,
     pub expired_after_deletion: bool,
     pub stopped_by_refresh: bool,
+    /// Idle renewals so far (budget `Config::idle_renewals`).
+    pub idle: u8,
+    /// Bound leases on their way to their workers, and coverage.
+    pub bound: crate::bound::Ghosts,
 }
 
 impl Fleet {
@@ -155,16 +166,18 @@ pub(crate) enum Send {
     Drop,
 }
 
-/// The WorkerLease of `holder` as its worker creates it (no renewal yet,
-/// nothing held).
-fn fresh(holder: &str, slots: Option<i32>) -> WorkerLease {
+/// The WorkerLease of `holder` as its worker creates it, nothing held;
+/// with bound attempts it takes them and carries `renew_time` (as the
+/// SDK's create does), else no renewal yet.
+fn fresh(holder: &str, slots: Option<i32>, renew_time: Option<MicroTime>) -> WorkerLease {
     let mut l = WorkerLease::new(
         &worker_lease_name(holder),
         WorkerLeaseSpec {
             holder_identity: holder.into(),
             queues: vec!["q".into()],
             lease_duration_seconds: TTL_SECONDS,
-            renew_time: None,
+            takes_bound: renew_time.is_some().then_some(true),
+            renew_time,
             holds: Vec::new(),
             slots,
         },
@@ -181,30 +194,49 @@ fn attempt_of(s: &State, w: usize) -> Option<AttemptRef> {
     }
 }
 
-/// The start of a run in per-worker mode: each worker has created its
-/// WorkerLease (the SDK does at its start, before any claim).
-/// `slots`: what each says (addressed offers).
-pub(crate) fn start(s: &mut State, slots: Option<i32>) {
-    for w in 0..s.fleet.clients.len() {
-        if let Ok(stored) = s.api.create_worker_lease(&fresh(&worker_name(w), slots)) {
-            s.fleet.clients[w].copy = Some(encode(&stored));
+impl Cluster {
+    /// The start of a run in per-worker mode: each worker has created its
+    /// WorkerLease (the SDK does at its start, before any claim).
+    pub(crate) fn fleet_start(&self, s: &mut State) {
+        for w in 0..s.fleet.clients.len() {
+            self.create_worker_lease(s, w);
         }
+    }
+
+    /// Worker `w` creates its WorkerLease (saying [`crate::offers::SLOTS`]
+    /// with addressed offers; carrying a `renewTime`, remembered as sent,
+    /// with bound attempts).
+    fn create_worker_lease(&self, s: &mut State, w: usize) {
+        let slots = self.cfg.addressed.then_some(crate::offers::SLOTS);
+        let stamp = self.cfg.bound.then(|| self.stamp(s, w));
+        self.record_sent(s, w, stamp.as_ref());
+        let created = s
+            .api
+            .create_worker_lease(&fresh(&worker_name(w), slots, stamp));
+        s.fleet.clients[w].copy = created.ok().map(|c| encode(&c));
     }
 }
 
 impl Cluster {
-    /// The per-worker renewal steps of worker `w`, which holds an attempt
-    /// (renewals, once per tick at most, while the attempt lives).
+    /// The per-worker renewal steps of worker `w`: renewals, once per tick
+    /// at most, while its attempt lives; with bound attempts also while
+    /// one waits for a renewal naming it (the first at once), and an idle
+    /// worker's (a budget).
     pub(crate) fn fleet_steps(&self, s: &State, w: usize, actions: &mut Vec<Action>) {
-        let Worker::Holding(a) = &s.workers[w] else {
-            return;
+        let holding = match &s.workers[w] {
+            Worker::Holding(a) => Some(a),
+            Worker::Idle => None,
         };
         // The refresh of the TaskLease's own `renewTime` (any tick: "at
         // least every R"). Offered only in bounds that delete TaskLeases,
         // where it is what tells a holder of the deletion; elsewhere it is
         // a renewal of the TaskLease, which the per-lease bounds check,
         // and would only grow the state space.
-        if self.alive(a, s.now) && a.last_refresh_sent < s.now && self.cfg.lease_deletions > 0 {
+        if let Some(a) = holding
+            && self.alive(a, s.now)
+            && a.last_refresh_sent < s.now
+            && self.cfg.lease_deletions > 0
+        {
             actions.push(Action::Refresh(w));
         }
         let c = &s.fleet.clients[w];
@@ -212,7 +244,17 @@ impl Cluster {
         if c.in_flight.is_some() {
             return;
         }
-        if !self.alive(a, s.now) || a.last_ok_sent >= s.now || c.last_ok == Some(s.now) {
+        let paced = c.last_ok != Some(s.now);
+        let running = holding.filter(|a| self.alive(a, s.now));
+        let for_attempt = running.is_some_and(|a| a.last_ok_sent < s.now) && paced;
+        let for_bound = self.cfg.bound
+            && (crate::bound::due_at_once(s, w) || (crate::bound::names_any(s, w) && paced));
+        let idle = self.cfg.bound
+            && running.is_none()
+            && !crate::bound::names_any(s, w)
+            && s.fleet.idle < self.cfg.idle_renewals
+            && paced;
+        if !(for_attempt || for_bound || idle) {
             return;
         }
         actions.push(Action::Renew(w));
@@ -221,7 +263,7 @@ impl Cluster {
         }
         if s.fleet.faults < self.cfg.worker_faults {
             actions.push(Action::SendRenewal(w));
-            if !a.dropped {
+            if running.is_some_and(|a| !a.dropped) {
                 actions.push(Action::DropAttempt(w));
             }
         }
@@ -243,25 +285,42 @@ impl Cluster {
     }
 
     /// Worker `w` renews its WorkerLease (a CAS of the spec on its copy),
-    /// listing its attempt.
+    /// listing its attempt while it lives, and the bound attempts that
+    /// wait for a renewal naming them (not one its copy shows revoked).
     pub(crate) fn fleet_renew(&self, s: &mut State, w: usize, how: Send) {
-        let Some(attempt) = attempt_of(s, w) else {
-            return;
-        };
-        let Worker::Holding(a) = &mut s.workers[w] else {
-            return;
-        };
-        if how == Send::Drop {
-            a.dropped = true;
+        let mut listed = Vec::new();
+        let mut idle = true;
+        let attempt = attempt_of(s, w);
+        let now = s.now;
+        let alive = matches!(&s.workers[w], Worker::Holding(a) if self.alive(a, now));
+        if let (Some(attempt), true, Worker::Holding(a)) = (attempt, alive, &mut s.workers[w]) {
+            if how == Send::Drop {
+                a.dropped = true;
+            }
+            idle = false;
+            if !a.dropped {
+                listed.push(attempt);
+            }
         }
-        let listed = if a.dropped { Vec::new() } else { vec![attempt] };
-        let Some(copy) = s.fleet.clients[w].copy.as_deref() else {
+        let Some(copy) = s.fleet.clients[w].copy.clone() else {
             return;
         };
-        let mut l: WorkerLease = decode(copy);
+        let mut l: WorkerLease = decode(&copy);
+        if self.cfg.bound {
+            // The SDK: revocations first, then the attempts named.
+            crate::bound::revoked_in(s, w, &l);
+            let named = crate::bound::named(s, w);
+            idle &= named.is_empty();
+            listed.extend(named);
+            listed.sort();
+            if idle {
+                s.fleet.idle += 1;
+            }
+        }
         l.spec.holds = listed;
-        let stamp = self.wall(s.now, s.api.worker_writes(&l.name_any()));
-        l.spec.renew_time = Some(MicroTime(stamp));
+        let stamp = self.stamp(s, w);
+        self.record_sent(s, w, Some(&stamp));
+        l.spec.renew_time = Some(stamp);
         if matches!(how, Send::Late | Send::Drop) {
             s.fleet.faults += 1;
         }
@@ -302,6 +361,10 @@ impl Cluster {
         let attempt = attempt_of(s, w);
         match written {
             Ok(stored) => {
+                if self.cfg.bound {
+                    crate::bound::revoked_in(s, w, &stored);
+                    crate::bound::fed(s, w, stored.holds(), sent);
+                }
                 let c = &mut s.fleet.clients[w];
                 c.copy = Some(encode(&stored));
                 c.last_ok = Some(sent);
@@ -321,6 +384,9 @@ impl Cluster {
                     return;
                 };
                 s.fleet.clients[w].copy = Some(encode(&fresh));
+                if self.cfg.bound {
+                    crate::bound::revoked_in(s, w, &fresh);
+                }
                 if attempt.is_some_and(|a| fresh.is_revoked(&a)) {
                     s.fleet.stopped_by_revocation = true;
                     crate::worker::end(s, w);
@@ -334,15 +400,17 @@ impl Cluster {
     /// attempt (renewals it cannot make any more may already have been
     /// missed) and creates the object again with nothing listed — the
     /// revocations went with the old one, so it never lists an attempt
-    /// claimed before.
+    /// claimed before. A bound attempt waiting for a renewal naming it is
+    /// given up (`bound::lost`).
     fn fleet_gone(&self, s: &mut State, w: usize) {
         if matches!(s.workers[w], Worker::Holding(_)) {
             s.fleet.stopped_by_deletion = true;
             crate::worker::end(s, w);
         }
-        let slots = self.cfg.addressed.then_some(crate::offers::SLOTS);
-        let created = s.api.create_worker_lease(&fresh(&worker_name(w), slots));
-        s.fleet.clients[w].copy = created.ok().map(|c| encode(&c));
+        if self.cfg.bound {
+            crate::bound::lost(s, w, self.cfg.bound_rule);
+        }
+        self.create_worker_lease(s, w);
     }
 
     /// The operator's WorkerLease cache catches up: each renewal it shows,
@@ -370,7 +438,15 @@ impl Cluster {
             {
                 departures.push(r);
             }
-            s.op.wgone.insert(name.clone(), now);
+            // The leases of its holder whose claim it has observed by now:
+            // those it may end on this departure (`fleet_guard`).
+            let claimed =
+                s.op.seen
+                    .values()
+                    .filter(|r| r.holder() == rec.holder())
+                    .map(|r| r.uid().to_owned())
+                    .collect();
+            s.op.wgone.insert(name.clone(), claimed);
         }
         let mut renewals = Vec::new();
         let mut seen = std::collections::BTreeMap::new();
@@ -409,7 +485,7 @@ impl Cluster {
     /// operator's cache shows it (a CAS of the status). With no copy
     /// cached the operator cannot prove every renewal was observed: it
     /// ends the lease without a revocation only once it has seen that
-    /// WorkerLease depart at or after the lease's claim was observed (the
+    /// WorkerLease depart after it had observed the lease's claim (the
     /// departure credited; the worker stops its attempts at the 404 and
     /// never lists one claimed before in the object it creates again), and
     /// otherwise waits (`None`) for its cache to show one.
@@ -427,9 +503,12 @@ impl Cluster {
         let name = worker_lease_name(holder);
         let attempt = AttemptRef::of(lease);
         let Some(cached) = s.op.wleases.get(&name) else {
-            let claimed = s.op.seen.get(&lease.name_any())?.observation.claimed_at;
-            let departed = *s.op.wgone.get(&name)?;
-            return (departed >= claimed).then_some(then);
+            // Its claim observed before the departure was: in the order
+            // the operator observed them, not by tick — within a tick the
+            // claim may follow a departure (of a WorkerLease its worker
+            // created again since, listing the claim).
+            let uid = lease.uid()?;
+            return s.op.wgone.get(&name)?.contains(&uid).then_some(then);
         };
         let mut l: WorkerLease = decode(cached);
         // A revocation stands: the CAS that wrote it proved every renewal

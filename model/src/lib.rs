@@ -25,6 +25,11 @@
 //!   offer with the production `offers::candidates`/`choose` and re-addresses
 //!   on `decide`'s `Readdress` by a CAS; the API server enforces the CRD's
 //!   CEL rules on `offeredTo`;
+//! - bound attempts ([`bound`], issue 27): the operator creates an
+//!   addressed offer already `Held` by its worker (the production
+//!   `offers::bound`, citing the WorkerLease `renewTime` its cache shows);
+//!   the worker mirrors the SDK: its kill clock from the cited renewal's
+//!   send, or from a renewal naming the attempt;
 //! - a worker's claim check is the production `check_current()`, its kill
 //!   switch the SDK's `KillClock` (renew every TTL/3 from the send time,
 //!   stop at 2/3 of the TTL);
@@ -41,6 +46,7 @@
 //! someone else. See `docs/model.md`.
 
 pub mod api_server;
+pub mod bound;
 pub mod cancel;
 pub mod election;
 pub mod fleet;
@@ -193,6 +199,16 @@ pub struct Config {
     pub old_worker: Option<offers::OldClaim>,
     /// Worker 0 is dead: it takes no step (its WorkerLease stands).
     pub dead_worker: bool,
+    /// Bound attempts (with [`Config::addressed`]): each WorkerLease says
+    /// `takesBound` and carries a `renewTime` from its create; a new
+    /// offer to a worker with a free slot is created `Held` by it (see
+    /// [`bound`]).
+    pub bound: bool,
+    pub bound_rule: bound::BoundRule,
+    /// Renewals of a WorkerLease by a worker with nothing to name (the
+    /// SDK renews it always; a budget here): fresh citations for bound
+    /// attempts, and a 404 found while idle.
+    pub idle_renewals: u8,
 }
 
 impl Config {
@@ -236,6 +252,9 @@ impl Config {
             lapses: 0,
             old_worker: None,
             dead_worker: false,
+            bound: false,
+            bound_rule: bound::BoundRule::Real,
+            idle_renewals: 0,
         }
     }
 }
@@ -417,6 +436,12 @@ pub enum Action {
     /// The operator's view of worker `w` lapses: its WorkerLease not seen
     /// renewed for its duration.
     Lapse(usize),
+    /// Worker `w`'s watch delivers the create of lease `name`, bound to it
+    /// (at any later time, or never), and the worker looks at it.
+    SeeBound(usize, String),
+    /// Worker `w` looks again at bound lease `name`, which waits (for a
+    /// renewal naming it, or a slot).
+    LookBound(usize, String),
 }
 
 fn phase(l: &TaskLease) -> Option<LeasePhase> {
@@ -538,7 +563,7 @@ impl Model for Cluster {
             .map(|mut s| {
                 s.api.offer_rules = self.cfg.address_rule.cel();
                 if self.cfg.per_worker {
-                    fleet::start(&mut s, self.cfg.addressed.then_some(offers::SLOTS));
+                    self.fleet_start(&mut s);
                 }
                 self.started(s)
             })

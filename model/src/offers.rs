@@ -234,10 +234,17 @@ impl Cluster {
             workers.iter(),
             queue,
             now,
+            // Renewals observed as they happened: binding is allowed
+            // whenever the worker is live (the production rule binds to
+            // fewer — never after a renewal seen only in a list — and not
+            // binding is an offer claimed as any other).
             |w| {
-                w.worker()
-                    .filter(|id| !s.op.lapsed.contains(*id))
-                    .map(|_| now)
+                w.worker().filter(|id| !s.op.lapsed.contains(*id)).map(|_| {
+                    operator_offers::Renewals {
+                        seen: now,
+                        observed: Some(now),
+                    }
+                })
             },
             |id| {
                 leases
@@ -246,6 +253,14 @@ impl Cluster {
                     .count()
             },
             |id| addressed.get(id).copied().unwrap_or(0),
+            // As the operator: an attempt its cache shows over.
+            |a| {
+                leases.iter().any(|l| {
+                    l.metadata.name.as_deref() == Some(a.name.as_str())
+                        && l.metadata.uid.as_deref() == Some(a.uid.as_str())
+                        && phase(l).is_some_and(LeasePhase::is_terminal)
+                })
+            },
         )
     }
 
@@ -287,8 +302,10 @@ impl Cluster {
         };
         s.op.book
             .insert(lease.name_any(), (to.identity.clone(), s.now));
-        let addressed = encode(&operator_offers::addressed(&lease, Some(to)));
-        s.op.pending.insert(i, Write::Create(addressed));
+        let addressed = operator_offers::addressed(&lease, Some(to));
+        // …and bound to it when `offers::bound` says so (`crate::bound`).
+        let issued = self.bind(s, &addressed, to).unwrap_or(addressed);
+        s.op.pending.insert(i, Write::Create(encode(&issued)));
     }
 
     /// `inputs::offer_view` on the model's state: for the current lease
@@ -453,6 +470,7 @@ pub(crate) fn created(s: &mut State, l: &TaskLease) {
     if let (Some(uid), Some(to)) = (l.uid(), l.spec.offered_to.clone()) {
         s.offers.first.insert(uid, to);
     }
+    crate::bound::created(s, l);
 }
 
 /// Worker `me`'s claim of `before` (the lease as stored) landed.

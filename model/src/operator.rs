@@ -51,10 +51,10 @@ pub struct Operator {
     /// own, lagging like the others) and what it observed of each.
     pub wleases: BTreeMap<String, String>,
     pub wseen: BTreeMap<String, WorkerSeen>,
-    /// WorkerLeases it saw depart (gone from its cache), and when: the
-    /// leases of their holders claimed before may end without a
-    /// revocation (`Cluster::fleet_guard`).
-    pub wgone: BTreeMap<String, tokio::time::Instant>,
+    /// WorkerLeases it saw depart (gone from its cache), each with the
+    /// UIDs of its holder's leases whose claim it had observed by then:
+    /// those may end without a revocation (`Cluster::fleet_guard`).
+    pub wgone: BTreeMap<String, std::collections::BTreeSet<String>>,
     /// Addressed offers: its book of outstanding addresses (lease → its
     /// worker and the tick since when, `offers::OfferBook`), and the
     /// workers its view has lapsed (see [`crate::offers`]).
@@ -205,6 +205,7 @@ impl Cluster {
                 observation = Some(batchlease_operator::observe::Observation {
                     last_renewal: long_ago,
                     claimed_at: long_ago,
+                    named: false,
                 });
             }
         }
@@ -521,6 +522,7 @@ impl Cluster {
             Write::Lease(l) => {
                 if let Ok(stored) = s.api.replace_lease(&decode(&l)) {
                     sent.applied = true;
+                    crate::bound::lease_written(s, &stored);
                     let ti = s.api.task_index(&stored.spec.task_name);
                     if let (Some(LeasePhase::Expired), Some(ti)) = (phase(&stored), ti) {
                         s.expired[ti].push(stored.spec.fencing_token);

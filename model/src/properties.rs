@@ -35,6 +35,7 @@ impl Cluster {
         p.extend(crate::spawn::properties());
         p.extend(crate::fleet::properties());
         p.extend(crate::offers::properties());
+        p.extend(crate::bound::properties());
         p
     }
 

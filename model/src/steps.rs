@@ -98,8 +98,12 @@ impl Cluster {
             if !self.acts(w) {
                 continue;
             }
+            self.bound_steps(s, w, actions);
             match worker {
                 Worker::Idle => {
+                    if self.cfg.bound {
+                        self.fleet_steps(s, w, actions);
+                    }
                     for (name, l) in &s.api.leases {
                         let l: TaskLease = decode(l);
                         if phase(&l) == Some(LeasePhase::Offered)
@@ -162,7 +166,10 @@ impl Cluster {
     pub(crate) fn apply(&self, last: &State, action: Action) -> Option<State> {
         let mut s = last.clone();
         match &action {
-            Action::Tick => s.now += 1,
+            Action::Tick => {
+                s.now += 1;
+                self.forget_sends(&mut s);
+            }
             Action::SyncTask => {
                 s.op.tasks = Some(s.api.task_view());
                 s.op.refused.clear();
@@ -279,6 +286,8 @@ impl Cluster {
                 s.api.replace_lease(&l).ok()?;
             }
             Action::Lapse(w) => Self::lapse(&mut s, *w),
+            Action::SeeBound(w, name) => self.see_bound(&mut s, *w, name),
+            Action::LookBound(w, name) => self.look_bound(&mut s, *w, name),
             Action::Claim(w, name) => {
                 // A refused claim is no step (a ghost may record it).
                 let Some(stored) = self.claim(&mut s, *w, name) else {

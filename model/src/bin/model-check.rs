@@ -13,7 +13,9 @@
 //!  [--worker-rule=no-revoke|ignore|named-only|ignore-departures]
 //!  [--lost-wait=refresh-bound]
 //!  [--addressed [--lapses=1] [--old-worker=keeps-field|drops-field] [--dead-worker]
-//!  [--address-rule=no-claim-rule|no-fixed-rule|patch|patch-no-fixed-rule]]]
+//!  [--address-rule=no-claim-rule|no-fixed-rule|patch|patch-no-fixed-rule]
+//!  [--bound [--idle-renewals=1]
+//!  [--bound-rule=sight|sight-when-fresh|no-age-limit|newest-citation|first-cut]]]]
 //!  [--threads=N] [--stop-at-failure] [--dfs] [--timeout-seconds=600]`
 //!
 //! `--cancel`: a user may set `spec.cancel` on the first task at any step;
@@ -37,6 +39,12 @@
 //! address, keeping or dropping `offeredTo`; `--dead-worker`: worker 0
 //! takes no step; `--address-rule`: the mutations (a CEL rule left out, the
 //! re-address without its CAS).
+//! `--bound` (with `--addressed`): a new offer to a worker with a free
+//! slot is created `Held` by it (bound attempts); `--idle-renewals`: how
+//! many renewals of an idle worker's WorkerLease; `--bound-rule`: the
+//! mutations (the kill clock from the worker's sight of the lease, always
+//! or when its citation is fresh) and variants (no age limit on the
+//! citation; the operator citing the API server's newest renewal).
 //! `--locks`: every task needs the resource `r` (the lock passes between
 //! them); `--holder=ahead-is-dead`: the mutation of the holder's liveness
 //! rule the checker must catch; `--frozen-wall`, `--dedicated`: see
@@ -53,6 +61,7 @@
 use std::time::{Duration, Instant};
 
 use batchlease_model::KillRule;
+use batchlease_model::bound::BoundRule;
 use batchlease_model::fleet::WorkerRule;
 use batchlease_model::locks::LockRule;
 use batchlease_model::offers::{AddressRule, OldClaim};
@@ -107,6 +116,15 @@ fn main() {
                 cfg.worker_rule = WorkerRule::IgnoreDepartures;
             }
             "--addressed" => cfg.addressed = true,
+            "--bound" => cfg.bound = true,
+            "--idle-renewals" => cfg.idle_renewals = n(),
+            "--bound-rule" if v == "sight" => cfg.bound_rule = BoundRule::Sight,
+            "--bound-rule" if v == "sight-when-fresh" => cfg.bound_rule = BoundRule::SightWhenFresh,
+            "--bound-rule" if v == "no-age-limit" => cfg.bound_rule = BoundRule::NoAgeLimit,
+            "--bound-rule" if v == "newest-citation" => cfg.bound_rule = BoundRule::NewestCitation,
+            "--bound-rule" if v == "first-cut" => {
+                cfg.bound_rule = BoundRule::FirstCut;
+            }
             "--lapses" => cfg.lapses = n(),
             "--dead-worker" => cfg.dead_worker = true,
             "--old-worker" if v == "keeps-field" => cfg.old_worker = Some(OldClaim::KeepsField),
