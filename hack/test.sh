@@ -42,8 +42,9 @@ step "unit tests"
 cargo_test --workspace --exclude batchlease-e2e --exclude batchlease-model --locked
 
 # The bounded model check (docs/model.md); --nocapture prints the states
-# each bound explored. A release build: the bounds take ≈ 2.5 min on 2
-# cores there, several times that in a debug build.
+# each bound explored. A release build: the bounds (57 since bound
+# attempts) took 706–817 s on 2 cores on 2026-12-03, several times that in a
+# debug build; each bound stops at model/tests/check.rs's TIMEOUT.
 step "model check"
 cargo_test --locked --release -p batchlease-model -- --nocapture
 

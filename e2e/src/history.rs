@@ -221,6 +221,11 @@ impl History {
             &leases,
         ));
         out.extend(crate::history_workers::check_addressed(&leases));
+        out.extend(crate::history_workers::check_bound(
+            &self.workers(),
+            &leases,
+            !opts.tolerate_watch_errors,
+        ));
         out.extend(crate::history_graph::check_graph(&tasks));
         out.extend(crate::history_graph::check_lock_leases(&leases));
         let uids: BTreeSet<String> = tasks

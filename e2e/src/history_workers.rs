@@ -24,6 +24,14 @@
 //! - an addressed offer carries the label its worker watches
 //!   (`batchlease.dev/worker` = its WorkerLease's name), and an
 //!   unaddressed one none.
+//!
+//! And for bound attempts (`check_bound`, a lease created `Held` with
+//! `spec.boundAt`):
+//! - it is held by the worker it is addressed to, renewed per worker;
+//! - the `renewTime` it cites is one its holder's WorkerLease was first
+//!   recorded with before the lease (by `resourceVersion`): the operator
+//!   cites a renewal it had observed — and, when the record has no gap, one
+//!   that was recorded at all.
 
 use std::collections::BTreeMap;
 
@@ -185,6 +193,69 @@ pub fn check_addressed(leases: &[Recorded]) -> Vec<String> {
     out
 }
 
+/// The rules for bound attempts of the module docs. `gap_free`: the
+/// record has no watch error (no version skipped), so a cited `renewTime`
+/// never recorded is itself a violation.
+pub fn check_bound(workers: &[Recorded], leases: &[Recorded], gap_free: bool) -> Vec<String> {
+    // (WorkerLease name, renewTime) → the first resourceVersion recorded.
+    let mut renewals: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for r in workers {
+        let Change::Worker(w) = &r.change else {
+            continue;
+        };
+        if let Some(t) = &w.spec.renew_time {
+            let e = renewals
+                .entry((w.name_any(), t.0.to_string()))
+                .or_insert(u64::MAX);
+            *e = (*e).min(rv(w.as_ref()));
+        }
+    }
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for r in leases {
+        let Change::Lease(l) = &r.change else {
+            continue;
+        };
+        let Some(at) = &l.spec.bound_at else {
+            continue;
+        };
+        if !seen.insert(l.uid().unwrap_or_default()) {
+            continue;
+        }
+        let name = l.name_any();
+        let holder = l.spec.holder_identity.as_deref();
+        if holder.is_none()
+            || (l.spec.offered_to.is_some() && l.spec.offered_to.as_deref() != holder)
+            || !l.renewed_per_worker()
+        {
+            out.push(format!(
+                "lease {name}: bound (boundAt) but held by {holder:?}, addressed to {:?}, renewed {:?}",
+                l.spec.offered_to, l.spec.renewal
+            ));
+            continue;
+        }
+        let key = (
+            worker_lease_name(holder.unwrap_or_default()),
+            at.0.to_string(),
+        );
+        match renewals.get(&key) {
+            Some(first) if *first < rv(l.as_ref()) => {}
+            Some(first) => out.push(format!(
+                "lease {name} (resourceVersion {}): cites renewTime {} that {} first carried later (resourceVersion {first})",
+                rv(l.as_ref()),
+                key.1,
+                key.0
+            )),
+            None if gap_free => out.push(format!(
+                "lease {name}: cites renewTime {} that {} was never recorded with",
+                key.1, key.0
+            )),
+            None => {}
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +285,7 @@ mod tests {
                 renew_time: Some(at(renew)),
                 holds: if holds { vec![attempt()] } else { vec![] },
                 slots: None,
+                takes_bound: None,
             },
         );
         w.metadata.uid = Some("w1".into());
@@ -371,5 +443,31 @@ mod tests {
         ];
         let v = check_addressed(&unlabelled);
         assert_eq!(v.len(), 2, "{v:?}");
+    }
+
+    #[test]
+    fn a_bound_lease_cites_a_renewal_its_holder_made_before_it() {
+        let bound = |rv: u64, cites: i64, to: &str| {
+            let mut r = lease(rv, LeasePhase::Held);
+            if let Change::Lease(l) = &mut r.change {
+                l.spec.bound_at = Some(at(cites));
+                l.spec.offered_to = Some(to.into());
+            }
+            r
+        };
+        let workers = [worker(5, 1, false, false), worker(7, 2, false, false)];
+        let ok = [bound(8, 2, "w/1"), lease(9, LeasePhase::Completed)];
+        assert_eq!(check_bound(&workers, &ok, true), Vec::<String>::new());
+        // A renewal recorded only after the lease.
+        let v = check_bound(&workers, &[bound(6, 2, "w/1")], true);
+        assert!(v.len() == 1 && v[0].contains("later"), "{v:?}");
+        // A renewal never recorded: a violation only without gaps.
+        assert_eq!(check_bound(&workers, &[bound(8, 3, "w/1")], true).len(), 1);
+        assert!(check_bound(&workers, &[bound(8, 3, "w/1")], false).is_empty());
+        // Held by another worker than its address.
+        let v = check_bound(&workers, &[bound(8, 2, "w/2")], true);
+        assert!(v.len() == 1 && v[0].contains("addressed to"), "{v:?}");
+        // Claimed leases are not judged here.
+        assert!(check_bound(&[], &[lease(8, LeasePhase::Held)], true).is_empty());
     }
 }

@@ -155,14 +155,16 @@ pub fn faketime_env(offset: &str) -> anyhow::Result<Vec<(String, String)>> {
 
 /// A WorkerLease of a worker `identity` serving `queues`, renewed once now
 /// (for `duration` seconds) and never again by any process: a worker that
-/// announced itself — taking addressed offers when `slots` is given — and
-/// died, or one a test renews by hand.
+/// announced itself — taking addressed offers when `slots` is given, and
+/// bound attempts too with `takes_bound` — and died, or one a test renews
+/// by hand.
 pub async fn ghost_worker_lease(
     ns: &crate::TestNamespace,
     identity: &str,
     queues: &[&str],
     duration: i32,
     slots: Option<i32>,
+    takes_bound: bool,
 ) -> anyhow::Result<batchlease_api::WorkerLease> {
     use batchlease_api::{WorkerLease, WorkerLeaseSpec};
     let mut wl = WorkerLease::new(
@@ -176,6 +178,7 @@ pub async fn ghost_worker_lease(
             )),
             holds: vec![],
             slots,
+            takes_bound: takes_bound.then_some(true),
         },
     );
     wl.metadata.namespace = Some(ns.name.clone());

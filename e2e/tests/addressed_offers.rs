@@ -67,7 +67,7 @@ async fn wait_slots(ns: &TestNamespace, identity: &str, logs: impl Fn() -> Strin
 /// A worker of queue demo that announced `slots`, renewed once (for
 /// `duration` seconds) and died: it claims nothing.
 async fn ghost_worker(ns: &TestNamespace, identity: &str, duration: i32, slots: i32) {
-    workers::ghost_worker_lease(ns, identity, &["demo"], duration, Some(slots))
+    workers::ghost_worker_lease(ns, identity, &["demo"], duration, Some(slots), false)
         .await
         .unwrap();
 }

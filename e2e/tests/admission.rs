@@ -348,6 +348,7 @@ async fn worker_leases_are_written_by_their_holder_only(n: &str, a_kc: &Path, b_
                 renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
                 holds: vec![],
                 slots: None,
+                takes_bound: None,
             },
         )
     };

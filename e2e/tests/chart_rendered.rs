@@ -92,6 +92,7 @@ async fn namespaced_release_runs_as_rendered_upgrades_and_uninstalls() {
         "--leader-lease-seconds=15".into(),
         "--leader-grace-seconds=5".into(),
         "--address-offers=true".into(),
+        "--bind-offers=true".into(),
     ] {
         assert!(r0.args.contains(&flag), "{flag} not in {:?}", r0.args);
     }

@@ -306,14 +306,22 @@ async fn cycles_applied_at_once_or_closed_later_reject_exactly_their_tasks() {
             Some(("True".into(), format!("dependency cycle: {cycle}"))),
             "{name}"
         );
-        assert!(
-            event_reasons(&ns, name)
-                .await
-                .unwrap()
-                .iter()
-                .any(|r| r == "CycleDetected"),
-            "{name}: no CycleDetected event"
-        );
+        // The Event is recorded after the status write that rejected the
+        // task: wait for it rather than list once.
+        wait_for(
+            &format!("{name}'s CycleDetected event"),
+            T,
+            || logs(&op, &w),
+            || {
+                let ns = &ns;
+                async move {
+                    let reasons = event_reasons(ns, name).await?;
+                    Ok(reasons.iter().any(|r| r == "CycleDetected").then_some(()))
+                }
+            },
+        )
+        .await
+        .unwrap();
     }
     // Not on a cycle: the unrelated task runs; the one that depends on the
     // cycle waits with DependencyFailed, never Rejected.

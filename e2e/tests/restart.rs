@@ -11,7 +11,9 @@
 
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, LeaseOutcome, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{
+    BatchTask, LeaseOutcome, LeasePhase, TaskLease, TaskPhase, TaskQueue, WorkerLease,
+};
 use batchlease_e2e::operator::Operator;
 use batchlease_e2e::tasks::{self, wait_lease, wait_phase};
 use batchlease_e2e::worker::{claim, complete};
@@ -25,8 +27,11 @@ const T: Duration = Duration::from_secs(60);
 /// "Within a few seconds" of the component being back.
 const RESUME: Duration = Duration::from_secs(6);
 
-/// When fresh watches of BatchTasks and TaskLeases, configured as the
-/// operator's are, have both delivered their initial list.
+/// When fresh watches of every kind the operator's readiness waits for
+/// (BatchTasks, TaskLeases, TaskQueues, WorkerLeases), configured as the
+/// operator's are, have all delivered their initial list. After an etcd
+/// restart the API server re-initializes its cache of each kind on its
+/// own, so one kind served again says nothing about the others.
 async fn served_again(ns: &batchlease_e2e::TestNamespace) -> Instant {
     use futures::StreamExt;
     use kube::runtime::watcher;
@@ -48,7 +53,12 @@ async fn served_again(ns: &batchlease_e2e::TestNamespace) -> Instant {
         }
     }
     let both = async {
-        tokio::join!(listed(ns.api::<BatchTask>()), listed(ns.api::<TaskLease>()));
+        tokio::join!(
+            listed(ns.api::<BatchTask>()),
+            listed(ns.api::<TaskLease>()),
+            listed(ns.api::<TaskQueue>()),
+            listed(ns.api::<WorkerLease>()),
+        );
     };
     tokio::time::timeout(T, both)
         .await
@@ -108,8 +118,8 @@ async fn the_operator_resumes_within_seconds_after_apiserver_and_etcd_restarts()
 
         controlplane::restart(component, Duration::from_secs(down)).unwrap();
         // Back = the API server serves what the operator asks for again:
-        // the initial list of a watch like the operator's, of both kinds
-        // (after an etcd restart that can take a while after /readyz).
+        // the initial list of a watch like each of the operator's (after an
+        // etcd restart that can take a while after /readyz).
         let back = served_again(&ns).await;
         // Clients reconnect: a fresh connection answers at once.
         let done_lease = held.pop().unwrap();

@@ -320,9 +320,16 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
     let (ns, op, db) = setup("wl-unlisted").await;
     let ghost = "ghost/000001";
     let wls: Api<WorkerLease> = ns.api();
-    workers::ghost_worker_lease(&ns, ghost, &["demo"], i32::try_from(TTL).unwrap(), None)
-        .await
-        .unwrap();
+    workers::ghost_worker_lease(
+        &ns,
+        ghost,
+        &["demo"],
+        i32::try_from(TTL).unwrap(),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
     job(&ns, "job", 1, 10).await;
     let offered = wait_lease(&ns, "job-1", LeasePhase::Offered, T, || op.logs())
         .await
