@@ -3,6 +3,7 @@
 # e2e/tests/soak.rs): a fresh local control plane and PostgreSQL, release
 # builds, then the soak binary. Flags go to it:
 #   hack/soak.sh --faults=1000 --tasks=1000 --seed=N --workers=3 --slots=2
+#     [--renew-per-worker] [--drain-seconds=300]
 # It prints the seed first and the report at the end (faults by kind, tasks,
 # stale writes refused, violations); exit 1 on any violation.
 set -euo pipefail

@@ -51,6 +51,9 @@ pub struct SoakConfig {
     pub fault_every: Duration,
     /// The workers renew per worker (their WorkerLeases), not per lease.
     pub renew_per_worker: bool,
+    /// How long every task has to finish once the faults stop: the run's
+    /// liveness check; the history is checked only after it.
+    pub drain: Duration,
 }
 
 impl SoakConfig {
@@ -65,6 +68,7 @@ impl SoakConfig {
             ttl_seconds: 5,
             fault_every: Duration::from_millis(900),
             renew_per_worker: false,
+            drain: Duration::from_secs(300),
         }
     }
 }
@@ -105,6 +109,9 @@ pub struct SoakReport {
     pub faults: BTreeMap<&'static str, usize>,
     pub succeeded: usize,
     pub dead_lettered: usize,
+    /// Attempts held: created bound to their worker, and claimed.
+    pub bound: usize,
+    pub claimed: usize,
     /// Attempts the SDK stopped itself (kill switch), by reason.
     pub kill_switch: BTreeMap<String, f64>,
     /// Commits the SDK refused locally, or PostgreSQL refused, as stale.
@@ -138,6 +145,11 @@ impl std::fmt::Display for SoakReport {
             f,
             "tasks: {} succeeded, {} dead-lettered",
             self.succeeded, self.dead_lettered
+        )?;
+        writeln!(
+            f,
+            "attempts held: {} bound (no claim), {} claimed",
+            self.bound, self.claimed
         )?;
         writeln!(f, "kill switch fired: {:?}", self.kill_switch)?;
         writeln!(
@@ -423,28 +435,23 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     feeder.await?;
 
     // Everything must finish once the faults stop.
-    let finished = wait_for(
-        "every soak task to finish",
-        Duration::from_secs(300),
-        String::new,
-        || {
-            let api = tasks_api.clone();
-            async move {
-                let all = api.list(&Default::default()).await?;
-                let done = all
-                    .items
-                    .iter()
-                    .filter(|t| {
-                        matches!(
-                            phase_of(t),
-                            Some(TaskPhase::Succeeded | TaskPhase::DeadLettered)
-                        )
-                    })
-                    .count();
-                Ok((done == all.items.len()).then_some(all.items))
-            }
-        },
-    )
+    let finished = wait_for("every soak task to finish", cfg.drain, String::new, || {
+        let api = tasks_api.clone();
+        async move {
+            let all = api.list(&Default::default()).await?;
+            let done = all
+                .items
+                .iter()
+                .filter(|t| {
+                    matches!(
+                        phase_of(t),
+                        Some(TaskPhase::Succeeded | TaskPhase::DeadLettered)
+                    )
+                })
+                .count();
+            Ok((done == all.items.len()).then_some(all.items))
+        }
+    })
     .await;
     let items = match finished {
         Ok(items) => items,
@@ -460,6 +467,12 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     report.dead_lettered = items
         .iter()
         .filter(|t| phase_of(t) == Some(TaskPhase::DeadLettered))
+        .count();
+    let leases = ns.api::<TaskLease>().list(&Default::default()).await?.items;
+    report.bound = leases.iter().filter(|l| l.bound()).count();
+    report.claimed = leases
+        .iter()
+        .filter(|l| !l.bound() && l.spec.holder_identity.is_some())
         .count();
     if items.len() != cfg.tasks {
         report
