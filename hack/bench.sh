@@ -18,7 +18,8 @@
 #   --window=S --held=N   idle-operator requests over S-second windows, then
 #                         N leases held at once (60 / 5 s; 1000 / 20)
 #   --raw=N               raw writes of each kind (2000 / 100)
-#   --tasks=N             no-op tasks end to end, writes/409s per task,
+#   --tasks=N             no-op tasks end to end, workers renewing per lease
+#                         and per worker side by side: writes/409s per task,
 #                         ratio to the raw limit (2000 / 100)
 #   --scale=N --probes=P  idle tasks up to N in five levels, P probes each
 #                         (100000, 100 / 200, 10)

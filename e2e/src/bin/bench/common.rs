@@ -134,7 +134,7 @@ pub async fn run_tasks(
     spec: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<f64> {
     Ok(
-        run_tasks_counted(cluster, prefix, n, conc, Kind::RustSdk, spec)
+        run_tasks_counted(cluster, prefix, n, conc, Kind::RustSdk, false, spec)
             .await?
             .0,
     )
@@ -143,13 +143,15 @@ pub async fn run_tasks(
 /// [`run_tasks`], also returning the requests the API server counted from
 /// the first create to the last task seen `Succeeded` (cluster-wide: the
 /// control plane's own leader elections are in it too, as rows of their
-/// own).
+/// own). `per_worker`: the workers renew per worker (and take bound
+/// attempts), else per lease.
 pub async fn run_tasks_counted(
     cluster: &Cluster,
     prefix: &str,
     n: usize,
     conc: usize,
     kind: Kind,
+    per_worker: bool,
     spec: impl Fn(usize) -> serde_json::Value,
 ) -> anyhow::Result<(f64, api_requests::Counts, Cpu)> {
     let ns = cluster.namespace(prefix).await?;
@@ -160,6 +162,7 @@ pub async fn run_tasks_counted(
     op.wait_leading(Duration::from_secs(60)).await?;
     let opts = StartOpts {
         slots: 8,
+        renew_per_worker: per_worker,
         ..Default::default()
     };
     let w1 = kind.start_opts(&ns.name, "bench-w1", &opts)?;

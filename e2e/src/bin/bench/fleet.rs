@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, Renewal as Mode, TaskPhase};
+use batchlease_api::{BatchTask, Renewal as Mode, TaskLease, TaskPhase};
 use batchlease_e2e::tasks::phase_of;
 use batchlease_e2e::{Cluster, TestNamespace, api_requests, wait_for};
 use kube::ResourceExt;
@@ -214,7 +214,10 @@ async fn measure(
         "every lease held",
         Duration::from_secs(1800),
         diag,
-        || async { Ok((Stats::get(&s.claims) >= o.leases as u64).then_some(())) },
+        || async {
+            let taken = Stats::get(&s.claims) + Stats::get(&s.bound);
+            Ok((taken >= o.leases as u64).then_some(()))
+        },
     )
     .await?;
     let fill_secs = fill.elapsed().as_secs_f64();
@@ -299,7 +302,25 @@ async fn measure(
 
     // 3. Churn: N no-op tasks through the fleet, with CHURN_SLOTS free
     // slots in all (at least one per worker), whatever the fleet's size.
-    fleet.add_slots(CHURN_SLOTS.div_ceil(o.workers).max(1));
+    let churn_slots = fleet.add_slots(CHURN_SLOTS.div_ceil(o.workers).max(1), true);
+    // Renewing per worker, the operator addresses (and binds) by the slots
+    // the WorkerLeases say: the churn starts once every one says the new
+    // count, as a fleet that had those slots all along would.
+    if o.mode == Mode::Worker {
+        let wls = ns.api::<batchlease_api::WorkerLease>();
+        let want = i32::try_from(churn_slots).unwrap_or(i32::MAX);
+        wait_for(
+            "every WorkerLease saying its churn slots",
+            Duration::from_secs(120),
+            || format!("{:?}", s),
+            || async {
+                let all = wls.list(&Default::default()).await?.items;
+                let done = all.len() == o.workers && all.iter().all(|w| w.spec.slots == Some(want));
+                Ok(done.then_some(()))
+            },
+        )
+        .await?;
+    }
     let c0 = counters(&pids)?;
     let renewals_c0 = Stats::get(&s.renewals);
     let mut created: Vec<(String, Instant)> = Vec::with_capacity(o.churn);
@@ -334,6 +355,26 @@ async fn measure(
     let churn_secs = start.elapsed().as_secs_f64();
     let c1 = counters(&pids)?;
     let p = phases(&tasks, "bench=churn").await?;
+    // Attempts per churn task (a bound attempt its worker never took, or a
+    // lost race, is issued again): from each task's last token.
+    let attempts: i64 = tasks
+        .list(&ListParams::default().labels("bench=churn"))
+        .await?
+        .items
+        .iter()
+        .map(|t| t.status.as_ref().map_or(0, |s| s.fencing_token))
+        .sum();
+    // Churn attempts bound to their worker (no claim), of all held.
+    let churn_leases: Vec<TaskLease> = ns
+        .api::<TaskLease>()
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|l| l.spec.task_name.starts_with("c-") && l.spec.holder_identity.is_some())
+        .collect();
+    let bound_share =
+        churn_leases.iter().filter(|l| l.bound()).count() as f64 / churn_leases.len().max(1) as f64;
     anyhow::ensure!(
         p.get("Succeeded").copied() == Some(o.churn),
         "the operator counted {} churn tasks Succeeded, the API server has {p:?}",
@@ -360,23 +401,32 @@ async fn measure(
     };
     offer.sort();
     let tasks_per_s = n / churn_secs;
+    // Every write of the churn window by resource and verb (the held
+    // leases' refreshes and WorkerLease renewals included).
+    let (writes_table, _, _) =
+        api_requests::per_task(&churn.requests, o.churn, &["taskleases", "batchtasks"]);
     emit(
         report,
         &format!(
             "fleet churn ({}): {} no-op tasks while the {m:.0} stay held: {tasks_per_s:.1} tasks/s; per task, the held leases' renewals subtracted at the held window's cost per renewal: \
              protocol writes {writes:.2}, watch events sent {events:.1} (TaskLeases and BatchTasks), kube-apiserver CPU {api_ms:.1} ms; \
-             claims lost to another worker {} ({:.2} per task); offer latency, create → claim answered: {}\n",
+             claims lost to another worker {} ({:.2} per task); churn attempts bound (no claim) {:.0} %, attempts per task {:.2}; offer latency, create → claim answered or bound attempt taken: {}\n{writes_table}",
             mode_name(o.mode),
             o.churn,
             Stats::get(&s.lost_races),
             Stats::get(&s.lost_races) as f64 / n,
+            100.0 * bound_share,
+            attempts as f64 / n,
             stats::summary(&offer),
         ),
     );
 
     // 4. Failover: the busiest worker frozen with its leases; the others
     // get room for all of them (its leases are long tasks).
-    fleet.add_slots(slots.div_ceil(o.workers.saturating_sub(1).max(1)) + 1);
+    let _ = fleet.add_slots(
+        slots.div_ceil(o.workers.saturating_sub(1).max(1)) + 1,
+        false,
+    );
     let theirs = fleet.freeze_busiest().await;
     let frozen_at = Instant::now();
     anyhow::ensure!(!theirs.is_empty(), "no worker holds a lease");

@@ -21,6 +21,12 @@
 //! than the period still sees its share of refreshes. A renewal refused
 //! with 409 is re-read and every revoked attempt dropped at once.
 //!
+//! It also takes bound attempts as the SDK does (`takesBound`): a lease the
+//! operator created already held by it is read (its task), checked, and
+//! held, with no claim; the renewal naming it comes within TTL/3. A hollow
+//! worker runs no handler, so it does not wait for a fresher renewal when
+//! the one the lease cites is old (the SDK sends one at once then).
+//!
 //! Cheaper than the SDK on the simulator's side only: a hollow worker
 //! keeps the offers of its watch, not a copy of every lease, so the
 //! process holding 1,000 watches stays small; the API server still sends
@@ -58,6 +64,8 @@ pub const QUEUE: &str = "fleet";
 #[derive(Debug, Default)]
 pub struct Stats {
     pub claims: AtomicU64,
+    /// Bound attempts taken (created held by the worker, no claim).
+    pub bound: AtomicU64,
     pub lost_races: AtomicU64,
     pub renewals: AtomicU64,
     pub failed_writes: AtomicU64,
@@ -90,6 +98,8 @@ pub struct Fleet {
     slots: Vec<Arc<Semaphore>>,
     /// How many slots each worker has (what its WorkerLease says).
     slot_count: Arc<AtomicU64>,
+    /// Wakes every worker's WorkerLease renewal (its slots changed).
+    renew_now: Arc<Notify>,
 }
 
 impl Drop for Fleet {
@@ -114,6 +124,7 @@ impl Fleet {
         let stats = Arc::new(Stats::default());
         let stop = CancellationToken::new();
         let slot_count = Arc::new(AtomicU64::new(u64::try_from(slots).unwrap_or(0)));
+        let renew_now = Arc::new(Notify::new());
         let mut workers = Vec::with_capacity(n);
         let mut sems = Vec::with_capacity(n);
         for i in 0..n {
@@ -135,9 +146,11 @@ impl Fleet {
                 identity: identity.clone(),
                 slots: sem.clone(),
                 slot_count: slot_count.clone(),
+                renew_now: renew_now.clone(),
                 stats: stats.clone(),
                 freeze: freeze.clone(),
                 freed: Notify::new(),
+                started: std::sync::Mutex::default(),
             };
             tokio::spawn(w.run());
             workers.push((freeze, identity));
@@ -149,16 +162,26 @@ impl Fleet {
             workers,
             slots: sems,
             slot_count,
+            renew_now,
         }
     }
 
-    /// Gives every worker `n` more slots.
-    pub fn add_slots(&self, n: usize) {
+    /// Gives every worker `n` more slots; with `renew_now`, each renews
+    /// its WorkerLease at once to say so (else at its next renewal: a
+    /// renewal forced on the worker about to be frozen would move its
+    /// failover's start). The new count.
+    pub fn add_slots(&self, n: usize, renew_now: bool) -> u64 {
         for s in &self.slots {
             s.add_permits(n);
         }
-        self.slot_count
-            .fetch_add(u64::try_from(n).unwrap_or(0), Ordering::Relaxed);
+        let now = self
+            .slot_count
+            .fetch_add(u64::try_from(n).unwrap_or(0), Ordering::Relaxed)
+            + u64::try_from(n).unwrap_or(0);
+        if renew_now {
+            self.renew_now.notify_waiters();
+        }
+        now
     }
 
     /// Freezes the worker holding the most leases (as a SIGSTOP would);
@@ -209,10 +232,14 @@ struct Hollow {
     slots: Arc<Semaphore>,
     /// What its WorkerLease says it has (addressed offers).
     slot_count: Arc<AtomicU64>,
+    /// Renew the WorkerLease now (its slots changed).
+    renew_now: Arc<Notify>,
     stats: Arc<Stats>,
     freeze: CancellationToken,
     /// A slot came free (the claim loop looks at the offers again).
     freed: Notify,
+    /// Bound attempts taken (never taken twice); locked after the offers.
+    started: std::sync::Mutex<HashSet<AttemptRef>>,
 }
 
 impl Hollow {
@@ -251,12 +278,14 @@ impl Hollow {
                 };
                 let first = {
                     let Ok(mut map) = offers.lock() else { return };
+                    // Bound attempts first: they are ours already.
+                    let bound = map.values().find(|l| l.bound()).map(|l| l.name_any());
                     let order = claim_order(
-                        map.values().cloned().collect(),
+                        map.values().filter(|l| !l.bound()).cloned().collect(),
                         &me.identity,
                         &HashSet::new(),
                     );
-                    let first = order.first().map(|l| l.name_any());
+                    let first = bound.or_else(|| order.first().map(|l| l.name_any()));
                     // Out of every watch's map: claimed (or lost) now.
                     let mut taken = None;
                     map.retain(|(_, name), l| {
@@ -267,10 +296,18 @@ impl Hollow {
                             true
                         }
                     });
+                    if let Some(l) = taken.as_ref().filter(|l| l.bound()) {
+                        me.started_lock().insert(AttemptRef::of(l));
+                    }
                     taken
                 };
                 let Some(offer) = first else { break };
-                if let Some((held, hold)) = me.claim(&offer).await {
+                let held = if offer.bound() {
+                    me.take_bound(&offer).await
+                } else {
+                    me.claim(&offer).await
+                };
+                if let Some((held, hold)) = held {
                     let me = me.clone();
                     tokio::spawn(async move {
                         me.hold(held, hold).await;
@@ -314,7 +351,12 @@ impl Hollow {
             let Some((i, ev)) = ev else { return };
             match ev {
                 Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
-                    if l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Offered) {
+                    let phase = l.status.as_ref().and_then(|s| s.phase);
+                    let bound_to_us = l.bound()
+                        && phase == Some(LeasePhase::Held)
+                        && l.spec.holder_identity.as_deref() == Some(self.identity.as_str())
+                        && !self.started_lock().contains(&AttemptRef::of(&l));
+                    if phase == Some(LeasePhase::Offered) || bound_to_us {
                         map.insert((i, l.name_any()), Arc::new(l));
                         changed.notify_one();
                     } else {
@@ -329,38 +371,59 @@ impl Hollow {
         }
     }
 
-    /// Reads the task, checks the offer is its current lease, claims it.
-    /// The held lease and how long to hold it (the payload's `holdMillis`).
-    async fn claim(&self, offer: &TaskLease) -> Option<(TaskLease, Duration)> {
-        let task = self.tasks.get_opt(&offer.spec.task_name).await.ok()??;
+    /// Reads the task of `lease`; how long to hold it (the payload's
+    /// `holdMillis`) if `lease` is the task's current lease.
+    async fn current(&self, lease: &TaskLease) -> Option<Duration> {
+        let task = self.tasks.get_opt(&lease.spec.task_name).await.ok()??;
         let st = task.status.as_ref()?;
-        if st.current_lease.as_deref() != Some(offer.name_any().as_str())
-            || st.fencing_token != offer.spec.fencing_token
+        if st.current_lease.as_deref() != Some(lease.name_any().as_str())
+            || st.fencing_token != lease.spec.fencing_token
         {
             return None;
         }
-        let hold = task
-            .spec
-            .payload
-            .as_ref()
-            .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
-            .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
-            .map_or(Duration::ZERO, Duration::from_millis);
+        Some(
+            task.spec
+                .payload
+                .as_ref()
+                .and_then(|p| serde_json::from_str::<serde_json::Value>(p.as_str()).ok())
+                .and_then(|p| p.get("holdMillis").and_then(serde_json::Value::as_u64))
+                .map_or(Duration::ZERO, Duration::from_millis),
+        )
+    }
+
+    /// Counts `held` as taken by this worker now.
+    async fn took(&self, held: &TaskLease) {
+        self.stats.claimed.lock().await.insert(
+            held.spec.task_name.clone(),
+            (
+                Instant::now(),
+                self.identity.clone(),
+                held.spec.fencing_token,
+            ),
+        );
+        self.stats.holding.lock().await.insert(
+            held.spec.task_name.clone(),
+            (self.identity.clone(), held.spec.fencing_token),
+        );
+    }
+
+    /// A bound attempt: its task read and checked as before a claim, then
+    /// held as it is (no write).
+    async fn take_bound(&self, lease: &TaskLease) -> Option<(TaskLease, Duration)> {
+        let hold = self.current(lease).await?;
+        Stats::inc(&self.stats.bound);
+        self.took(lease).await;
+        Some((lease.clone(), hold))
+    }
+
+    /// Reads the task, checks the offer is its current lease, claims it.
+    /// The held lease and how long to hold it (the payload's `holdMillis`).
+    async fn claim(&self, offer: &TaskLease) -> Option<(TaskLease, Duration)> {
+        let hold = self.current(offer).await?;
         match lease_ops::claim(&self.leases, offer, &self.identity, self.mode).await {
             Ok(Some(held)) => {
                 Stats::inc(&self.stats.claims);
-                self.stats.claimed.lock().await.insert(
-                    held.spec.task_name.clone(),
-                    (
-                        Instant::now(),
-                        self.identity.clone(),
-                        held.spec.fencing_token,
-                    ),
-                );
-                self.stats.holding.lock().await.insert(
-                    held.spec.task_name.clone(),
-                    (self.identity.clone(), held.spec.fencing_token),
-                );
+                self.took(&held).await;
                 Some((held, hold))
             }
             Ok(None) => {
@@ -460,6 +523,10 @@ impl Hollow {
         i32::try_from(self.slot_count.load(Ordering::Relaxed)).unwrap_or(i32::MAX)
     }
 
+    fn started_lock(&self) -> std::sync::MutexGuard<'_, HashSet<AttemptRef>> {
+        self.started.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn held_lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<AttemptRef, CancellationToken>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -472,6 +539,7 @@ impl Hollow {
             &self.identity,
             &[QUEUE.to_owned()],
             Some(self.slot_count()),
+            true,
             None,
             Timestamp::now(),
         );
@@ -501,6 +569,7 @@ impl Hollow {
                 tokio::select! {
                     () = self.freeze.cancelled() => return,
                     () = tokio::time::sleep_until(next) => break,
+                    () = self.renew_now.notified() => break,
                     () = self.claimed.notified() => {
                         next = next.min(Instant::now() + busy);
                     }

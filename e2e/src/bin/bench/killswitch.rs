@@ -138,6 +138,23 @@ pub async fn run(
             renew_per_worker: per_worker,
         };
         let worker = kind.start_opts(&ns.name, &format!("k{i}"), &opts)?;
+        if per_worker {
+            // A claim made before its WorkerLease is ready is renewed per
+            // lease (and the trial would wait for WorkerLease renewals in
+            // vain): the task comes once the worker renews per worker.
+            let wls = ns.api::<batchlease_api::WorkerLease>();
+            let wl = batchlease_api::worker_lease::worker_lease_name(&format!("k{i}"));
+            wait_for(
+                "the worker's WorkerLease",
+                Duration::from_secs(60),
+                || worker.logs(),
+                || {
+                    let (wls, wl) = (wls.clone(), wl.clone());
+                    async move { Ok(wls.get_opt(&wl).await?.map(|_| ())) }
+                },
+            )
+            .await?;
+        }
         let name = format!("k{i:03}");
         tasks::create(
             &ns,

@@ -207,14 +207,31 @@ fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "n/a".into(), |m| format!("{m:.3} ms"))
 }
 
-/// `n` no-op tasks end to end; writes and 409s per task counted by the API
-/// server; with `raw`, the ratio of tasks/s to the rate the raw status
-/// updates allow at the counted writes per task.
+/// `n` no-op tasks end to end, once with the workers renewing per lease
+/// (today's protocol) and once per worker (bound attempts), side by side;
+/// writes and 409s per task counted by the API server; with `raw`, the
+/// ratio of tasks/s to the rate the raw status updates allow at the
+/// counted writes per task.
 pub async fn end_to_end(
     cluster: &Cluster,
     n: usize,
     conc: usize,
     raw: Option<&Raw>,
+    report: &mut String,
+) -> anyhow::Result<()> {
+    for (per_worker, renewals) in [(false, "per lease"), (true, "per worker")] {
+        end_to_end_one(cluster, n, conc, raw, per_worker, renewals, report).await?;
+    }
+    Ok(())
+}
+
+async fn end_to_end_one(
+    cluster: &Cluster,
+    n: usize,
+    conc: usize,
+    raw: Option<&Raw>,
+    per_worker: bool,
+    renewals: &str,
     report: &mut String,
 ) -> anyhow::Result<()> {
     let (task_rate, requests, cpu) = run_tasks_counted(
@@ -223,13 +240,14 @@ pub async fn end_to_end(
         n,
         conc,
         Kind::RustSdk,
+        per_worker,
         |_| json!({"queue": "demo", "payload": {"steps": 0, "stepMillis": 0}}),
     )
     .await?;
     emit(
         report,
         &format!(
-            "end-to-end: {n} no-op tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
+            "end-to-end, renewals {renewals}: {n} no-op tasks (operator + 2 demo workers × 8 slots + fenced PostgreSQL commit): {task_rate:.1} tasks/s\n\
              CPU during the run: {}\n",
             cpu.line(n)
         ),
@@ -263,6 +281,19 @@ pub async fn end_to_end(
                 .map(|(_, v)| v)
                 .sum::<f64>()
                 / n;
+            // Which reads: by resource and verb, per task.
+            let mut by: std::collections::BTreeMap<(&str, &str), f64> = Default::default();
+            for ((verb, resource, _), v) in &requests {
+                if matches!(verb.as_str(), "GET" | "LIST") {
+                    *by.entry((resource.as_str(), verb.as_str())).or_default() += v / n;
+                }
+            }
+            let which = by
+                .iter()
+                .filter(|(_, v)| **v >= 0.01)
+                .map(|((r, verb), v)| format!("{r} {verb} {v:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ");
             let events = cpu.events_sent / n;
             let measured = cpu.apiserver * 1000.0 / n;
             let (pw, pr, pe) = (writes_all * w, reads * r, events * e);
@@ -270,7 +301,7 @@ pub async fn end_to_end(
                 report,
                 &format!(
                     "kube-apiserver CPU per task {measured:.1} ms, decomposed at the raw phase's costs: writes {writes_all:.2} × {w:.2} ms = {pw:.1} ms; \
-                     reads (GET, LIST) {reads:.2} × {r:.2} ms = {pr:.1} ms; watch events sent {events:.1} × {e:.3} ms = {pe:.1} ms; the rest {:.1} ms\n",
+                     reads (GET, LIST) {reads:.2} × {r:.2} ms = {pr:.1} ms ({which}); watch events sent {events:.1} × {e:.3} ms = {pe:.1} ms; the rest {:.1} ms\n",
                     measured - pw - pr - pe,
                 ),
             );
@@ -278,7 +309,7 @@ pub async fn end_to_end(
         emit(
             report,
             &format!(
-                "limit at {writes:.2} writes per task and {:.0} raw status updates/s: {limit:.1} tasks/s; \
+                "renewals {renewals}: limit at {writes:.2} writes per task and {:.0} raw status updates/s: {limit:.1} tasks/s; \
                  achieved {task_rate:.1} tasks/s; ratio {:.2}\n",
                 raw.status_updates,
                 task_rate / limit
@@ -308,6 +339,7 @@ pub async fn kinds(
             n,
             conc,
             kind,
+            false,
             |_| json!({"queue": kind.queue(), "payload": {"steps": 0, "stepMillis": 0}}),
         )
         .await?;
