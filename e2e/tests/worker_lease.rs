@@ -245,6 +245,11 @@ async fn cancel_revokes_an_attempt_renewed_per_worker() {
         .unwrap();
     let wl = worker_lease(&ns, "w").await.unwrap();
     assert!(wl.is_revoked(&attempt), "{:?}", wl.status);
+    // The worker learns of it by whichever read comes first: the
+    // revocation on its WorkerLease, or the cancel on the TaskLease when it
+    // writes a checkpoint there. Both renewals run every TTL/3 from the
+    // moment the bound attempt started, so the two race by milliseconds;
+    // either must fire the kill switch.
     wait_for(
         "the worker stops the cancelled attempt",
         T,
@@ -252,9 +257,29 @@ async fn cancel_revokes_an_attempt_renewed_per_worker() {
         || {
             let text = w.log_text();
             async move {
-                Ok(text
-                    .contains("attempt revoked by the operator")
-                    .then_some(()))
+                let revoked = text.contains("attempt revoked by the operator");
+                let cancelled = text.contains("the task was cancelled: stopping the attempt");
+                let fired = text.contains("kill switch fired");
+                Ok(((revoked || cancelled) && fired).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    // And its renewals no longer list the attempt.
+    let wl_api = ns.api::<WorkerLease>();
+    let name = worker_lease_name("w");
+    wait_for(
+        "the worker renews its WorkerLease without the cancelled attempt",
+        T,
+        || w.logs(),
+        || {
+            let wl_api = wl_api.clone();
+            let name = name.clone();
+            let attempt = attempt.clone();
+            async move {
+                let l = wl_api.get(&name).await?;
+                Ok((!l.holds().contains(&attempt)).then_some(()))
             }
         },
     )
