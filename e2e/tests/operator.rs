@@ -581,8 +581,12 @@ async fn operator_restart_while_held_neither_expires_early_nor_reissues() {
     let until = Instant::now() + Duration::from_secs(14);
     let mut restarted = false;
     let mut ticker = tokio::time::interval(Duration::from_secs(2));
+    // When the last renewal was sent: the operator cannot see a renewal
+    // before it is sent, so this is the earliest it may time the TTL from.
+    let mut last_renewal = Instant::now();
     while Instant::now() < until {
         ticker.tick().await;
+        last_renewal = Instant::now();
         held = renew(&leases, &held)
             .await
             .expect("renewal refused: the lease was expired while renewed");
@@ -594,12 +598,16 @@ async fn operator_restart_while_held_neither_expires_early_nor_reissues() {
     let l = leases.get("job-1").await.unwrap();
     assert_eq!(lease_phase(&l), Some(LeasePhase::Held));
     // The restarted operator times the lease from its own first observation:
-    // stopping now, expiry comes no sooner than a full TTL after the last renewal.
-    let last_renewal = Instant::now();
+    // with renewals stopped, expiry comes no sooner than a full TTL after the
+    // last renewal was sent.
     let expired = wait_lease(&ns, "job-1", LeasePhase::Expired, T, || op.logs())
         .await
         .unwrap();
-    assert!(Instant::now().duration_since(last_renewal) >= Duration::from_secs(6));
+    let after = Instant::now().duration_since(last_renewal);
+    assert!(
+        after >= Duration::from_secs(6),
+        "expired {after:?} after the last renewal was sent, under its 6 s TTL"
+    );
     assert_eq!(expired.spec.fencing_token, 1);
     let offered = wait_lease(&ns, "job-2", LeasePhase::Offered, T, || op.logs())
         .await
