@@ -4,9 +4,13 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
+    PatchParams, PostParams, WatchEvent, WatchParams,
+};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Client, ResourceExt};
 use rand::Rng;
@@ -14,6 +18,7 @@ use tokio::sync::OnceCell;
 
 use crate::history::{Checks, History};
 use crate::kubectl;
+use crate::wait::wait_for;
 
 /// The control plane the tests talk to.
 #[derive(Clone)]
@@ -55,19 +60,37 @@ impl Cluster {
     }
 
     /// Server-side applies the generated CRDs and waits until each is
-    /// `Established`.
+    /// `Established` and, where the apply created or changed it, until the
+    /// API server's watch cache serves it (see [`watch_cache_serves`]).
     pub async fn install_crds(&self) -> anyhow::Result<()> {
         let api: Api<CustomResourceDefinition> = Api::all(self.client.clone());
         let pp = PatchParams::apply("batchlease-e2e").force();
         for crd in batchlease_api::crds() {
             let name = crd.name_any();
-            api.patch(&name, &pp, &Patch::Apply(&crd))
+            let before = api
+                .get_opt(&name)
+                .await
+                .with_context(|| format!("reading CRD {name}"))?
+                .and_then(|c| c.resource_version());
+            let applied = api
+                .patch(&name, &pp, &Patch::Apply(&crd))
                 .await
                 .with_context(|| format!("applying CRD {name}"))?;
             let established = await_condition(api.clone(), &name, conditions::is_crd_established());
             tokio::time::timeout(Duration::from_secs(30), established)
                 .await
                 .with_context(|| format!("CRD {name} not Established within 30s"))??;
+            if applied.resource_version() != before {
+                let served = served_resource(&applied)?;
+                let objects: Api<DynamicObject> = Api::all_with(self.client.clone(), &served);
+                wait_for(
+                    &format!("the API server's watch cache to serve {name}"),
+                    Duration::from_secs(30),
+                    String::new,
+                    || watch_cache_serves(&objects),
+                )
+                .await?;
+            }
         }
         Ok(())
     }
@@ -97,6 +120,51 @@ impl Cluster {
             checks: Checks::default(),
         })
     }
+}
+
+/// The storage version of `crd` as an API resource, to list and watch it
+/// untyped.
+fn served_resource(crd: &CustomResourceDefinition) -> anyhow::Result<ApiResource> {
+    let version = crd
+        .spec
+        .versions
+        .iter()
+        .find(|v| v.storage)
+        .with_context(|| format!("CRD {} has no storage version", crd.name_any()))?;
+    let gvk = GroupVersionKind::gvk(&crd.spec.group, &version.name, &crd.spec.names.kind);
+    Ok(ApiResource::from_gvk_with_plural(
+        &gvk,
+        &crd.spec.names.plural,
+    ))
+}
+
+/// Whether a watch started as the recorder's watcher starts it (a list at
+/// resourceVersion 0, then a watch from the version that list returned)
+/// is served without an error; `Ok(None)` to ask again.
+///
+/// Right after a CRD is created, the API server's watch cache for it is
+/// still starting: a list may be answered from etcd at a version the cache,
+/// once started, no longer holds, and the watch from it then fails with
+/// "too old resource version" (410) — or with 429 while the cache starts.
+/// The recorder counts any watch error as a gap in a test's history, so the
+/// first test of a run failed that way when it won this race (CI on
+/// 2026-12-04). Once a watch from such a list is served, the cache is up and
+/// later lists are answered from it.
+async fn watch_cache_serves(api: &Api<DynamicObject>) -> anyhow::Result<Option<()>> {
+    let list = api
+        .list_metadata(&ListParams::default().match_any().limit(1))
+        .await?;
+    let version = list.metadata.resource_version.unwrap_or_default();
+    let events = api
+        .watch_metadata(&WatchParams::default().timeout(1), &version)
+        .await?;
+    futures::pin_mut!(events);
+    while let Some(event) = events.try_next().await? {
+        if let WatchEvent::Error(e) = event {
+            anyhow::bail!("a watch from resourceVersion {version} failed: {e:?}");
+        }
+    }
+    Ok(Some(()))
 }
 
 /// A namespace owned by one test, whose whole history is recorded (see
