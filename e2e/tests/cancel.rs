@@ -286,11 +286,13 @@ async fn a_cancelled_task_whose_lease_was_deleted_ends_a_ttl_after_the_loss() {
     // holder may run until its next renewal, and no successor will
     // register a newer token to fence it — the task must not end first.
     cancel(&ns, "lost").await.unwrap();
+    // From before the delete is sent: the operator may see the loss before
+    // the delete's answer reaches this test.
+    let deleted = Instant::now();
     ns.api::<TaskLease>()
         .delete(&lease, &Default::default())
         .await
         .unwrap();
-    let deleted = Instant::now();
     let t = wait_phase(
         &ns,
         "lost",

@@ -770,16 +770,20 @@ async fn a_completion_that_meets_an_outage_is_retried_while_the_fence_holds() {
 async fn a_worker_whose_kill_switch_fired_gives_the_lease_back_at_once() {
     let (ns, op, _db) = setup("giveback").await;
     let w = one_slot_worker(&ns, "w");
-    // TTL 15 s: the worker's kill switch fires 10 s after its last renewal
-    // was sent, the operator would expire the lease 15 s after it saw it.
-    demo_job(&ns, 15, json!({"steps": 200, "stepMillis": 100})).await;
+    // TTL 30 s: the worker's kill switch fires 20 s after its last renewal
+    // was sent (its claim, about a second before the pause below), the
+    // operator would expire the lease 30 s after it saw it. A pause of 22 s
+    // ends 2 s past the kill time and about 7 s before the expiry: room for
+    // a loaded machine to deliver SIGCONT and the give-back.
+    demo_job(&ns, 30, json!({"steps": 200, "stepMillis": 100})).await;
     wait_holder(&ns, "job", "w", T, || op.logs_with(&[&w]))
         .await
         .unwrap();
     // Stalled past its kill time but not past the TTL (the fault: a pause
-    // of 12 s), then running again with the API server reachable.
+    // of 22 s, its length the fault's parameter, not a wait), then running
+    // again with the API server reachable.
     w.signal("STOP").unwrap();
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    tokio::time::sleep(Duration::from_secs(22)).await;
     w.signal("CONT").unwrap();
     // It stops its work and hands the lease back as Interrupted instead of
     // leaving it Held until the operator expires it.
