@@ -138,9 +138,10 @@ fn served_resource(crd: &CustomResourceDefinition) -> anyhow::Result<ApiResource
     ))
 }
 
-/// Whether a watch started as the recorder's watcher starts it (a list at
-/// resourceVersion 0, then a watch from the version that list returned)
-/// is served without an error; `Ok(None)` to ask again.
+/// `Ok` once a watch started as the recorder's watcher starts it (a list at
+/// resourceVersion 0, then a watch from the version that list returned) is
+/// served without an error; an error (a 429 while the cache starts, a 410
+/// ERROR event) makes [`wait_for`] ask again.
 ///
 /// Right after a CRD is created, the API server's watch cache for it is
 /// still starting: a list may be answered from etcd at a version the cache,
