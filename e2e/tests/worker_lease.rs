@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use batchlease_api::worker_lease::worker_lease_name;
@@ -86,57 +87,47 @@ async fn tasks_longer_than_their_ttl_live_on_worker_renewals_alone() {
     let workers_seen = ns.recorded_workers();
     for i in 1..=3 {
         let task = format!("job{i}");
-        // The last recorded version of each of the task's attempts.
-        let mut attempts: Vec<&TaskLease> = Vec::new();
+        // The recorded versions of each of the task's attempts.
+        let mut attempts: BTreeMap<String, Vec<&TaskLease>> = BTreeMap::new();
         for r in &leases {
             if let Change::Lease(l) = &r.change
                 && l.spec.task_name == task
             {
-                match attempts.iter_mut().find(|a| a.name_any() == l.name_any()) {
-                    Some(a) => *a = l.as_ref(),
-                    None => attempts.push(l.as_ref()),
-                }
+                attempts.entry(l.name_any()).or_default().push(l.as_ref());
             }
         }
+        let status = |v: &[&TaskLease]| v.last().and_then(|l| l.status.clone());
         // One attempt ran. One before it may have been bound to a worker
         // whose slots its own claims had just filled (the operator binds
         // on the free slots it has seen): that worker names it while it
         // waits for a slot, and gives it back unstarted after a TTL
         // (`BoundNoSlot`, no retry spent) or lets it expire, never run.
-        let (ran, unstarted): (Vec<&TaskLease>, Vec<&TaskLease>) = attempts.iter().partition(|l| {
-            l.status.as_ref().and_then(|s| s.outcome) == Some(LeaseOutcome::Succeeded)
-        });
+        let (ran, unstarted): (Vec<_>, Vec<_>) = attempts
+            .iter()
+            .partition(|(_, v)| status(v).and_then(|s| s.outcome) == Some(LeaseOutcome::Succeeded));
         assert_eq!(
             ran.len(),
             1,
             "{task}: one attempt succeeded, of {:?}",
             attempts
                 .iter()
-                .map(|l| (l.name_any(), &l.status))
+                .map(|(name, v)| (name, status(v)))
                 .collect::<Vec<_>>()
         );
-        for l in &unstarted {
-            let st = l.status.as_ref();
-            let reason = st.and_then(|s| s.reason.as_deref());
+        for (name, v) in &unstarted {
+            let st = status(v);
+            let reason = st.as_ref().and_then(|s| s.reason.as_deref());
             assert!(
                 matches!(
-                    (st.and_then(|s| s.outcome), reason),
+                    (st.as_ref().and_then(|s| s.outcome), reason),
                     (Some(LeaseOutcome::Interrupted), Some("BoundNoSlot"))
-                ) || (st.and_then(|s| s.phase) == Some(LeasePhase::Expired)
+                ) || (st.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Expired)
                     && reason == Some("BoundNotTaken")),
-                "{task}: attempt {} neither ran nor was given back unstarted: {st:?}",
-                l.name_any()
+                "{task}: attempt {name} neither ran nor was given back unstarted: {st:?}"
             );
         }
-        let last = ran[0];
-        let name = last.name_any();
-        let versions: Vec<&TaskLease> = leases
-            .iter()
-            .filter_map(|r| match &r.change {
-                Change::Lease(l) if l.name_any() == name => Some(l.as_ref()),
-                _ => None,
-            })
-            .collect();
+        let (name, versions) = ran[0];
+        let last = *versions.last().unwrap();
         assert_eq!(
             (
                 last.spec.renewal,
