@@ -219,6 +219,7 @@ impl History {
         out.extend(crate::history_workers::check_worker_leases(
             &self.workers(),
             &leases,
+            errors.is_empty(),
         ));
         out.extend(crate::history_workers::check_addressed(&leases));
         out.extend(crate::history_workers::check_bound(
