@@ -136,6 +136,66 @@ def test_the_kill_switch_kills_a_sync_handler_s_process(env, tmp_path):
     assert status(t)["result"]["attempt"] == 1
 
 
+def _wait_pids(env, name: str, pidfile) -> tuple:
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or len(pidfile.read_text().split()) != 2:
+        if time.monotonic() > deadline:
+            pytest.fail("the handler did not start\n" + env.diagnostics(name))
+        time.sleep(0.2)
+    handler, sub = (int(x) for x in pidfile.read_text().split())
+    return handler, sub
+
+
+def _wait_gone(env, name: str, pid: int, what: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} {pid} still alive after {seconds} s\n" + env.diagnostics(name))
+        time.sleep(0.05)
+
+
+def test_the_kill_switch_kills_what_a_sync_handler_started(env, tmp_path):
+    # The handler starts `sleep 600` (as it would start psql or ffmpeg) and
+    # hangs. The kill switch signals the handler's whole process group, so
+    # the subprocess dies with it: the same SIGKILL, reaped within 2 s.
+    pidfile = tmp_path / "pids"
+    env.start_worker("q")
+    env.create_task("hung-sub", "q", {"action": "subprocess_hang", "pidfile": str(pidfile)})
+    env.wait_phase("hung-sub", {"Running"})
+    handler, sub = _wait_pids(env, "hung-sub", pidfile)
+    assert _alive(sub)
+    __import__("conftest").kubectl("delete", "batchtask", "hung-sub", "-n", env.ns, "--wait=false")
+    _wait_gone(env, "hung-sub", handler, "handler process", 30)
+    _wait_gone(env, "hung-sub", sub, "the handler's subprocess", 2)
+
+
+def test_a_subprocess_left_running_by_a_handler_that_returned_is_killed(env, tmp_path):
+    # The handler returns while its subprocess runs on: nothing of an
+    # attempt may outlive it, so the subprocess is gone by the time the
+    # task is Succeeded (killed before the result is handed to the SDK).
+    pidfile = tmp_path / "pids"
+    env.start_worker("q")
+    env.create_task("left", "q", {"action": "subprocess_return", "pidfile": str(pidfile)})
+    t = env.wait_phase("left", {"Succeeded"})
+    sub = status(t)["result"]["subprocess"]
+    assert not _alive(sub), f"subprocess {sub} outlived its attempt\n" + env.diagnostics("left")
+    # The worker serves the next task (with a fresh child: the old one's
+    # group was killed).
+    env.create_task("next", "q", {"action": "echo"})
+    assert status(env.wait_phase("next", {"Succeeded"}))["result"]["attempt"] == 1
+
+
+def test_a_child_that_left_nothing_behind_is_reused(env):
+    # The cheap path stays cheap: the same child process runs consecutive
+    # attempts when they leave no process behind.
+    env.start_worker("q")
+    env.create_task("pid-1", "q", {"action": "pid"})
+    first = status(env.wait_phase("pid-1", {"Succeeded"}))["result"]["pid"]
+    env.create_task("pid-2", "q", {"action": "pid"})
+    second = status(env.wait_phase("pid-2", {"Succeeded"}))["result"]["pid"]
+    assert first == second
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs (a zombie not yet reaped counts as gone)."""
     try:

@@ -52,6 +52,8 @@ def handle(ctx: batchlease.Context):
     action = p.get("action", "echo")
     if action == "echo":
         return {"echo": p, "attempt": ctx.attempt, "token": ctx.token, "name": ctx.name}
+    if action == "pid":
+        return {"pid": os.getpid()}
     if action == "retry_once":
         if ctx.attempt == 1:
             ctx.checkpoint({"step": 7})
@@ -72,6 +74,17 @@ def handle(ctx: batchlease.Context):
         with open(p["pidfile"], "w") as f:
             f.write(str(os.getpid()))
         spin(1e9)
+    if action in ("subprocess_hang", "subprocess_return"):
+        # Starts a process of its own (as a handler running psql or ffmpeg
+        # would), records both pids, then hangs or returns with it running.
+        import subprocess
+
+        sub = subprocess.Popen(["sleep", "600"])
+        with open(p["pidfile"], "w") as f:
+            f.write(f"{os.getpid()} {sub.pid}")
+        if action == "subprocess_hang":
+            spin(1e9)
+        return {"handler": os.getpid(), "subprocess": sub.pid}
     if action == "fenced_write":
         return fenced_write(ctx)
     if action == "spawn":

@@ -5,8 +5,19 @@ runs in a child process (one per busy slot, reused across attempts, started
 by a ``forkserver`` so the worker's Rust threads are never forked): the
 worker's handler thread waits for it, relays the context's calls
 (``checkpoint``, ``is_cancelled``, ...) and, the moment the kill switch
-fires, SIGKILLs the child and fails the attempt as ``Cancelled``. The next
-attempt gets a fresh child.
+fires, SIGKILLs the child's process group and fails the attempt as
+``Cancelled``. The next attempt gets a fresh child.
+
+Each child leads a process group of its own, so whatever the handler
+starts (``subprocess``: psql, ``aws s3 cp``, ffmpeg) is in it and dies with
+it. Nothing of an attempt may outlive the attempt: after a handler returns
+or raises, any other live member of the group is a leftover, and the whole
+group is SIGKILLed before the result reaches the SDK (the child with it;
+the next attempt starts a new one). A child whose attempt left nothing
+behind is reused. A process that leaves the group on purpose
+(``os.setsid``, ``start_new_session=True``) is outside this, as it is for
+``batchlease-run``. Without ``/proc`` (not Linux) leftovers cannot be
+listed, so every attempt's group is killed and no child is reused.
 
 The handler is sent to the child by reference (pickle), so it must be a
 module-level function of an importable module or of the main script, with
@@ -19,7 +30,9 @@ named for its class.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
+import signal
 import threading
 import traceback
 from typing import Any, Callable, List, Optional
@@ -79,7 +92,13 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _child_main(conn: Any) -> None:
-    """The child's loop: one attempt per message until the pipe closes."""
+    """The child's loop: one attempt per message until the pipe closes.
+
+    First it leads a process group of its own (``setpgid(0, 0)``: its pid
+    is the group's id) and says so, so that the parent never signals a
+    group that does not exist yet."""
+    os.setpgid(0, 0)
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             msg = conn.recv()
@@ -95,15 +114,54 @@ def _child_main(conn: Any) -> None:
             conn.send(("err", _portable(e)))
 
 
+def _group_members(pgid: int) -> Optional[List[int]]:
+    """The live processes of group `pgid` (zombies excluded), or None
+    where ``/proc`` cannot tell (not Linux)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    members = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces
+                # and parentheses, so split after its last ")".
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
 class _Child:
     def __init__(self, mp: Any) -> None:
         self.conn, child_end = mp.Pipe()
         self.process = mp.Process(target=_child_main, args=(child_end,), daemon=True)
         self.process.start()
         child_end.close()
+        # The child leads its group once it says "ready" (EOFError if it
+        # died first: the caller reports the process as dead).
+        kind, pid = self.conn.recv()
+        if kind != "ready" or pid != self.process.pid:
+            raise EOFError(f"the handler's process began with {kind!r} {pid!r}, not ready")
+
+    def left_something(self) -> bool:
+        """True if a process other than the child itself lives in its
+        group (or if that cannot be known)."""
+        members = _group_members(self.process.pid)
+        return members is None or any(m != self.process.pid for m in members)
 
     def kill(self) -> None:
-        self.process.kill()
+        """SIGKILL to the child's whole group: the handler and whatever
+        it started."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is gone already
         self.process.join(timeout=5)
         self.conn.close()
 
@@ -134,6 +192,11 @@ class ProcessHandler:
         return _Child(self._mp)
 
     def _give_back(self, child: _Child) -> None:
+        """After an attempt that returned or raised: reused if it left no
+        process behind, else its group is killed (leftovers included)."""
+        if child.left_something():
+            child.kill()
+            return
         with self._lock:
             self._idle.append(child)
 
@@ -153,8 +216,9 @@ class ProcessHandler:
                 "attempt", "previous_checkpoint", "earlier_commit",
             )
         }
-        child = self._take()
+        child = None
         try:
+            child = self._take()
             child.conn.send((self._handler, values))
             while True:
                 if ctx.is_cancelled():
@@ -178,7 +242,10 @@ class ProcessHandler:
                     return value
                 raise value
         except (EOFError, OSError, BrokenPipeError) as e:
-            child.kill()
+            code = None
+            if child is not None:
+                child.kill()
+                code = child.process.exitcode
             raise RetryableError(
-                "HandlerProcessDied", f"the handler's process ended: {e!r} (exit code {child.process.exitcode})"
+                "HandlerProcessDied", f"the handler's process ended: {e!r} (exit code {code})"
             ) from None
