@@ -209,16 +209,13 @@ fn prepare_files(
     Ok(())
 }
 
-/// The refusal of a command that could not start: one that does not exist
-/// or may not be run will not on a retry either (same image).
+/// A command that could not start. The runner checked at start that it
+/// exists and is executable (preflight.rs), so a failure now is the
+/// worker's environment (the file removed or replaced, out of processes
+/// or descriptors), never the task's input: retryable, never a
+/// dead-letter.
 fn spawn_failed(program: &str, e: &std::io::Error) -> TaskError {
-    let message = format!("starting {program}: {e}");
-    match e.kind() {
-        std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => {
-            TaskError::permanent(message).with_reason("SpawnFailed")
-        }
-        _ => TaskError::retryable(message).with_reason("SpawnFailed"),
-    }
+    TaskError::retryable(format!("starting {program}: {e}")).with_reason("SpawnFailed")
 }
 
 /// The result file of a command that exited 0.
@@ -346,13 +343,19 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_command_is_permanent() {
-        let e = std::io::Error::from(std::io::ErrorKind::NotFound);
-        assert!(matches!(
-            spawn_failed("nope", &e),
-            TaskError::Permanent { .. }
-        ));
-        let e = std::io::Error::from(std::io::ErrorKind::Interrupted);
-        assert!(matches!(spawn_failed("x", &e), TaskError::Retryable { .. }));
+    fn a_command_that_cannot_start_is_never_charged_as_permanent() {
+        // The start check (preflight.rs) refused a missing command before
+        // any claim; one that vanished since is the worker's fault.
+        for kind in [
+            std::io::ErrorKind::NotFound,
+            std::io::ErrorKind::PermissionDenied,
+            std::io::ErrorKind::Interrupted,
+        ] {
+            let e = std::io::Error::from(kind);
+            match spawn_failed("x", &e) {
+                TaskError::Retryable { reason, .. } => assert_eq!(reason, "SpawnFailed"),
+                other => panic!("{kind:?}: {other:?}"),
+            }
+        }
     }
 }

@@ -17,6 +17,7 @@ mod grace;
 mod metrics;
 mod output;
 mod pg;
+mod preflight;
 mod workdir;
 
 use std::collections::BTreeSet;
@@ -138,6 +139,15 @@ async fn main() -> anyhow::Result<()> {
         !policy.retry.contains(&0) && !policy.permanent.contains(&0),
         "exit code 0 always means success"
     );
+    // Before any claim: a worker that cannot run its command or make an
+    // attempt's directory refuses to start (preflight.rs says why).
+    let work_root = args.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let program = args
+        .command
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no command given after `--`"))?;
+    let resolved = preflight::resolve(program, std::env::var_os("PATH"))?;
+    preflight::work_dir(&work_root)?;
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)?;
@@ -181,13 +191,13 @@ async fn main() -> anyhow::Result<()> {
         policy,
         grace,
         log_format: args.log_format,
-        work_root: args.work_dir.unwrap_or_else(std::env::temp_dir),
+        work_root,
         drain: drain.clone(),
         live,
         store,
     });
     let worker = builder.build()?;
-    info!(identity = worker.identity(), command = ?cfg.command, ?grace, "batchlease-run starting");
+    info!(identity = worker.identity(), command = ?cfg.command, program = %resolved.display(), work_root = %cfg.work_root.display(), ?grace, "batchlease-run starting");
     worker
         .run(move |ctx| attempt::run(ctx, cfg.clone()), shutdown(drain))
         .await
