@@ -160,6 +160,17 @@ fn worker_chart_refuses_bad_values_with_a_clear_message() {
         ),
         ("metrics.port=0", "at '/metrics/port': minimum", true),
         (
+            "tmp.medium=Disk",
+            "at '/tmp/medium': value must be one of '', 'Memory'",
+            true,
+        ),
+        ("tmp.sizeLimit=lots", "at '/tmp/sizeLimit'", true),
+        (
+            "extraVolumeMounts[0].name=ca",
+            "at '/extraVolumeMounts/0': missing property 'mountPath'",
+            true,
+        ),
+        (
             "hostNetwork=yes",
             "at '/hostNetwork': got string, want boolean",
             true,
@@ -261,7 +272,17 @@ fn worker_chart_renders_what_a_worker_needs() {
         assert_eq!(get(&env, name), Some(want), "{name}: {env:?}");
     }
     assert_eq!(get(&env, "BATCHLEASE_PG_URL_FILE"), None);
-    assert!(spec.get("volumes").is_none());
+    // A writable temp directory under the read-only root: batchlease-run
+    // makes each attempt's directory there, Python's forkserver its socket.
+    assert_eq!(get(&env, "TMPDIR"), Some("/tmp"));
+    assert_eq!(
+        spec["volumes"],
+        json!([{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}])
+    );
+    assert_eq!(
+        c["volumeMounts"],
+        json!([{"name": "tmp", "mountPath": "/tmp"}])
+    );
     assert!(c.get("args").is_none(), "no flags by default: {c}");
     assert_eq!(spec["serviceAccountName"], "w-batchlease-worker");
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
@@ -370,6 +391,37 @@ fn worker_chart_renders_what_a_worker_needs() {
         let rb = &helm::rendered(&yaml, "RoleBinding").unwrap()[0];
         assert_eq!(rb["roleRef"]["name"], role, "{set}");
     }
+    // The temp directory's settings, extra volumes and mounts (a CA for
+    // sslmode=verify-full), and no temp directory at all.
+    let (deploy, _) = render(
+        "etl",
+        &[
+            "tmp.medium=Memory,tmp.sizeLimit=",
+            "extraVolumes[0].name=pg-ca,extraVolumes[0].configMap.name=pg-ca",
+            "extraVolumeMounts[0].name=pg-ca,extraVolumeMounts[0].mountPath=/etc/pg-ca",
+        ],
+    );
+    let spec = &deploy["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["volumes"],
+        json!([{"name": "tmp", "emptyDir": {"medium": "Memory"}},
+               {"name": "pg-ca", "configMap": {"name": "pg-ca"}}])
+    );
+    assert_eq!(
+        spec["containers"][0]["volumeMounts"],
+        json!([{"name": "tmp", "mountPath": "/tmp"},
+               {"name": "pg-ca", "mountPath": "/etc/pg-ca"}])
+    );
+    let (deploy, _) = render("etl", &["tmp.sizeLimit="]);
+    assert_eq!(
+        deploy["spec"]["template"]["spec"]["volumes"],
+        json!([{"name": "tmp", "emptyDir": {}}])
+    );
+    let (deploy, _) = render("etl", &["tmp.enabled=false"]);
+    let spec = &deploy["spec"]["template"]["spec"];
+    assert!(spec.get("volumes").is_none(), "{spec}");
+    assert!(spec["containers"][0].get("volumeMounts").is_none());
+    assert_eq!(get(&env_of(&deploy), "TMPDIR"), None);
     // In the node's network: several replicas per node once metrics are
     // off — no port declared (the scheduler would keep a second replica
     // Pending on "free ports") and none bound.
