@@ -79,11 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--namespace", default=os.environ.get("BATCHLEASE_TASK_NAMESPACE", "default"),
                     help="namespace whose tasks to run")
-    ap.add_argument("--queue", default=os.environ.get("BATCHLEASE_QUEUE", "demo"))
+    ap.add_argument("--queue", default=os.environ.get("BATCHLEASE_QUEUES", "demo"),
+                    help="queues to serve, comma-separated (BATCHLEASE_QUEUES, as every worker kind)")
     ap.add_argument("--slots", type=int, default=int(os.environ.get("BATCHLEASE_SLOTS", "2")))
     ap.add_argument("--drain-grace-seconds", type=float,
                     default=float(os.environ.get("BATCHLEASE_DRAIN_GRACE_SECONDS", "20")))
     args = ap.parse_args()
+    if os.environ.get("BATCHLEASE_QUEUE") and not os.environ.get("BATCHLEASE_QUEUES"):
+        # The variable of an earlier version of this example: serving
+        # "demo" instead would leave the intended queue's tasks unclaimed.
+        ap.error("BATCHLEASE_QUEUE is not read: set BATCHLEASE_QUEUES "
+                 "(comma-separated, as the worker chart does)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = batchlease.Worker(
         args.namespace,

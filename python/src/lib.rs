@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 
 pub use context::Context;
 
-/// A worker: claims the queue's tasks and runs a Python handler for each.
+/// A worker: claims its queues' tasks and runs a Python handler for each.
 #[pyclass(module = "batchlease._native", name = "Worker", frozen)]
 #[derive(Debug, Clone)]
 pub struct Worker {
@@ -28,15 +28,20 @@ pub struct Worker {
 #[pymethods]
 impl Worker {
     #[new]
-    #[pyo3(signature = (namespace, queue = "default".to_owned(), slots = 1, identity = None, database_url = None, drain_grace_seconds = 20.0))]
+    #[pyo3(signature = (namespace, queues = vec!["default".to_owned()], slots = 1, identity = None, database_url = None, drain_grace_seconds = 20.0))]
     fn new(
         namespace: String,
-        queue: String,
+        queues: Vec<String>,
         slots: usize,
         identity: Option<String>,
         database_url: Option<String>,
         drain_grace_seconds: f64,
     ) -> PyResult<Self> {
+        if queues.is_empty() || queues.iter().any(|q| q.trim().is_empty()) {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "queues must name at least one queue, none of them empty",
+            ));
+        }
         if slots == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "slots must be at least 1",
@@ -50,7 +55,7 @@ impl Worker {
         Ok(Self {
             config: run::Config {
                 namespace,
-                queue,
+                queues,
                 slots,
                 identity,
                 database_url,
@@ -87,8 +92,8 @@ impl Worker {
 
     fn __repr__(&self) -> String {
         format!(
-            "Worker(namespace={:?}, queue={:?}, slots={})",
-            self.config.namespace, self.config.queue, self.config.slots
+            "Worker(namespace={:?}, queues={:?}, slots={})",
+            self.config.namespace, self.config.queues, self.config.slots
         )
     }
 }

@@ -17,7 +17,7 @@ use crate::errors::{RunError, task_error};
 #[derive(Debug, Clone)]
 pub struct Config {
     pub namespace: String,
-    pub queue: String,
+    pub queues: Vec<String>,
     pub slots: usize,
     pub identity: Option<String>,
     pub database_url: Option<String>,
@@ -58,9 +58,11 @@ pub fn run(config: Config, handler: Py<PyAny>, is_async: bool) -> Result<(), Run
 async fn serve(config: Config, handler: Arc<Py<PyAny>>, is_async: bool) -> Result<(), RunError> {
     let kube_config = kube::Config::infer().await.map_err(RunError::KubeConfig)?;
     let mut builder = WorkerBuilder::new(kube_config, &config.namespace)
-        .queue(&config.queue)
         .slots(config.slots)
         .drain_grace(config.drain_grace);
+    for queue in &config.queues {
+        builder = builder.queue(queue);
+    }
     if let Some(id) = &config.identity {
         builder = builder.identity(id);
     }

@@ -7,10 +7,11 @@ and the fenced PostgreSQL registration all run in Rust. See docs/python.md.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 __all__ = [
     "Worker",
+    "queues_from",
     "Context",
     "TaskFailure",
     "RetryableError",
@@ -91,14 +92,22 @@ from . import _native  # noqa: E402
 from ._native import Context  # noqa: E402
 
 
+def queues_from(value: Union[str, Sequence[str]]) -> list:
+    """A queue name, a comma-separated list (as ``BATCHLEASE_QUEUES``, the
+    variable every worker kind and the worker chart use) or a sequence of
+    names, as a list."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    return [n.strip() for n in names if n.strip()]
+
+
 class Worker:
-    """Claims TaskLeases of one queue and runs a handler for each (see the
+    """Claims TaskLeases of its queues and runs a handler for each (see the
     stubs, ``__init__.pyi``, and docs/python.md)."""
 
     def __init__(
         self,
         namespace: str,
-        queue: str = "default",
+        queue: Union[str, Sequence[str]] = "default",
         slots: int = 1,
         identity: Optional[str] = None,
         database_url: Optional[str] = None,
@@ -106,7 +115,7 @@ class Worker:
     ) -> None:
         self._native = _native.Worker(
             namespace,
-            queue=queue,
+            queues=queues_from(queue),
             slots=slots,
             identity=identity,
             database_url=database_url,

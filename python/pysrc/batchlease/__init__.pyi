@@ -1,13 +1,19 @@
 """Type stubs of the batchlease package (the Python worker SDK)."""
 
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 JsonObject = Dict[str, Any]
 SyncHandler = Callable[["Context"], Optional[JsonObject]]
 AsyncHandler = Callable[["Context"], Awaitable[Optional[JsonObject]]]
 
+def queues_from(value: Union[str, Sequence[str]]) -> List[str]:
+    """A queue name, a comma-separated list or a sequence, as a list."""
+
 class Worker:
-    """Claims TaskLeases of one queue and runs a handler for each.
+    """Claims TaskLeases of its queues and runs a handler for each.
+
+    ``queue`` is one name, a comma-separated list (``"fast,slow"``, as in
+    ``BATCHLEASE_QUEUES``) or a sequence of names.
 
     ``identity`` defaults to ``<POD_NAME or host name>/<random suffix>``.
     With ``database_url`` (a PostgreSQL connection string, libpq URL or
@@ -22,7 +28,7 @@ class Worker:
     def __init__(
         self,
         namespace: str,
-        queue: str = "default",
+        queue: Union[str, Sequence[str]] = "default",
         slots: int = 1,
         identity: Optional[str] = None,
         database_url: Optional[str] = None,
