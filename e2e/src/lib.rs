@@ -26,6 +26,7 @@ pub mod history_workers;
 pub mod identity;
 pub mod kubectl;
 pub mod node;
+pub mod node_world;
 pub mod oci;
 pub mod operator;
 pub mod pg;
