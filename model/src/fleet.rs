@@ -41,7 +41,7 @@
 
 use batchlease_api::worker_lease::worker_lease_name;
 use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease, WorkerLeaseSpec};
-use batchlease_operator::worker_leases::{credit, next_worker_seen};
+use batchlease_operator::worker_leases::{credit, next_worker_seen, revocation_holder};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 
@@ -490,14 +490,16 @@ impl Cluster {
     /// never lists one claimed before in the object it creates again), and
     /// otherwise waits (`None`) for its cache to show one.
     pub(crate) fn fleet_guard(&self, s: &State, lease: &TaskLease, then: Write) -> Option<Write> {
-        let holder = lease.spec.holder_identity.as_deref().unwrap_or("");
-        if !lease.renewed_per_worker()
-            || matches!(
-                self.cfg.worker_rule,
-                WorkerRule::NoRevoke | WorkerRule::Ignore
-            )
-            || holder.is_empty()
-        {
+        // Whose WorkerLease revokes it: the operator's own rule, on the
+        // decided copy (read from the cache or directly) and the cache's.
+        let cached: Option<TaskLease> = s.op.leases.get(&lease.name_any()).map(|c| decode(c));
+        let Some(holder) = revocation_holder(lease, cached.as_ref()) else {
+            return Some(then);
+        };
+        if matches!(
+            self.cfg.worker_rule,
+            WorkerRule::NoRevoke | WorkerRule::Ignore
+        ) {
             return Some(then);
         }
         let name = worker_lease_name(holder);

@@ -550,6 +550,44 @@ fn apply(namespace: &str, renewal: &Renewal, leases: &Tracker) {
     });
 }
 
+/// Pure: whose WorkerLease must revoke the attempt of `decided` before the
+/// operator ends it on its own (an expiry, a cancel's or a pause's
+/// release); `None` when nothing renews it per worker.
+///
+/// `decided` is the copy the pass decided on, its phase already the one
+/// it is about to write; `cached` is the lease cache's copy of the same
+/// name, if any. The rule follows the decided copy, never the cache alone:
+/// the pass may have decided on a lease it read directly (a lagging lease
+/// watch, a new leader whose task list is newer than its lease list, a
+/// lookup after a late create), and then the cache holds an older object
+/// or none. Ending such an attempt without its revocation left its holder
+/// naming it in every renewal — its kill clock and its storage deadline
+/// fed — until its next TaskLease write, up to max(TTL, 120 s) later: a
+/// cancelled task could commit about 90 s after it showed Cancelled at a
+/// TTL of 30 s. Only a cached copy of the same object that its holder
+/// completed, or that is expired already, shows that nothing renews the
+/// attempt any more (the pass's own write will meet a conflict).
+pub fn revocation_holder<'a>(
+    decided: &'a TaskLease,
+    cached: Option<&TaskLease>,
+) -> Option<&'a str> {
+    let ended = cached.is_some_and(|c| {
+        c.uid() == decided.uid()
+            && matches!(
+                c.status.as_ref().and_then(|s| s.phase),
+                Some(LeasePhase::Completed | LeasePhase::Expired)
+            )
+    });
+    if ended || !decided.renewed_per_worker() {
+        return None;
+    }
+    decided
+        .spec
+        .holder_identity
+        .as_deref()
+        .filter(|h| !h.is_empty())
+}
+
 #[cfg(test)]
 #[path = "worker_leases_tests.rs"]
 mod tests;

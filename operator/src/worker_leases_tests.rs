@@ -584,3 +584,58 @@ fn watch_errors_excuse_silence_only_so_long() {
         "errors for hours"
     );
 }
+
+/// Issue 39, defect 1: a cancel decided on a lease read directly (the
+/// cache lags, or holds nothing yet) released it without revoking the
+/// attempt on its holder's WorkerLease. The rule follows the decided copy.
+#[test]
+fn the_attempt_to_revoke_follows_the_decided_lease_not_the_cache() {
+    let released = |mut l: TaskLease| {
+        l.status.get_or_insert_with(Default::default).phase = Some(LeasePhase::Released);
+        l
+    };
+    let held = task_lease("t-1", "pod/1", LeasePhase::Held);
+    let decided = released(held.clone());
+    let mut per_lease = decided.clone();
+    per_lease.spec.renewal = Some(Mode::Lease);
+    let mut unclaimed = released(task_lease("t-1", "", LeasePhase::Offered));
+    unclaimed.spec.holder_identity = None;
+    let mut other_object = held.clone();
+    other_object.metadata.uid = Some("uid-older".into());
+    let mut completed = task_lease("t-1", "pod/1", LeasePhase::Completed);
+    completed.spec.renewal = Some(Mode::Worker);
+    let expired = task_lease("t-1", "pod/1", LeasePhase::Expired);
+    for (why, decided, cached, want) in [
+        (
+            "the cache shows it held",
+            &decided,
+            Some(&held),
+            Some("pod/1"),
+        ),
+        // The defect: read directly, no copy cached.
+        (
+            "not in the cache (read directly)",
+            &decided,
+            None,
+            Some("pod/1"),
+        ),
+        (
+            "the cache holds an older object of the name",
+            &decided,
+            Some(&other_object),
+            Some("pod/1"),
+        ),
+        (
+            "the cache shows it released already (its holder may run on)",
+            &decided,
+            Some(&decided),
+            Some("pod/1"),
+        ),
+        ("its holder completed it", &decided, Some(&completed), None),
+        ("expired already", &decided, Some(&expired), None),
+        ("renewed per lease", &per_lease, None, None),
+        ("never claimed", &unclaimed, None, None),
+    ] {
+        assert_eq!(revocation_holder(decided, cached), want, "{why}");
+    }
+}

@@ -313,8 +313,8 @@ async fn release(
     let api: Api<TaskLease> = Api::namespaced(ctx.client.clone(), &ns);
     // A cancel's release is not timed by renewals (the task ends a TTL
     // after the last one observed), so no expiry to check again.
-    if let Some(cached) = cached_held(ctx, lease)
-        && revoke::revoke(ctx, &cached, None).await? == revoke::Revoked::Renewed
+    if let Some(holder) = revocation_holder(ctx, lease)
+        && revoke::revoke(ctx, lease, &holder, None).await? == revoke::Revoked::Renewed
     {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
@@ -375,8 +375,8 @@ async fn expire(
         ExpiryReason::LeaseExpired | ExpiryReason::BoundNotTaken
     )
     .then(|| crate::observe::lease_ttl(lease));
-    if let Some(cached) = cached_held(ctx, lease)
-        && revoke::revoke(ctx, &cached, timed).await? == revoke::Revoked::Renewed
+    if let Some(holder) = revocation_holder(ctx, lease)
+        && revoke::revoke(ctx, lease, &holder, timed).await? == revoke::Revoked::Renewed
     {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
@@ -436,14 +436,17 @@ async fn expire(
     Ok(Action::requeue(Duration::from_millis(500)))
 }
 
-/// The cached copy of `lease` (which the pass decided to end) while it is
-/// the same object still held: what a revocation is of.
-fn cached_held(ctx: &Ctx, lease: &TaskLease) -> Option<TaskLease> {
+/// The holder whose WorkerLease must revoke `lease`'s attempt before the
+/// pass ends it (`worker_leases::revocation_holder`: the decided copy,
+/// read from the cache or directly, with the cache's copy as a witness
+/// only that the attempt ended already).
+fn revocation_holder(ctx: &Ctx, lease: &TaskLease) -> Option<String> {
     let ns = lease.namespace().unwrap_or_default();
-    ctx.leases
-        .get(&kube::runtime::reflector::ObjectRef::new(&lease.name_any()).within(&ns))
-        .filter(|c| c.uid() == lease.uid() && revoke::needs_revocation(c).is_some())
-        .map(|c| (*c).clone())
+    let cached = ctx
+        .leases
+        .get(&kube::runtime::reflector::ObjectRef::new(&lease.name_any()).within(&ns));
+    batchlease_operator::worker_leases::revocation_holder(lease, cached.as_deref())
+        .map(str::to_owned)
 }
 
 async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {

@@ -11,7 +11,7 @@
 //! every later renewal of the holder fails and finds the attempt revoked.
 
 use batchlease_api::worker_lease::worker_lease_name;
-use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease};
+use batchlease_api::{AttemptRef, TaskLease, WorkerLease};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::reflector::ObjectRef;
@@ -34,18 +34,9 @@ pub enum Revoked {
     Renewed,
 }
 
-/// Pure: whether ending `lease` needs a revocation first: held (or the
-/// copy we end was held), claimed to be renewed per worker, with a holder.
-pub fn needs_revocation(lease: &TaskLease) -> Option<&str> {
-    let held = lease.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held);
-    (held && lease.renewed_per_worker())
-        .then_some(lease.spec.holder_identity.as_deref())
-        .flatten()
-        .filter(|h| !h.is_empty())
-}
-
-/// Revokes `cached`'s attempt (the lease as the cache shows it, still
-/// held) on its holder's WorkerLease, if it is renewed per worker.
+/// Revokes the attempt of `decided` (the lease the pass decided to end,
+/// read from the cache or directly) on the WorkerLease of `holder`, whom
+/// `worker_leases::revocation_holder` named.
 ///
 /// `expiry`: the TTL when the attempt ends for want of renewals. Then the
 /// timing is checked again against the copy the CAS is based on: the
@@ -55,20 +46,18 @@ pub fn needs_revocation(lease: &TaskLease) -> Option<&str> {
 /// the attempt's kill clock just now.
 pub async fn revoke(
     ctx: &Ctx,
-    cached: &TaskLease,
+    decided: &TaskLease,
+    holder: &str,
     expiry: Option<Duration>,
 ) -> Result<Revoked, Error> {
-    let Some(holder) = needs_revocation(cached) else {
-        return Ok(Revoked::Done);
-    };
-    let ns = cached.namespace().unwrap_or_default();
+    let ns = decided.namespace().unwrap_or_default();
     // Until the WorkerLease watch has listed once, renewals may not have
     // been credited at all (a new leader): decide again shortly.
     if !ctx.workers.listed() {
         return Ok(Revoked::Renewed);
     }
     let name = worker_lease_name(holder);
-    let attempt = AttemptRef::of(cached);
+    let attempt = AttemptRef::of(decided);
     let api: Api<WorkerLease> = Api::namespaced(ctx.client.clone(), &ns);
     let mut observed = match ctx.worker_leases.get(&ObjectRef::new(&name).within(&ns)) {
         Some(w) => Some((*w).clone()),
@@ -208,18 +197,6 @@ async fn read(ctx: &Ctx, api: &Api<WorkerLease>, name: &str) -> Result<Option<Wo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchlease_api::{Renewal, TaskLeaseSpec, TaskLeaseStatus};
-
-    fn lease(phase: LeasePhase, holder: Option<&str>, renewal: Option<Renewal>) -> TaskLease {
-        let mut l = TaskLease::new("t-1", TaskLeaseSpec::offered("t", "u", "q", 1, 30));
-        l.spec.holder_identity = holder.map(Into::into);
-        l.spec.renewal = renewal;
-        l.status = Some(TaskLeaseStatus {
-            phase: Some(phase),
-            ..Default::default()
-        });
-        l
-    }
 
     #[test]
     fn the_gate_before_a_revocation() {
@@ -262,40 +239,6 @@ mod tests {
             ),
         ] {
             assert_eq!(gate(revoked, observed, expiry, since), want, "{why}");
-        }
-    }
-
-    #[test]
-    fn which_ends_need_a_revocation() {
-        let w = Some(Renewal::Worker);
-        assert_eq!(
-            needs_revocation(&lease(LeasePhase::Held, Some("p/1"), w)),
-            Some("p/1")
-        );
-        for (why, l) in [
-            (
-                "renewed per lease",
-                lease(LeasePhase::Held, Some("p/1"), Some(Renewal::Lease)),
-            ),
-            (
-                "an older operator's offer",
-                lease(LeasePhase::Held, Some("p/1"), None),
-            ),
-            (
-                "offered",
-                lease(LeasePhase::Offered, None, Some(Renewal::Lease)),
-            ),
-            (
-                "already completed",
-                lease(LeasePhase::Completed, Some("p/1"), w),
-            ),
-            (
-                "already released",
-                lease(LeasePhase::Released, Some("p/1"), w),
-            ),
-            ("no holder", lease(LeasePhase::Held, Some(""), w)),
-        ] {
-            assert_eq!(needs_revocation(&l), None, "{why}");
         }
     }
 }
