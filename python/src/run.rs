@@ -59,7 +59,11 @@ async fn serve(config: Config, handler: Arc<Py<PyAny>>, is_async: bool) -> Resul
     let kube_config = kube::Config::infer().await.map_err(RunError::KubeConfig)?;
     let mut builder = WorkerBuilder::new(kube_config, &config.namespace)
         .slots(config.slots)
-        .drain_grace(config.drain_grace);
+        .drain_grace(config.drain_grace)
+        // A sync handler's process group is SIGKILLed within the 50 ms poll
+        // of the kill switch (pysrc/batchlease/_process.py): a killed
+        // attempt is given back a second after the kill at the earliest.
+        .stop_budget(Duration::from_secs(1));
     for queue in &config.queues {
         builder = builder.queue(queue);
     }

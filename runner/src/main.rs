@@ -158,7 +158,10 @@ async fn main() -> anyhow::Result<()> {
     let pg = pg::load(args.database_url_file.as_deref())?;
     let mut builder = WorkerBuilder::new(config, &args.namespace)
         .slots(args.slots)
-        .drain_grace(grace + DRAIN_SLACK);
+        .drain_grace(grace + DRAIN_SLACK)
+        // A killed attempt's command is SIGKILLed only after the grace: its
+        // lease is not given back before (the SDK caps it at TTL/3).
+        .stop_budget(grace);
     for q in &args.queues {
         builder = builder.queue(q);
     }

@@ -12,7 +12,7 @@ use batchlease_api::{BatchTask, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHAR
 use kube::ResourceExt;
 use kube::api::Api;
 use tokio::sync::oneshot;
-use tokio::time::timeout;
+use tokio::time::{Instant, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -70,6 +70,9 @@ pub(crate) struct Attempt {
     /// Renewed per worker: its registration with the WorkerLease renewer
     /// (the fence's clock is then `KillClock::per_worker`).
     pub membership: Option<Membership>,
+    /// How long the handler's work may outlive its dropped future
+    /// (`WorkerBuilder::stop_budget`; see [`give_back_at`]).
+    pub stop_budget: Duration,
 }
 
 impl Attempt {
@@ -252,7 +255,14 @@ impl Attempt {
                 // renewed per worker, nobody would wait at all, as the
                 // operator credits every renewal of the worker's next
                 // WorkerLease to a lease still Held by it. The CAS on our
-                // last copy cannot touch a lease that moved on.
+                // last copy cannot touch a lease that moved on. Not before
+                // the attempt has surely stopped (`give_back_at`): the
+                // slot stays taken until then, as its work may be.
+                if given_back(reason).is_some() {
+                    let at = give_back_at(&self.fence.clock(), Instant::now(), self.stop_budget);
+                    debug!(lease = %lease_name, token, wait = ?at.saturating_duration_since(Instant::now()), "giving the lease back once the attempt has surely stopped");
+                    tokio::time::sleep_until(at).await;
+                }
                 give_back(&self.api, &last_copy, reason).await;
                 Ended::Killed(reason)
             }
@@ -293,6 +303,36 @@ async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) 
     }
 }
 
+/// Pure: the earliest instant an attempt killed at `killed_at` may be
+/// given back. The operator acts on a give-back at once — releases the
+/// task's resource locks, writes Cancelled, offers the task again — so it
+/// must not come before the attempt has surely stopped:
+///
+/// - its storage deadline has passed: the deadline recorded in storage is
+///   never past the kill instant of the attempt's clock (the extender
+///   records that instant and stops at the kill), and an early kill (a
+///   revocation, a lost WorkerLease) leaves it ahead; after it every
+///   `batchlease_fence` transaction of the attempt is refused;
+/// - and its work has had `stop_budget` since the kill to stop, at most a
+///   third of the TTL: `batchlease-run` SIGKILLs the command's process
+///   group after its kill grace (at most TTL/3 − 0.5 s), a Python
+///   handler's process group goes within 50 ms. (A Python thread or a
+///   Rust `spawn_blocking` cannot be stopped at all: the storage deadline
+///   is what refuses their writes.)
+///
+/// A kill by the clock itself (no renewal for 2/3·TTL) is at or past the
+/// kill instant: given back after the stop budget alone, still before the
+/// operator would expire the lease (a TTL after the last renewal it saw),
+/// so it still spends no retry.
+pub(crate) fn give_back_at(
+    clock: &crate::fence::KillClock,
+    killed_at: Instant,
+    stop_budget: Duration,
+) -> Instant {
+    let budget = stop_budget.min(clock.ttl() / 3);
+    clock.kill_at().0.max(killed_at + budget)
+}
+
 /// How long a give-back may take.
 const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
 
@@ -320,10 +360,11 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::time::Instant;
 
-    struct DropFlag(Arc<AtomicBool>);
+    /// Notes when the handler's future was dropped.
+    struct DropFlag(Arc<std::sync::Mutex<Option<Instant>>>);
     impl Drop for DropFlag {
         fn drop(&mut self) {
-            self.0.store(true, Ordering::SeqCst);
+            *self.0.lock().unwrap() = Some(Instant::now());
         }
     }
 
@@ -353,13 +394,16 @@ mod tests {
             heartbeat_on: None,
             background: tokio_util::task::TaskTracker::new(),
             membership: None,
+            stop_budget: Duration::from_secs(5),
         }
     }
 
+    /// The verdict, when the handler was dropped (since the claim), whether
+    /// it was, and whether its cancellation token fired.
     async fn run_until_killed(deadline: Option<Duration>) -> (Ended, Duration, bool, bool) {
         let start = Instant::now();
         let fence = Fence::new(1, KillClock::new(Duration::from_secs(30), start, deadline));
-        let dropped = Arc::new(AtomicBool::new(false));
+        let dropped = Arc::new(std::sync::Mutex::new(None));
         let cancelled = Arc::new(AtomicBool::new(false));
         let attempt = attempt(fence);
         let (d, c) = (dropped.clone(), cancelled.clone());
@@ -375,10 +419,11 @@ mod tests {
             })
             .await;
         tokio::task::yield_now().await;
+        let dropped_at = *dropped.lock().unwrap();
         (
             ended,
-            start.elapsed(),
-            dropped.load(Ordering::SeqCst),
+            dropped_at.map_or(start.elapsed(), |at| at - start),
+            dropped_at.is_some(),
             cancelled.load(Ordering::SeqCst),
         )
     }
@@ -387,7 +432,8 @@ mod tests {
     async fn kill_switch_fires_at_two_thirds_of_the_ttl_when_renewals_fail() {
         let (ended, elapsed, dropped, cancelled) = run_until_killed(None).await;
         assert_eq!(ended, Ended::Killed(KillReason::RenewalsFailed));
-        // 2/3 of 30 s, measured from the claim; never later.
+        // 2/3 of 30 s, measured from the claim; never later. (The verdict
+        // comes a third of the TTL later, with the give-back.)
         assert!(
             elapsed >= Duration::from_secs(20) && elapsed < Duration::from_millis(20_100),
             "{elapsed:?}"
@@ -502,6 +548,80 @@ mod tests {
             0,
             "deregistered after its verdict"
         );
+    }
+
+    /// Issue 39, defect 3: a revoked attempt was given back the moment it
+    /// was killed, and the operator acts on a give-back at once (the
+    /// task's locks released, Cancelled written) — while the storage
+    /// deadline recorded for it still lay ahead (the kill instant before
+    /// the revocation) and a runner child had its SIGKILL grace to go. The
+    /// verdict (and the give-back with it) now waits for both.
+    #[tokio::test(start_paused = true)]
+    async fn a_revoked_attempt_is_given_back_only_once_it_has_surely_stopped() {
+        let start = Instant::now();
+        let ttl = Duration::from_secs(30);
+        let fence = Fence::new(1, KillClock::new(ttl, start, None).per_worker());
+        let feeder = {
+            let fence = fence.clone();
+            tokio::spawn(async move {
+                // Renewed at 20 s (kill instant 20 + 20 = 40 s), revoked
+                // at 25 s.
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                fence.renewed(Instant::now());
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                fence.kill(KillReason::Revoked);
+            })
+        };
+        let dropped_at = Arc::new(std::sync::Mutex::new(None));
+        let d = dropped_at.clone();
+        let ended = attempt(fence)
+            .run(move |_ctx: TaskContext| async move {
+                let _flag = DropFlag(d);
+                std::future::pending::<Result<Output, TaskError>>().await
+            })
+            .await;
+        feeder.await.unwrap();
+        assert_eq!(ended, Ended::Killed(KillReason::Revoked));
+        let dropped = dropped_at.lock().unwrap().unwrap() - start;
+        assert!(
+            dropped >= Duration::from_secs(25) && dropped < Duration::from_millis(25_100),
+            "the handler is stopped at the revocation: {dropped:?}"
+        );
+        // max(the clock's kill instant, 40 s; the kill + the 5 s budget).
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(40) && elapsed < Duration::from_millis(42_100),
+            "given back at {elapsed:?}"
+        );
+    }
+
+    #[test]
+    fn when_a_killed_attempt_may_be_given_back() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let clock = KillClock::new(s(30), t0, None);
+        // (killed at, stop budget, given back at), from the claim at 0.
+        for (killed, budget, want) in [
+            // Killed by its own clock at 20 s: the work's stop budget.
+            (20, 0, 20),
+            (20, 5, 25),
+            // Capped at TTL/3: before the operator's expiry at 30 s.
+            (20, 60, 30),
+            // Revoked early: the storage deadline (at most the clock's
+            // kill instant, 20 s) comes later than the stop budget.
+            (5, 5, 20),
+            (5, 0, 20),
+            // Revoked close to the kill instant: the budget.
+            (18, 5, 23),
+            // A late notice of a kill: from when it was noticed.
+            (50, 5, 55),
+        ] {
+            assert_eq!(
+                give_back_at(&clock, t0 + s(killed), s(budget)),
+                t0 + s(want),
+                "killed at {killed} s, budget {budget} s"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -47,6 +47,7 @@ pub struct WorkerBuilder {
     metrics: WorkerMetrics,
     registry: Option<Arc<dyn Registry>>,
     renew_per_worker: bool,
+    stop_budget: Duration,
 }
 
 impl WorkerBuilder {
@@ -65,6 +66,7 @@ impl WorkerBuilder {
             drain_grace: DEFAULT_DRAIN_GRACE,
             metrics: WorkerMetrics::default(),
             registry: None,
+            stop_budget: Duration::ZERO,
             renew_per_worker: renew_per_worker_from_env(
                 std::env::var(RENEW_PER_WORKER_ENV).ok().as_deref(),
             ),
@@ -134,6 +136,20 @@ impl WorkerBuilder {
         self
     }
 
+    /// How long a handler's work may go on after its attempt's kill switch
+    /// fired and its future was dropped — work the future started that
+    /// dropping it does not stop: a child process in its grace, a process
+    /// group being killed. A killed attempt is given back (so the operator
+    /// may act on it at once) only once this has passed since the kill,
+    /// capped at a third of the TTL, and once its storage deadline has
+    /// passed. Default zero: a handler whose work is its future.
+    /// `batchlease-run` sets its kill grace, the Python worker a second.
+    #[must_use]
+    pub fn stop_budget(mut self, budget: Duration) -> Self {
+        self.stop_budget = budget;
+        self
+    }
+
     /// The worker's metrics, to register in the application's registry.
     pub fn metrics(&self) -> &WorkerMetrics {
         &self.metrics
@@ -185,6 +201,7 @@ impl WorkerBuilder {
             metrics: self.metrics,
             registry: self.registry,
             renew_per_worker: self.renew_per_worker,
+            stop_budget: self.stop_budget,
         })
     }
 }
@@ -256,6 +273,7 @@ pub struct Worker {
     metrics: WorkerMetrics,
     registry: Option<Arc<dyn Registry>>,
     renew_per_worker: bool,
+    stop_budget: Duration,
 }
 
 impl Worker {
@@ -363,6 +381,7 @@ impl Worker {
                 registry: self.registry.clone(),
                 background: background.clone(),
                 worker_leases: worker_leases.clone(),
+                stop_budget: self.stop_budget,
             };
             let handler = handler.clone();
             running.spawn(async move {

@@ -31,6 +31,7 @@ pub(super) struct AttemptStart {
     pub(super) registry: Option<Arc<dyn Registry>>,
     pub(super) background: tokio_util::task::TaskTracker,
     pub(super) worker_leases: Option<WorkerLeases>,
+    pub(super) stop_budget: std::time::Duration,
 }
 
 impl AttemptStart {
@@ -79,6 +80,7 @@ impl AttemptStart {
             heartbeat_on: self.heartbeat_on,
             background: self.background,
             membership,
+            stop_budget: self.stop_budget,
         }
         .run(handler)
         .await
