@@ -20,6 +20,7 @@ use std::sync::Arc;
 use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, names};
 use batchlease_operator::decide::Lookup;
 use batchlease_operator::locks::{self, Holder, Slot};
+use batchlease_operator::observe::gone_attempt_left_by;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 
@@ -315,14 +316,14 @@ impl Cluster {
                         .filter(|(u, _)| u == uid)
                         .map(|(_, t)| *t)
                         .fold(*until, std::cmp::max);
-                return latest.saturating_duration_since(now);
+                return gone_attempt_left_by(Some(latest), now, ttl, now);
             }
             let since =
                 s.op.unknown_since
                     .get(&(lease, uid.to_owned()))
                     .copied()
                     .unwrap_or(now);
-            (since + ttl).saturating_duration_since(now)
+            gone_attempt_left_by(None, since, ttl, now)
         };
         let look = locks::Lookups {
             task: &task,

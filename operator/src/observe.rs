@@ -171,14 +171,7 @@ pub fn holder_stops_by(
     // lease is noticed at the next refresh, not the next renewal.
     let refresh = batchlease_api::worker_lease::refresh_period(lease_ttl(last));
     if !final_state {
-        // Not the last state: a claim may have landed unseen, and chosen
-        // to be renewed per worker if this operator's offer allowed it.
-        let extra = if last.spec.renewal.is_some() {
-            refresh
-        } else {
-            Duration::ZERO
-        };
-        return may_be_held(last).then(|| now + lease_ttl(last) + extra);
+        return unseen_holder_runs_for(last).map(|d| now + d);
     }
     let extra = if last.renewed_per_worker() {
         refresh
@@ -186,6 +179,44 @@ pub fn holder_stops_by(
         Duration::ZERO
     };
     next_seen(prev, last, now).map(|s| s.observation.last_renewal + lease_ttl(last) + extra)
+}
+
+/// Pure: how long after now the holder of `last` may still run when `last`
+/// may not be the lease's last state (a relist no longer lists it: a claim
+/// or renewals may have landed unseen while the watch was down); `None`:
+/// it has no holder and never will. A renewal not yet seen counts as seen
+/// now, so a TTL; and a claim may have chosen to renew per worker if the
+/// offer allowed it, whose holder learns of the deletion only at its next
+/// TaskLease write, up to a refresh period later. `Tracker::list_done`
+/// and the model's relist both time departures by this.
+pub fn unseen_holder_runs_for(last: &TaskLease) -> Option<Duration> {
+    let ttl = lease_ttl(last);
+    let extra = if last.spec.renewal.is_some() {
+        batchlease_api::worker_lease::refresh_period(ttl)
+    } else {
+        Duration::ZERO
+    };
+    may_be_held(last).then_some(ttl + extra)
+}
+
+/// Pure: how long the attempt of a deleted task, whose lease is gone, may
+/// still run. `departed`: the latest time until which a departure of the
+/// task's attempts that this process saw may run. Otherwise it never saw
+/// the departure (it started later, like a new leader, or missed it) and
+/// first asked at `first_asked`: `ttl` (the longest the lease may have had:
+/// the lock Lease's `leaseDurationSeconds`) and, since nothing shows the
+/// holder did not renew per worker, the refresh period after which such a
+/// holder finds its lease gone. `Tracker::gone_attempt_left` and the model
+/// both answer by this.
+pub fn gone_attempt_left_by(
+    departed: Option<Instant>,
+    first_asked: Instant,
+    ttl: Duration,
+    now: Instant,
+) -> Duration {
+    let until = departed
+        .unwrap_or_else(|| first_asked + ttl + batchlease_api::worker_lease::refresh_period(ttl));
+    until.saturating_duration_since(now)
 }
 
 /// How long a departure is remembered after its holder stopped: a lock
@@ -233,6 +264,9 @@ impl State {
 struct Live {
     task_uid: String,
     ttl: Duration,
+    /// [`unseen_holder_runs_for`] of its last observed state: how long its
+    /// holder may run after a relist finds it gone.
+    unseen_runs_for: Duration,
 }
 
 #[derive(Debug, Default)]
@@ -284,7 +318,9 @@ impl Tracker {
             .collect();
         for (k, l) in gone {
             state.live.remove(&k);
-            state.departed.insert(k, (l.task_uid, now + l.ttl));
+            state
+                .departed
+                .insert(k, (l.task_uid, now + l.unseen_runs_for));
         }
         state.prune(now);
         let mut by_task: HashMap<Key, BTreeSet<String>> = HashMap::new();
@@ -321,12 +357,13 @@ impl Tracker {
             .entry((ns, lease.spec.task_name.clone()))
             .or_default()
             .insert(key.1.clone());
-        if may_be_held(lease) {
+        if let Some(unseen_runs_for) = unseen_holder_runs_for(lease) {
             state.live.insert(
                 key.clone(),
                 Live {
                     task_uid: lease.spec.task_uid.clone(),
                     ttl: lease_ttl(lease),
+                    unseen_runs_for,
                 },
             );
         } else {
@@ -462,9 +499,9 @@ impl Tracker {
     /// gone from the cache, whose lease is gone too — may still be running:
     /// until its holder's kill switch has surely fired. A departure this
     /// process saw is timed by [`holder_stops_by`]; one it did not see (it
-    /// started later, like a new leader) gets `ttl` from the first time it
-    /// asks — `ttl` being the longest the lease may have had (the lock
-    /// Lease's `leaseDurationSeconds`, see `locks::acquire`).
+    /// started later, like a new leader) by [`gone_attempt_left_by`] from
+    /// the first time it asks — `ttl` being the longest the lease may have
+    /// had (the lock Lease's `leaseDurationSeconds`, see `locks::acquire`).
     pub fn gone_attempt_left(
         &self,
         namespace: &str,
@@ -491,13 +528,13 @@ impl Tracker {
                 .filter(|((ns, _), (u, _))| ns == namespace && u == uid)
                 .map(|(_, (_, t))| *t)
                 .fold(*until, Instant::max);
-            return latest.saturating_duration_since(now);
+            return gone_attempt_left_by(Some(latest), now, ttl, now);
         }
         let since = *state
             .unknown_since
             .entry((key, uid.to_owned()))
             .or_insert(now);
-        (since + ttl).saturating_duration_since(now)
+        gone_attempt_left_by(None, since, ttl, now)
     }
 
     /// Names of the leases of a task.

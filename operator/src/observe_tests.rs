@@ -173,14 +173,16 @@ fn a_deleted_tasks_attempt_is_timed_from_its_last_renewal_or_first_sight() {
     );
     // Another incarnation of the task under the same name: not this
     // departure; never seen, so timed from the first question, by the
-    // TTL given (the lock's).
+    // TTL given (the lock's) and the refresh period of a holder that may
+    // have renewed per worker.
+    let unseen = ttl + batchlease_api::worker_lease::refresh_period(ttl);
     assert_eq!(
         tracker.gone_attempt_left("ns", "t", "other-uid", 1, ttl, t1),
-        ttl
+        unseen
     );
     assert_eq!(
         tracker.gone_attempt_left("ns", "t", "other-uid", 1, ttl, t1 + Duration::from_secs(5)),
-        ttl - Duration::from_secs(5)
+        unseen - Duration::from_secs(5)
     );
     // A lease a relist no longer lists: a full TTL from the relist.
     let mut offered = lease("u2", None, LeasePhase::Offered, 1);
@@ -296,4 +298,56 @@ fn tracker_indexes_and_forgets() {
     tracker.forget(&held, t1);
     assert!(tracker.leases_of("ns", "t").is_empty());
     assert!(tracker.observation("ns", "t-1").is_none());
+}
+
+/// Issue 39, defect 2: a holder renewing per worker writes its TaskLease
+/// only every refresh period (max(TTL, 120 s)) and learns of the lease's
+/// deletion only then; only the Delete-event path allowed for it. A lease
+/// a relist no longer lists, and a deleted task's attempt whose departure
+/// this process never saw (a new leader), were timed by the TTL alone: the
+/// task's lock went to the next task while the old handler still ran.
+#[test]
+fn a_holder_renewing_per_worker_is_waited_for_after_a_relist_or_unseen() {
+    let tracker = Tracker::default();
+    let t0 = Instant::now();
+    let ttl = Duration::from_secs(30);
+    let refresh = batchlease_api::worker_lease::refresh_period(ttl);
+    let per_worker = |name: &str, phase| {
+        let mut l = lease(&format!("u-{name}"), Some("pod/1"), phase, 1);
+        l.metadata.name = Some(name.into());
+        l.spec.task_uid = "task-uid".into();
+        l.spec.renewal = Some(batchlease_api::Renewal::Worker);
+        l
+    };
+    // Held per worker; and offered where a claim may turn it per worker.
+    tracker.observe(&per_worker("t-1", LeasePhase::Held), t0);
+    let mut offered = per_worker("t-2", LeasePhase::Offered);
+    offered.spec.holder_identity = None;
+    offered.spec.renewal = Some(batchlease_api::Renewal::Lease);
+    tracker.observe(&offered, t0);
+    tracker.list_started();
+    let t1 = t0 + Duration::from_secs(20);
+    tracker.list_done(t1);
+    for name in ["t-1", "t-2"] {
+        assert_eq!(
+            tracker.departed_until("ns", name),
+            Some(t1 + ttl + refresh),
+            "{name}: the same rule as holder_stops_by's for a state that may not be the last"
+        );
+        assert_eq!(
+            tracker.departed_until("ns", name),
+            holder_stops_by(None, &per_worker(name, LeasePhase::Held), false, t1)
+        );
+    }
+    // A new leader asks about an attempt it never saw depart: the lock's
+    // TTL and the refresh period of a holder that may renew per worker.
+    let fresh = Tracker::default();
+    assert_eq!(
+        fresh.gone_attempt_left("ns", "t", "task-uid", 1, ttl, t1),
+        ttl + refresh
+    );
+    assert_eq!(
+        fresh.gone_attempt_left("ns", "t", "task-uid", 1, ttl, t1 + ttl),
+        refresh
+    );
 }
