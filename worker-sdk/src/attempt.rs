@@ -258,12 +258,23 @@ impl Attempt {
                 // last copy cannot touch a lease that moved on. Not before
                 // the attempt has surely stopped (`give_back_at`): the
                 // slot stays taken until then, as its work may be.
+                let at = give_back_at(&self.fence.clock(), Instant::now(), self.stop_budget);
                 if given_back(reason).is_some() {
-                    let at = give_back_at(&self.fence.clock(), Instant::now(), self.stop_budget);
                     debug!(lease = %lease_name, token, wait = ?at.saturating_duration_since(Instant::now()), "giving the lease back once the attempt has surely stopped");
-                    tokio::time::sleep_until(at).await;
                 }
-                give_back(&self.api, &last_copy, reason).await;
+                // A drain past its grace stops waiting: the lease is left
+                // to expire (the WorkerLease goes with the worker).
+                tokio::select! {
+                    () = async {
+                        if given_back(reason).is_some() {
+                            tokio::time::sleep_until(at).await;
+                        }
+                        give_back(&self.api, &last_copy, reason).await;
+                    } => {}
+                    () = self.interrupt.cancelled() => {
+                        info!(lease = %lease_name, token, reason = reason.as_str(), "drained before the killed attempt was given back: its lease is left to expire");
+                    }
+                }
                 Ended::Killed(reason)
             }
         }
@@ -284,24 +295,49 @@ fn count_kill(metrics: &WorkerMetrics, reason: KillReason) {
 /// After the kill switch: complete the lease (from our last copy, so only a
 /// lease nobody else wrote since matches) as `completion::given_back` says
 /// — `Interrupted`, or `Failed` when the attempt ran out of its deadline.
-/// Bounded, best effort: a lease that moved on refuses the CAS, harmlessly.
+/// Each try is bounded; a lease that moved on refuses the CAS (a 4xx),
+/// harmlessly.
+///
+/// One try, but after a lost WorkerLease: then nothing else would ever end
+/// the attempt — the operator credits every renewal of the worker's next
+/// WorkerLease (a new object, which never names it) to a lease still Held
+/// by the worker — so a try that failed for want of an answer (an API
+/// server away, a timeout) is made again, backing off to
+/// [`GIVE_BACK_RETRY_MAX`], until it lands or the lease has moved on.
 async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) {
     let Some(c) = given_back(reason) else {
         return;
     };
     let name = lease.name_any();
-    match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, lease, &c)).await {
-        Ok(Ok(())) => {
-            info!(lease = %name, reason = reason.as_str(), outcome = outcome_label(c.outcome), "lease given back after the kill switch")
+    let persist = reason == KillReason::WorkerLeaseLost;
+    let mut pause = GIVE_BACK_RETRY_MIN;
+    loop {
+        let why = match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, lease, &c)).await {
+            Ok(Ok(())) => {
+                info!(lease = %name, reason = reason.as_str(), outcome = outcome_label(c.outcome), "lease given back after the kill switch");
+                return;
+            }
+            Ok(Err(e @ Error::Rejected { .. })) => {
+                debug!(lease = %name, reason = reason.as_str(), error = %e, "lease not given back (it moved on)");
+                return;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "timed out".to_owned(),
+        };
+        if !persist {
+            debug!(lease = %name, reason = reason.as_str(), error = %why, "lease not given back");
+            return;
         }
-        Ok(Err(e)) => {
-            debug!(lease = %name, reason = reason.as_str(), error = %e, "lease not given back (it moved on)")
-        }
-        Err(_) => {
-            debug!(lease = %name, reason = reason.as_str(), "giving the lease back timed out")
-        }
+        warn!(lease = %name, reason = reason.as_str(), error = %why, retry_in = ?pause, "giving the lease back failed: trying again (nothing else ends it)");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(GIVE_BACK_RETRY_MAX);
     }
 }
+
+/// The first and the longest pause between tries of a give-back that must
+/// land (see [`give_back`]).
+const GIVE_BACK_RETRY_MIN: Duration = Duration::from_millis(500);
+const GIVE_BACK_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Pure: the earliest instant an attempt killed at `killed_at` may be
 /// given back. The operator acts on a give-back at once — releases the
@@ -593,6 +629,37 @@ mod tests {
             elapsed >= Duration::from_secs(40) && elapsed < Duration::from_millis(42_100),
             "given back at {elapsed:?}"
         );
+    }
+
+    /// Issue 39, defect 4: a give-back after a lost WorkerLease was one
+    /// 2 s try. Failed (an API server briefly away), the lease stayed Held
+    /// and the worker's next WorkerLease, a new object that never names
+    /// it, kept it alive in the operator's eyes for as long as the worker
+    /// renewed. It is tried again until it lands or the lease moved on; a
+    /// revoked attempt's, which the operator ends itself, is tried once.
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_worker_lease_s_give_back_is_tried_until_it_lands() {
+        let s = Duration::from_secs;
+        for (reason, gives_up) in [
+            (KillReason::WorkerLeaseLost, false),
+            (KillReason::Revoked, true),
+        ] {
+            let start = Instant::now();
+            let fence = Fence::new(1, KillClock::new(s(30), start, None).per_worker());
+            let killer = {
+                let fence = fence.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(s(1)).await;
+                    fence.kill(reason);
+                })
+            };
+            let run = attempt(fence)
+                .run(|_ctx: TaskContext| std::future::pending::<Result<Output, TaskError>>());
+            // Nobody answers (connection refused): a transient failure.
+            let ended = tokio::time::timeout(s(600), run).await;
+            killer.await.unwrap();
+            assert_eq!(ended.is_ok(), gives_up, "{reason:?}: {ended:?}");
+        }
     }
 
     #[test]
