@@ -15,7 +15,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use batchlease_api::{LeasePhase, TaskLease};
+use batchlease_api::{AttemptRef, LeasePhase, TaskLease};
 use kube::ResourceExt;
 use tokio::time::Instant;
 
@@ -395,6 +395,28 @@ impl Tracker {
             .by_holder
             .get(&(namespace.to_owned(), holder.to_owned()))
             .map_or(0, BTreeSet::len)
+    }
+
+    /// The attempts `holder` holds per worker in `namespace`, as the watch
+    /// shows them (by name and the task lease's UID).
+    pub fn held_per_worker(&self, namespace: &str, holder: &str) -> BTreeSet<AttemptRef> {
+        let state = self.lock();
+        let Some(names) = state
+            .by_holder
+            .get(&(namespace.to_owned(), holder.to_owned()))
+        else {
+            return BTreeSet::new();
+        };
+        names
+            .iter()
+            .filter_map(|name| {
+                let seen = state.seen.get(&(namespace.to_owned(), name.clone()))?;
+                Some(AttemptRef {
+                    name: name.clone(),
+                    uid: seen.uid().to_owned(),
+                })
+            })
+            .collect()
     }
 
     /// The leases `holder` holds per worker in `namespace` that are due to

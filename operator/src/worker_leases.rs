@@ -247,6 +247,19 @@ pub fn next_worker_seen(
     })
 }
 
+/// Pure: the attempts of `ended` still in `held` (those its holder still
+/// holds per worker, by the lease tracker). No renewal is ever credited to
+/// another — `credit` skips a lease not Held per worker by the renewal's
+/// holder — so a record keeps only these, or it would grow by every
+/// attempt its worker ever ran and be cloned into every renewal observed.
+pub fn prune_ended(
+    mut ended: BTreeSet<AttemptRef>,
+    held: &BTreeSet<AttemptRef>,
+) -> BTreeSet<AttemptRef> {
+    ended.retain(|a| held.contains(a));
+    ended
+}
+
 /// Pure: the record `seen` of TaskLease `lease` (from `observe::next_seen`
 /// on this very copy) with `renewal` credited to it — its last renewal
 /// becomes the renewal's instant — when the rule says so (see the
@@ -419,6 +432,12 @@ impl WorkerTracker {
     /// A WorkerLease event from the watch (apply or initial list).
     pub fn observe(&self, w: &WorkerLease, leases: &Tracker, now: Instant) {
         let key = (w.namespace().unwrap_or_default(), w.name_any());
+        // Taken before this tracker's lock (the lease tracker never calls
+        // back into this one).
+        let held = w
+            .worker()
+            .map(|h| leases.held_per_worker(&key.0, h))
+            .unwrap_or_default();
         let mut state = self.lock();
         let relisting = state.listed.is_some();
         if let Some(listed) = &mut state.listed {
@@ -431,6 +450,7 @@ impl WorkerTracker {
         let resumed = prev_uid.is_some() && !state.gapless_since.contains_key(&key);
         match next_worker_seen(state.seen.get(&key), w, now) {
             Some(mut o) => {
+                o.seen.ended = prune_ended(std::mem::take(&mut o.seen.ended), &held);
                 // A list shows the version as it is, not when it was made;
                 // a resumed watch, versions made while it was down.
                 if relisting || resumed {
@@ -533,6 +553,16 @@ impl WorkerTracker {
         }
         state.found_gone.insert(key, now);
         false
+    }
+
+    #[cfg(test)]
+    fn ended_for_tests(&self, namespace: &str, holder: &str) -> BTreeSet<AttemptRef> {
+        let name = batchlease_api::worker_lease::worker_lease_name(holder);
+        self.lock()
+            .seen
+            .get(&(namespace.to_owned(), name))
+            .map(|s| s.ended.clone())
+            .unwrap_or_default()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

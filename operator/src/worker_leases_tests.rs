@@ -639,3 +639,44 @@ fn the_attempt_to_revoke_follows_the_decided_lease_not_the_cache() {
         assert_eq!(revocation_holder(decided, cached), want, "{why}");
     }
 }
+
+/// Issue 39, defect 7: a WorkerLease's record of the attempts whose
+/// listing ended only grew (a worker that ran 100,000 attempts carried
+/// them all, cloned into every renewal observed). It keeps only attempts
+/// its holder still holds per worker: no renewal is credited to another.
+#[test]
+fn a_worker_lease_record_keeps_only_the_ended_attempts_still_held() {
+    let leases = Tracker::default();
+    let wt = WorkerTracker::default();
+    let t = |s: u64| Instant::now() + Duration::from_secs(s);
+    let mut a = task_lease("t-1", "w1", LeasePhase::Held);
+    let b = task_lease("t-2", "w1", LeasePhase::Held);
+    leases.observe(&a, t(0));
+    leases.observe(&b, t(0));
+    wt.observe(&worker("w1", "u1", 1, "t-1,t-2"), &leases, t(1));
+    // Both dropped from the listing: both ended, both still Held.
+    wt.observe(&worker("w1", "u1", 2, ""), &leases, t(2));
+    assert_eq!(wt.ended_for_tests("ns", "w1"), names(&["t-1", "t-2"]));
+    // t-1 completes: its record no longer needs it.
+    a.status.as_mut().unwrap().phase = Some(LeasePhase::Completed);
+    leases.observe(&a, t(3));
+    wt.observe(&worker("w1", "u1", 3, ""), &leases, t(4));
+    assert_eq!(wt.ended_for_tests("ns", "w1"), names(&["t-2"]));
+    // t-2's lease is deleted: nothing left.
+    leases.forget(&b, t(5));
+    wt.observe(&worker("w1", "u1", 4, ""), &leases, t(6));
+    assert_eq!(wt.ended_for_tests("ns", "w1"), BTreeSet::new());
+}
+
+#[test]
+fn ended_attempts_are_pruned_to_those_held() {
+    let ended = names(&["t-1", "t-2", "t-3"]);
+    let held = names(&["t-2", "t-9"]);
+    assert_eq!(prune_ended(ended, &held), names(&["t-2"]));
+    // Another object of a name still held (a new UID): not the same attempt.
+    let other = BTreeSet::from([AttemptRef {
+        name: "t-2".into(),
+        uid: "uid-other".into(),
+    }]);
+    assert_eq!(prune_ended(names(&["t-2"]), &other), BTreeSet::new());
+}
