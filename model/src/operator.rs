@@ -253,6 +253,7 @@ impl Cluster {
                 needed_by: None,
                 queue: QueueGate::Open,
                 offer,
+                per_worker_offers: true,
             })
         };
         let mut decision = decide_with(&leases, lookup, None);
@@ -425,6 +426,7 @@ impl Cluster {
             needed_by: None,
             queue: QueueGate::Open,
             offer: None,
+            per_worker_offers: true,
         });
         self.request(s, &task, decision, || pass)
     }

@@ -35,6 +35,11 @@ pub fn candidates_now(
         return Err(Unaddressed::Disabled);
     }
     if !ctx.workers.listed() {
+        // Never listed for long: as if addressing were off (open offers,
+        // nothing held for slots), renewed per lease (`Input::per_worker_offers`).
+        if ctx.workers.degraded(now) {
+            return Err(Unaddressed::Disabled);
+        }
         return Err(Unaddressed::NotListed);
     }
     let workers: Vec<_> = ctx

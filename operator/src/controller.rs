@@ -355,12 +355,15 @@ fn watch_worker_leases(
     synced: impl Fn(bool) + Send + 'static,
 ) -> impl futures::Stream<Item = Result<watcher::Event<WorkerLease>, watcher::Error>> + Send {
     let failed = workers.clone();
+    workers.watch_started(Instant::now());
     watcher(api, watcher::Config::default())
         .backoff(WatchBackoff::new(jitter))
         .modify(forget_managed_fields)
         // An error may stand for a version lost (one that did not decode):
         // from here on nothing counts as seen without a gap.
-        .inspect_err(move |_| failed.watch_failed(Instant::now()))
+        .inspect_err(move |e| {
+            failed.watch_error(Instant::now(), batchlease_api::Chain(e).to_string());
+        })
         .inspect_ok(move |event| {
             synced(matches!(event, watcher::Event::InitDone));
             let now = Instant::now();

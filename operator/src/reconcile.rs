@@ -105,6 +105,7 @@ async fn reconcile_inner(task: &BatchTask, ctx: &Ctx) -> Result<Action, Error> {
             needed_by: needed_by.clone(),
             queue: queue_gate,
             offer,
+            per_worker_offers: !ctx.workers.degraded(now),
         })
     };
     let mut slots: Option<Vec<Slot>> = None;

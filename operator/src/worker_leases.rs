@@ -65,6 +65,7 @@ use tokio::time::Instant;
 
 use crate::observe::{Seen, Tracker};
 use crate::offers::Renewals;
+use tracing::{error, info};
 
 /// The last state seen of one WorkerLease.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -260,6 +261,23 @@ pub fn prune_ended(
     ended
 }
 
+/// How long the operator waits for the WorkerLease watch's first list
+/// before it degrades to renewals per lease ([`list_degraded`]).
+pub const LIST_GRACE: Duration = Duration::from_secs(60);
+
+/// Pure: whether an operator whose WorkerLease watch started at `started`
+/// and has `synced` (its first list in) or not is degraded at `now`: no
+/// list for [`LIST_GRACE`]. Until the first list every queue whose
+/// workers take bound attempts waits for their slots, and no renewal
+/// through a WorkerLease can be credited; a list that never comes (the
+/// CRD not installed — `helm upgrade` does not upgrade CRDs — or
+/// list/watch not granted) would stall every queue for good, per-lease
+/// workers' queues too. Degraded, the operator issues open offers that
+/// are claimed and renewed per lease, as before WorkerLeases existed.
+pub fn list_degraded(synced: bool, started: Option<Instant>, now: Instant) -> bool {
+    !synced && started.is_some_and(|t| now.saturating_duration_since(t) >= LIST_GRACE)
+}
+
 /// Pure: the record `seen` of TaskLease `lease` (from `observe::next_seen`
 /// on this very copy) with `renewal` credited to it — its last renewal
 /// becomes the renewal's instant — when the rule says so (see the
@@ -355,6 +373,13 @@ struct State {
     /// When the watch last reported an error: renewals may have gone
     /// unseen until then, so no worker has been silent since longer.
     failed_at: Option<Instant>,
+    /// When the watch was started (`None`: not yet).
+    started: Option<Instant>,
+    /// The watch's last error, as it said it: the cause a degraded
+    /// operator names.
+    last_error: Option<String>,
+    /// Degraded was logged (once per degradation).
+    degraded_logged: bool,
 }
 
 /// The WorkerLeases as the watch shows them, crediting each renewal it
@@ -427,6 +452,45 @@ impl WorkerTracker {
     /// attempt's WorkerLease renewals may not have been credited yet.
     pub fn listed(&self) -> bool {
         self.lock().synced
+    }
+
+    /// The watch starts now (what [`WorkerTracker::degraded`] counts from).
+    pub fn watch_started(&self, now: Instant) {
+        self.lock().started.get_or_insert(now);
+    }
+
+    /// Whether the operator runs degraded, without WorkerLeases
+    /// ([`list_degraded`]); logged once, with the watch's last error.
+    pub fn degraded(&self, now: Instant) -> bool {
+        let mut state = self.lock();
+        let degraded = list_degraded(state.synced, state.started, now);
+        if degraded && !state.degraded_logged {
+            state.degraded_logged = true;
+            error!(
+                cause = state.last_error.as_deref().unwrap_or("no answer"),
+                grace = ?LIST_GRACE,
+                "the WorkerLease watch has not listed: offers are claimed and renewed per lease, not per worker, and no queue waits for worker slots (is the WorkerLease CRD installed, and may the operator list and watch workerleases?)"
+            );
+        }
+        degraded
+    }
+
+    /// Why the WorkerLease watch has not listed, while degraded: its last
+    /// error, for the Events that name the cause.
+    pub fn degraded_cause(&self, now: Instant) -> Option<String> {
+        let state = self.lock();
+        list_degraded(state.synced, state.started, now).then(|| {
+            state
+                .last_error
+                .clone()
+                .unwrap_or_else(|| "the WorkerLease watch has not listed".into())
+        })
+    }
+
+    /// The watch's error, as it said it (kept for [`WorkerTracker::degraded_cause`]).
+    pub fn watch_error(&self, now: Instant, cause: String) {
+        self.watch_failed(now);
+        self.lock().last_error = Some(cause);
     }
 
     /// A WorkerLease event from the watch (apply or initial list).
@@ -514,6 +578,9 @@ impl WorkerTracker {
         let Some(listed) = state.listed.take() else {
             return Vec::new();
         };
+        if !state.synced && state.degraded_logged {
+            info!("the WorkerLease watch has listed: offers may be renewed per worker again");
+        }
         state.synced = true;
         let gone: Vec<(Key, WorkerSeen)> = state
             .seen

@@ -680,3 +680,39 @@ fn ended_attempts_are_pruned_to_those_held() {
     }]);
     assert_eq!(prune_ended(names(&["t-2"]), &other), BTreeSet::new());
 }
+
+/// Issue 39, defect 6: a WorkerLease watch that never lists held every
+/// queue's issues for worker slots for good. A minute without a first list
+/// degrades the operator to renewals per lease; a list ends it.
+#[test]
+fn an_operator_degrades_when_the_worker_lease_watch_never_lists() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    for (why, synced, started, at, want) in [
+        ("not started", false, None, 600, false),
+        ("within the grace", false, Some(0), 59, false),
+        ("a minute without a list", false, Some(0), 60, true),
+        ("listed", true, Some(0), 600, false),
+    ] {
+        assert_eq!(
+            list_degraded(synced, started.map(|x| t0 + s(x)), t0 + s(at)),
+            want,
+            "{why}"
+        );
+    }
+    let wt = WorkerTracker::default();
+    wt.watch_started(t0);
+    wt.watch_error(t0 + s(1), "workerleases is forbidden".into());
+    assert!(!wt.degraded(t0 + s(30)));
+    assert_eq!(wt.degraded_cause(t0 + s(30)), None);
+    assert!(wt.degraded(t0 + s(61)));
+    assert_eq!(
+        wt.degraded_cause(t0 + s(61)).as_deref(),
+        Some("workerleases is forbidden")
+    );
+    // The list comes: per worker again.
+    let leases = Tracker::default();
+    wt.list_started();
+    wt.list_done(&leases, t0 + s(70));
+    assert!(!wt.degraded(t0 + s(71)));
+}

@@ -104,6 +104,7 @@ pub(super) struct Case {
     /// Seconds since the offer was addressed to its worker, and for how
     /// many more seconds that worker counts as live (0: lapsed).
     pub(super) offer: Option<(u64, u64)>,
+    pub(super) per_worker_offers: bool,
     /// A WorkerLease version seen since the claim named the attempt.
     pub(super) named: bool,
 }
@@ -122,6 +123,7 @@ impl Case {
             needed_by: None,
             queue: QueueGate::Open,
             offer: None,
+            per_worker_offers: true,
             named: false,
         }
     }
@@ -190,6 +192,7 @@ impl Case {
                 since: now - Duration::from_secs(since),
                 addressee_live_until: (live_for > 0).then(|| now + Duration::from_secs(live_for)),
             }),
+            per_worker_offers: self.per_worker_offers,
         })
     }
 }

@@ -104,6 +104,10 @@ fn issue(
     );
     let mut lease = offered_lease(task, token);
     lease.spec.resource_tokens = resource_tokens;
+    if !input.per_worker_offers {
+        // Claimed and renewed per lease, as an older operator's offer.
+        lease.spec.renewal = None;
+    }
     Decision::Issue {
         status: Box::new(status),
         lease: Box::new(lease),

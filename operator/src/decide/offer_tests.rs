@@ -107,3 +107,19 @@ fn a_claimed_addressed_offer_is_a_held_lease() {
         "a held lease is never re-addressed: {d:?}"
     );
 }
+
+/// Issue 39, defect 6: while the operator cannot watch WorkerLeases, a new
+/// offer is claimed and renewed per lease (no `spec.renewal`, as an older
+/// operator's); otherwise it may be claimed per worker.
+#[test]
+fn an_offer_allows_renewals_per_worker_only_while_worker_leases_are_watched() {
+    let pending = || task().phase(TaskPhase::Pending, 0);
+    for (watched, want) in [(true, Some(batchlease_api::Renewal::Lease)), (false, None)] {
+        let mut case = Case::new(pending());
+        case.per_worker_offers = watched;
+        let Decision::Issue { lease, .. } = case.run() else {
+            panic!("expected an issue");
+        };
+        assert_eq!(lease.spec.renewal, want, "watched: {watched}");
+    }
+}

@@ -64,6 +64,12 @@ pub struct Input<'a> {
     /// The current lease's address while it is an offer addressed to a
     /// worker (`spec.offeredTo`, [`crate::offers`]); `None` otherwise.
     pub offer: Option<OfferView>,
+    /// Whether a new offer may be claimed to be renewed per worker
+    /// (`spec.renewal: Lease`). False while the operator cannot watch
+    /// WorkerLeases (`WorkerTracker::degraded`: its first list never came —
+    /// the CRD not installed, list/watch not granted): it could credit no
+    /// renewal through one, and an attempt renewed so would never expire.
+    pub per_worker_offers: bool,
 }
 
 /// What the operator knows of an addressed offer: since when (its monotonic

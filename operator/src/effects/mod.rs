@@ -252,6 +252,21 @@ async fn issue(
         None => "offered".to_owned(),
     };
     info!(task = %name, namespace = %ns, token, cause = ?cause, bound = lease.bound(), "lease issued");
+    // Degraded (the WorkerLease watch never listed): said on the task.
+    if lease.spec.renewal.is_none()
+        && let Some(why) = ctx.workers.degraded_cause(Instant::now())
+    {
+        publish(
+            ctx,
+            task,
+            EventType::Warning,
+            "WorkerLeasesUnavailable",
+            format!(
+                "lease {lease_name} is to be renewed per lease, not per worker, and no queue waits for worker slots: the operator cannot watch WorkerLeases ({why}). Install the WorkerLease CRD (helm upgrade does not upgrade CRDs) and let the operator list and watch workerleases"
+            ),
+        )
+        .await;
+    }
     let locked = if lease.spec.resource_tokens.is_empty() {
         String::new()
     } else {
