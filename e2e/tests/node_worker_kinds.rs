@@ -12,9 +12,10 @@
 
 use std::time::Duration;
 
-use batchlease_api::TaskPhase;
+use batchlease_api::{BatchTask, TaskPhase};
 use batchlease_e2e::node_world::{World, pod_name};
 use batchlease_e2e::{kubectl, node, pg, tasks};
+use kube::api::{Patch, PatchParams};
 use serde_json::json;
 
 /// One test at a time: each runs pods on a 2-core machine's one node.
@@ -67,7 +68,16 @@ async fn the_runner_image_runs_a_command_under_the_chart_s_read_only_root() {
     .await
     .unwrap();
     let s = t.status.as_ref().unwrap();
-    assert_eq!(s.attempts, 1, "{s:?}");
+    // One attempt, by a pod of the chart; no retry spent.
+    assert_eq!(s.attempts, 0, "{s:?}");
+    assert_eq!(s.history.len(), 1, "{s:?}");
+    assert!(
+        s.history[0]
+            .holder
+            .as_deref()
+            .is_some_and(|h| h.starts_with("w-batchlease-worker-")),
+        "{s:?}"
+    );
     let uid = t.metadata.uid.clone().unwrap();
     assert_eq!(
         registered_token(&uid).await,
@@ -122,6 +132,25 @@ async fn a_runner_whose_command_is_missing_refuses_to_start_and_charges_no_task(
     assert_eq!(s.attempts, 0, "{s:?}\n{}", w.diag());
     assert!(s.history.is_empty(), "{s:?}");
     assert_eq!(s.phase, Some(TaskPhase::Ready), "offered, unclaimed: {s:?}");
+    // Ended (Cancelled, final) so that the history check finds no task
+    // left waiting.
+    w.ns.api::<BatchTask>()
+        .patch(
+            "waits",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await
+        .unwrap();
+    tasks::wait_phase(
+        &w.ns,
+        "waits",
+        TaskPhase::Cancelled,
+        Duration::from_secs(60),
+        || w.diag(),
+    )
+    .await
+    .unwrap();
     w.finish().await;
 }
 
