@@ -108,11 +108,14 @@ fn worker_chart_lints_packages_and_fits_the_sdk_and_the_demo_worker() {
     );
     let (deploy, _) = render("ns", &["postgres.existingSecret=pg"]);
     // POD_NAME and POD_UID are the SDK's own (its identity, its
-    // WorkerLease's owner), as is BATCHLEASE_RENEW_PER_WORKER.
+    // WorkerLease's owner), as is BATCHLEASE_RENEW_PER_WORKER; TMPDIR is
+    // the runtime's (Rust's std::env::temp_dir, Python's tempfile: where
+    // batchlease-run and the forkserver write).
     let (per_worker, _) = render("ns", &["postgres.existingSecret=pg", "renewPerWorker=true"]);
     let sdk_reads = |name: &str| {
         name == "POD_NAME"
             || name == "POD_UID"
+            || name == "TMPDIR"
             || name == batchlease_worker_sdk::RENEW_PER_WORKER_ENV
     };
     assert!(
