@@ -41,7 +41,8 @@
 
 use batchlease_api::worker_lease::worker_lease_name;
 use batchlease_api::{AttemptRef, LeasePhase, TaskLease, WorkerLease, WorkerLeaseSpec};
-use batchlease_operator::worker_leases::{credit, next_worker_seen, revocation_holder};
+use batchlease_operator::revocation::revocation_holder;
+use batchlease_operator::worker_leases::{credit, next_worker_seen};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 

@@ -14,6 +14,7 @@ pub mod locks;
 pub mod observe;
 pub mod offers;
 pub mod queue_gate;
+pub mod revocation;
 pub mod spawn_gate;
 pub mod speculation;
 pub mod status;

@@ -248,18 +248,28 @@ pub fn next_worker_seen(
     })
 }
 
-/// Pure: the attempts of `ended` still in `held` (those its holder still
-/// holds per worker, by the lease tracker). No renewal is ever credited to
-/// another — `credit` skips a lease not Held per worker by the renewal's
-/// holder — so a record keeps only these, or it would grow by every
-/// attempt its worker ever ran and be cloned into every renewal observed.
+/// Pure: the attempts of `ended` to keep: those its holder still holds per
+/// worker (`held`, by the lease tracker), and those whose end was first
+/// seen (`ended_at`) less than [`ENDED_KEPT`] before `now`. No renewal is
+/// credited to an attempt no longer Held per worker by the renewal's
+/// holder, so a record need not keep it — but the lease watch may lag the
+/// WorkerLease watch (a claim not yet seen as held), and an entry dropped
+/// then would let later renewals feed an attempt its worker stopped
+/// listing. Kept an hour, past any such lag; without pruning the set grew
+/// by every attempt the worker ever ran and was cloned into every renewal.
 pub fn prune_ended(
     mut ended: BTreeSet<AttemptRef>,
     held: &BTreeSet<AttemptRef>,
+    ended_at: impl Fn(&AttemptRef) -> Instant,
+    now: Instant,
 ) -> BTreeSet<AttemptRef> {
-    ended.retain(|a| held.contains(a));
+    ended.retain(|a| held.contains(a) || now.saturating_duration_since(ended_at(a)) < ENDED_KEPT);
     ended
 }
+
+/// How long an ended attempt stays in its WorkerLease's record once the
+/// lease tracker no longer shows it held ([`prune_ended`]).
+pub const ENDED_KEPT: Duration = Duration::from_secs(3600);
 
 /// How long the operator waits for the WorkerLease watch's first list
 /// before it degrades to renewals per lease ([`list_degraded`]).
@@ -360,6 +370,9 @@ type Key = (String, String);
 struct State {
     /// (namespace, WorkerLease name) → its record.
     seen: HashMap<Key, WorkerSeen>,
+    /// When each ended attempt of a record was first seen ended
+    /// ([`prune_ended`]).
+    ended_at: HashMap<(Key, AttemptRef), Instant>,
     /// During a (re)list: the WorkerLeases listed so far.
     listed: Option<HashSet<Key>>,
     /// Attempts whose WorkerLease a read found gone: when (see
@@ -514,7 +527,24 @@ impl WorkerTracker {
         let resumed = prev_uid.is_some() && !state.gapless_since.contains_key(&key);
         match next_worker_seen(state.seen.get(&key), w, now) {
             Some(mut o) => {
-                o.seen.ended = prune_ended(std::mem::take(&mut o.seen.ended), &held);
+                for a in &o.seen.ended {
+                    state
+                        .ended_at
+                        .entry((key.clone(), a.clone()))
+                        .or_insert(now);
+                }
+                let since = |a: &AttemptRef| {
+                    state
+                        .ended_at
+                        .get(&(key.clone(), a.clone()))
+                        .copied()
+                        .unwrap_or(now)
+                };
+                o.seen.ended = prune_ended(std::mem::take(&mut o.seen.ended), &held, since, now);
+                let kept = &o.seen.ended;
+                state
+                    .ended_at
+                    .retain(|(k, a), _| k != &key || kept.contains(a));
                 // A list shows the version as it is, not when it was made;
                 // a resumed watch, versions made while it was down.
                 if relisting || resumed {
@@ -561,6 +591,7 @@ impl WorkerTracker {
         let prev = {
             let mut state = self.lock();
             state.gapless_since.remove(&key);
+            state.ended_at.retain(|(k, _), _| k != &key);
             state.seen.remove(&key)
         };
         // A departure is a renewal only when its last state carries a
@@ -591,6 +622,7 @@ impl WorkerTracker {
         for (k, _) in &gone {
             state.seen.remove(k);
             state.gapless_since.remove(k);
+            state.ended_at.retain(|(key, _), _| key != k);
         }
         state
             .found_gone
@@ -645,44 +677,6 @@ fn apply(namespace: &str, renewal: &Renewal, leases: &Tracker) {
     leases.credit_holder(namespace, &renewal.holder, |name, seen| {
         credit_seen(seen, name, renewal)
     });
-}
-
-/// Pure: whose WorkerLease must revoke the attempt of `decided` before the
-/// operator ends it on its own (an expiry, a cancel's or a pause's
-/// release); `None` when nothing renews it per worker.
-///
-/// `decided` is the copy the pass decided on, its phase already the one
-/// it is about to write; `cached` is the lease cache's copy of the same
-/// name, if any. The rule follows the decided copy, never the cache alone:
-/// the pass may have decided on a lease it read directly (a lagging lease
-/// watch, a new leader whose task list is newer than its lease list, a
-/// lookup after a late create), and then the cache holds an older object
-/// or none. Ending such an attempt without its revocation left its holder
-/// naming it in every renewal — its kill clock and its storage deadline
-/// fed — until its next TaskLease write, up to max(TTL, 120 s) later: a
-/// cancelled task could commit about 90 s after it showed Cancelled at a
-/// TTL of 30 s. Only a cached copy of the same object that its holder
-/// completed, or that is expired already, shows that nothing renews the
-/// attempt any more (the pass's own write will meet a conflict).
-pub fn revocation_holder<'a>(
-    decided: &'a TaskLease,
-    cached: Option<&TaskLease>,
-) -> Option<&'a str> {
-    let ended = cached.is_some_and(|c| {
-        c.uid() == decided.uid()
-            && matches!(
-                c.status.as_ref().and_then(|s| s.phase),
-                Some(LeasePhase::Completed | LeasePhase::Expired)
-            )
-    });
-    if ended || !decided.renewed_per_worker() {
-        return None;
-    }
-    decided
-        .spec
-        .holder_identity
-        .as_deref()
-        .filter(|h| !h.is_empty())
 }
 
 #[cfg(test)]

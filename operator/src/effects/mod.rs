@@ -452,7 +452,7 @@ async fn expire(
 }
 
 /// The holder whose WorkerLease must revoke `lease`'s attempt before the
-/// pass ends it (`worker_leases::revocation_holder`: the decided copy,
+/// pass ends it (`revocation::revocation_holder`: the decided copy,
 /// read from the cache or directly, with the cache's copy as a witness
 /// only that the attempt ended already).
 fn revocation_holder(ctx: &Ctx, lease: &TaskLease) -> Option<String> {
@@ -460,8 +460,7 @@ fn revocation_holder(ctx: &Ctx, lease: &TaskLease) -> Option<String> {
     let cached = ctx
         .leases
         .get(&kube::runtime::reflector::ObjectRef::new(&lease.name_any()).within(&ns));
-    batchlease_operator::worker_leases::revocation_holder(lease, cached.as_deref())
-        .map(str::to_owned)
+    batchlease_operator::revocation::revocation_holder(lease, cached.as_deref()).map(str::to_owned)
 }
 
 async fn prune(ctx: &Ctx, ns: &str, victims: Vec<(String, Option<String>)>) -> Result<(), Error> {

@@ -36,7 +36,7 @@ pub enum Revoked {
 
 /// Revokes the attempt of `decided` (the lease the pass decided to end,
 /// read from the cache or directly) on the WorkerLease of `holder`, whom
-/// `worker_leases::revocation_holder` named.
+/// `revocation::revocation_holder` named.
 ///
 /// `expiry`: the TTL when the attempt ends for want of renewals. Then the
 /// timing is checked again against the copy the CAS is based on: the
