@@ -8,7 +8,9 @@ use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use batchlease_api::{BatchTask, LeaseOutcome, MAX_MESSAGE_CHARS, MAX_REASON_CHARS, TaskLease};
+use batchlease_api::{
+    BatchTask, LeaseOutcome, LeasePhase, MAX_MESSAGE_CHARS, MAX_REASON_CHARS, TaskLease,
+};
 use kube::ResourceExt;
 use kube::api::Api;
 use tokio::sync::oneshot;
@@ -310,16 +312,44 @@ async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) 
     };
     let name = lease.name_any();
     let persist = reason == KillReason::WorkerLeaseLost;
+    let mut copy = lease.clone();
     let mut pause = GIVE_BACK_RETRY_MIN;
     loop {
-        let why = match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, lease, &c)).await {
+        let why = match timeout(GIVE_BACK_BUDGET, lease_ops::complete_once(api, &copy, &c)).await {
             Ok(Ok(())) => {
                 info!(lease = %name, reason = reason.as_str(), outcome = outcome_label(c.outcome), "lease given back after the kill switch");
                 return;
             }
             Ok(Err(e @ Error::Rejected { .. })) => {
-                debug!(lease = %name, reason = reason.as_str(), error = %e, "lease not given back (it moved on)");
-                return;
+                let code = match &e {
+                    Error::Rejected {
+                        source: kube::Error::Api(s),
+                        ..
+                    } => s.code,
+                    _ => 0,
+                };
+                match (persist, code) {
+                    // Too many requests: no answer about the lease.
+                    (true, 429) => e.to_string(),
+                    // Someone wrote it since our copy: still ours (Held by
+                    // us, same object) — a label, an annotation — or not.
+                    (true, 409) => match timeout(GIVE_BACK_BUDGET, api.get_opt(&name)).await {
+                        Ok(Ok(Some(fresh))) if still_ours(&copy, &fresh) => {
+                            copy = fresh;
+                            e.to_string()
+                        }
+                        Ok(Ok(_)) => {
+                            debug!(lease = %name, reason = reason.as_str(), "lease not given back (it moved on)");
+                            return;
+                        }
+                        Ok(Err(read)) => read.to_string(),
+                        Err(_) => "re-read timed out".to_owned(),
+                    },
+                    _ => {
+                        debug!(lease = %name, reason = reason.as_str(), error = %e, "lease not given back (it moved on)");
+                        return;
+                    }
+                }
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => "timed out".to_owned(),
@@ -332,6 +362,16 @@ async fn give_back(api: &Api<TaskLease>, lease: &TaskLease, reason: KillReason) 
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(GIVE_BACK_RETRY_MAX);
     }
+}
+
+/// Pure: whether `fresh` (read after a conflict) is still the lease `ours`
+/// gave back: the same object, Held by the same holder under the same
+/// token. Anything else moved on, and is not ours to end.
+fn still_ours(ours: &TaskLease, fresh: &TaskLease) -> bool {
+    fresh.uid() == ours.uid()
+        && fresh.spec.holder_identity == ours.spec.holder_identity
+        && fresh.spec.fencing_token == ours.spec.fencing_token
+        && fresh.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held)
 }
 
 /// The first and the longest pause between tries of a give-back that must
@@ -659,6 +699,37 @@ mod tests {
             let ended = tokio::time::timeout(s(600), run).await;
             killer.await.unwrap();
             assert_eq!(ended.is_ok(), gives_up, "{reason:?}: {ended:?}");
+        }
+    }
+
+    /// A conflict during a lost WorkerLease's give-back is tried again only
+    /// while the lease is still ours, as it was (a label written since).
+    #[test]
+    fn a_conflicting_give_back_is_tried_again_only_on_a_lease_still_ours() {
+        let mut ours = held_lease();
+        ours.metadata.uid = Some("u-1".into());
+        ours.status = Some(batchlease_api::TaskLeaseStatus {
+            phase: Some(LeasePhase::Held),
+            ..Default::default()
+        });
+        let mut labelled = ours.clone();
+        labelled.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        assert!(still_ours(&ours, &labelled));
+        let mut expired = ours.clone();
+        expired.status.as_mut().unwrap().phase = Some(LeasePhase::Expired);
+        let mut other = ours.clone();
+        other.metadata.uid = Some("u-2".into());
+        let mut next = ours.clone();
+        next.spec.fencing_token += 1;
+        let mut claimed = ours.clone();
+        claimed.spec.holder_identity = Some("them".into());
+        for (why, fresh) in [
+            ("expired", expired),
+            ("another object", other),
+            ("the next token", next),
+            ("another holder", claimed),
+        ] {
+            assert!(!still_ours(&ours, &fresh), "{why}");
         }
     }
 
