@@ -11,7 +11,6 @@ from typing import Optional, Sequence, Union
 
 __all__ = [
     "Worker",
-    "queues_from",
     "Context",
     "TaskFailure",
     "RetryableError",
@@ -92,7 +91,7 @@ from . import _native  # noqa: E402
 from ._native import Context  # noqa: E402
 
 
-def queues_from(value: Union[str, Sequence[str]]) -> list:
+def _queues(value: Union[str, Sequence[str]]) -> list:
     """A queue name, a comma-separated list (as ``BATCHLEASE_QUEUES``, the
     variable every worker kind and the worker chart use) or a sequence of
     names, as a list."""
@@ -115,7 +114,7 @@ class Worker:
     ) -> None:
         self._native = _native.Worker(
             namespace,
-            queues=queues_from(queue),
+            queues=_queues(queue),
             slots=slots,
             identity=identity,
             database_url=database_url,

@@ -6,9 +6,6 @@ JsonObject = Dict[str, Any]
 SyncHandler = Callable[["Context"], Optional[JsonObject]]
 AsyncHandler = Callable[["Context"], Awaitable[Optional[JsonObject]]]
 
-def queues_from(value: Union[str, Sequence[str]]) -> List[str]:
-    """A queue name, a comma-separated list or a sequence, as a list."""
-
 class Worker:
     """Claims TaskLeases of its queues and runs a handler for each.
 
