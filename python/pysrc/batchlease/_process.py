@@ -40,6 +40,9 @@ from typing import Any, Callable, List, Optional
 #: How often the waiting thread checks the kill switch (seconds).
 POLL = 0.05
 
+#: How long a new child may take to start (import the handler's module).
+READY_TIMEOUT = 60.0
+
 
 class _ChildContext:
     """The context as the child sees it: values copied, calls relayed."""
@@ -144,7 +147,12 @@ class _Child:
         self.process.start()
         child_end.close()
         # The child leads its group once it says "ready" (EOFError if it
-        # died first: the caller reports the process as dead).
+        # died first, or did not start in time: the caller reports the
+        # process as dead).
+        if not self.conn.poll(READY_TIMEOUT):
+            self.process.kill()
+            self.process.join(timeout=5)
+            raise EOFError(f"the handler's process did not start within {READY_TIMEOUT} s")
         kind, pid = self.conn.recv()
         if kind != "ready" or pid != self.process.pid:
             raise EOFError(f"the handler's process began with {kind!r} {pid!r}, not ready")
