@@ -250,6 +250,22 @@ impl State {
         }
     }
 
+    /// The records of the leases `holder` holds per worker in `namespace`,
+    /// by name (the holder index, each with its observation).
+    fn held_by<'a>(
+        &'a self,
+        namespace: &'a str,
+        holder: &str,
+    ) -> impl Iterator<Item = (&'a String, &'a Seen)> + 'a {
+        self.by_holder
+            .get(&(namespace.to_owned(), holder.to_owned()))
+            .into_iter()
+            .flatten()
+            .filter_map(move |name| {
+                Some((name, self.seen.get(&(namespace.to_owned(), name.clone()))?))
+            })
+    }
+
     /// Drops departures long over (and first sightings long past any TTL).
     fn prune(&mut self, now: Instant) {
         self.departed
@@ -401,20 +417,11 @@ impl Tracker {
     /// shows them (by name and the task lease's UID).
     pub fn held_per_worker(&self, namespace: &str, holder: &str) -> BTreeSet<AttemptRef> {
         let state = self.lock();
-        let Some(names) = state
-            .by_holder
-            .get(&(namespace.to_owned(), holder.to_owned()))
-        else {
-            return BTreeSet::new();
-        };
-        names
-            .iter()
-            .filter_map(|name| {
-                let seen = state.seen.get(&(namespace.to_owned(), name.clone()))?;
-                Some(AttemptRef {
-                    name: name.clone(),
-                    uid: seen.uid().to_owned(),
-                })
+        state
+            .held_by(namespace, holder)
+            .map(|(name, seen)| AttemptRef {
+                name: name.clone(),
+                uid: seen.uid().to_owned(),
             })
             .collect()
     }
@@ -430,18 +437,10 @@ impl Tracker {
         now: Instant,
     ) -> Vec<(String, String)> {
         let state = self.lock();
-        let Some(names) = state
-            .by_holder
-            .get(&(namespace.to_owned(), holder.to_owned()))
-        else {
-            return Vec::new();
-        };
-        names
-            .iter()
-            .filter_map(|name| {
-                let key = (namespace.to_owned(), name.clone());
-                let seen = state.seen.get(&key)?;
-                let ttl = state.live.get(&key)?.ttl;
+        state
+            .held_by(namespace, holder)
+            .filter_map(|(name, seen)| {
+                let ttl = state.live.get(&(namespace.to_owned(), name.clone()))?.ttl;
                 (seen.per_worker_held
                     && now.saturating_duration_since(seen.observation.last_renewal) >= ttl)
                     .then(|| (name.clone(), seen.uid.clone()))
