@@ -81,6 +81,15 @@ pub(super) fn completion_of(
 }
 
 /// The lease completion a handler's result becomes.
+pub(super) fn outcome_label(o: LeaseOutcome) -> &'static str {
+    match o {
+        LeaseOutcome::Succeeded => "succeeded",
+        LeaseOutcome::Failed => "failed",
+        LeaseOutcome::Aborted => "aborted",
+        LeaseOutcome::Interrupted => "interrupted",
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn completion_for_tests(result: Result<Output, TaskError>) -> Completion {
     completion_of(result, None)
