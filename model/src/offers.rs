@@ -44,6 +44,7 @@ use std::collections::BTreeMap;
 use batchlease_api::worker_lease::worker_lease_name;
 use batchlease_api::{LeasePhase, TaskLease, WorkerLease};
 use batchlease_operator::decide::OfferView;
+use batchlease_operator::observe::Tracker;
 use batchlease_operator::offers::{self as operator_offers, Candidate};
 use kube::ResourceExt;
 
@@ -226,6 +227,12 @@ impl Cluster {
         let now = self.instant(s.now);
         let workers: Vec<WorkerLease> = s.op.wleases.values().map(|j| decode(j)).collect();
         let leases: Vec<TaskLease> = s.op.leases.values().map(|j| decode(j)).collect();
+        // The operator's lease tracker over its cache, for what takes a
+        // worker's slots.
+        let slots = Tracker::default();
+        for l in &leases {
+            slots.observe(l, now);
+        }
         let mut addressed: BTreeMap<&str, usize> = BTreeMap::new();
         for (to, _) in s.op.book.values() {
             *addressed.entry(to.as_str()).or_default() += 1;
@@ -246,12 +253,9 @@ impl Cluster {
                     }
                 })
             },
-            |id| {
-                leases
-                    .iter()
-                    .filter(|l| phase(l) == Some(LeasePhase::Held) && holder(l) == Some(id))
-                    .count()
-            },
+            // The production count (issue 39, defect 5: every attempt
+            // held, renewed per worker or per lease).
+            |id| slots.held_count("ns", id),
             |id| addressed.get(id).copied().unwrap_or(0),
             // As the operator: an attempt its cache shows over.
             |a| {

@@ -42,6 +42,9 @@ pub struct Seen {
     /// Held (not released) and claimed to be renewed through its holder's
     /// WorkerLease: what a WorkerLease renewal may be credited to.
     per_worker_held: bool,
+    /// Held (not released), renewed either way: it takes a slot of its
+    /// holder's.
+    held: bool,
     /// The TTL the lease was issued with (the never-listed rule of
     /// `worker_leases`).
     ttl: Duration,
@@ -128,6 +131,7 @@ pub fn next_seen(prev: Option<&Seen>, lease: &TaskLease, now: Instant) -> Option
         holder,
         renew_marker,
         per_worker_held: phase == Some(LeasePhase::Held) && lease.renewed_per_worker(),
+        held: phase == Some(LeasePhase::Held),
         ttl: lease_ttl(lease),
         listed: same_attempt.is_some_and(|p| p.listed),
         observation,
@@ -242,11 +246,27 @@ impl State {
             return;
         };
         let hk = (key.0.clone(), seen.holder.clone());
-        if let Some(names) = self.by_holder.get_mut(&hk) {
-            names.remove(&key.1);
-            if names.is_empty() {
-                self.by_holder.remove(&hk);
+        for index in [&mut self.by_holder, &mut self.slots_of] {
+            if let Some(names) = index.get_mut(&hk) {
+                names.remove(&key.1);
+                if names.is_empty() {
+                    index.remove(&hk);
+                }
             }
+        }
+    }
+
+    /// Puts `key`'s new record `seen` in its holder's index entries.
+    fn index_holder(&mut self, key: &Key, seen: &Seen) {
+        let hk = (key.0.clone(), seen.holder.clone());
+        if seen.per_worker_held {
+            self.by_holder
+                .entry(hk.clone())
+                .or_default()
+                .insert(key.1.clone());
+        }
+        if seen.held {
+            self.slots_of.entry(hk).or_default().insert(key.1.clone());
         }
     }
 
@@ -300,6 +320,9 @@ struct State {
     by_task: HashMap<Key, BTreeSet<String>>,
     /// (namespace, holder) → names of the leases it holds per worker.
     by_holder: HashMap<Key, BTreeSet<String>>,
+    /// (namespace, holder) → names of the leases it holds either way:
+    /// what takes its slots.
+    slots_of: HashMap<Key, BTreeSet<String>>,
     /// During a (re)list: the leases listed so far. A lease deleted while
     /// the watch was down gets no Delete event; the list's end forgets it.
     listed: Option<Vec<(Key, String)>>,
@@ -348,16 +371,16 @@ impl Tracker {
         }
         state.seen.retain(|k, _| keep.contains(k));
         state.by_task = by_task;
-        let mut by_holder: HashMap<Key, BTreeSet<String>> = HashMap::new();
-        for ((ns, name), seen) in &state.seen {
-            if seen.per_worker_held {
-                by_holder
-                    .entry((ns.clone(), seen.holder.clone()))
-                    .or_default()
-                    .insert(name.clone());
-            }
+        state.by_holder.clear();
+        state.slots_of.clear();
+        let records: Vec<(Key, Seen)> = state
+            .seen
+            .iter()
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
+        for (key, seen) in &records {
+            state.index_holder(key, seen);
         }
-        state.by_holder = by_holder;
     }
 
     /// Records a lease event from the watch (apply or initial list).
@@ -389,13 +412,7 @@ impl Tracker {
         state.unindex_holder(&key);
         match next {
             Some(seen) => {
-                if seen.per_worker_held {
-                    state
-                        .by_holder
-                        .entry((key.0.clone(), seen.holder.clone()))
-                        .or_default()
-                        .insert(key.1.clone());
-                }
+                state.index_holder(&key, &seen);
                 state.seen.insert(key, seen);
             }
             None => {
@@ -404,11 +421,14 @@ impl Tracker {
         }
     }
 
-    /// How many leases `holder` holds per worker in `namespace`, as the
-    /// watch shows them (what addressing counts against its slots).
+    /// How many leases `holder` holds in `namespace`, renewed per worker
+    /// or per lease, as the watch shows them: what addressing counts
+    /// against its slots (a worker that renews per worker may hold some
+    /// per lease: claimed before its WorkerLease was live, or after a
+    /// fallback).
     pub fn held_count(&self, namespace: &str, holder: &str) -> usize {
         self.lock()
-            .by_holder
+            .slots_of
             .get(&(namespace.to_owned(), holder.to_owned()))
             .map_or(0, BTreeSet::len)
     }

@@ -351,3 +351,42 @@ fn a_holder_renewing_per_worker_is_waited_for_after_a_relist_or_unseen() {
         refresh
     );
 }
+
+/// Issue 39, defect 5: an attempt a worker that renews per worker claimed
+/// per lease (its WorkerLease not live yet, or after a 403/422 fallback)
+/// takes one of its slots all the same. Counting only the attempts renewed
+/// per worker left the worker addressed and bound offers it had no slot
+/// for; each went back BoundNoSlot a TTL later and the interruption streak
+/// dead-lettered tasks that never ran.
+#[test]
+fn every_attempt_a_holder_holds_counts_against_its_slots() {
+    let tracker = Tracker::default();
+    let t0 = Instant::now();
+    let named = |name: &str, holder: &str, per_worker: bool, phase| {
+        let mut l = lease(&format!("u-{name}"), Some(holder), phase, 1);
+        l.metadata.name = Some(name.into());
+        l.spec.task_name = name.into();
+        l.spec.renewal = per_worker.then_some(batchlease_api::Renewal::Worker);
+        l
+    };
+    tracker.observe(&named("a-1", "pod/1", true, LeasePhase::Held), t0);
+    tracker.observe(&named("b-1", "pod/1", false, LeasePhase::Held), t0);
+    tracker.observe(&named("c-1", "pod/2", false, LeasePhase::Held), t0);
+    assert_eq!(
+        tracker.held_count("ns", "pod/1"),
+        2,
+        "per worker and per lease"
+    );
+    assert_eq!(tracker.held_count("ns", "pod/2"), 1);
+    // Only what is renewed per worker is credited by a WorkerLease renewal.
+    assert_eq!(tracker.held_per_worker("ns", "pod/1").len(), 1);
+    // A release or an end frees the slot; a relist keeps the count.
+    tracker.observe(&named("b-1", "pod/1", false, LeasePhase::Completed), t0);
+    assert_eq!(tracker.held_count("ns", "pod/1"), 1);
+    tracker.list_started();
+    tracker.observe(&named("a-1", "pod/1", true, LeasePhase::Held), t0);
+    tracker.observe(&named("c-1", "pod/2", false, LeasePhase::Held), t0);
+    tracker.list_done(t0);
+    assert_eq!(tracker.held_count("ns", "pod/1"), 1);
+    assert_eq!(tracker.held_count("ns", "pod/2"), 1);
+}

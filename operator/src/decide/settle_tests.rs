@@ -458,3 +458,54 @@ fn an_abort_of_a_quarantined_attempt_spends_a_retry() {
     );
     assert_eq!(st.phase, Some(TaskPhase::DeadLettered));
 }
+
+/// Issue 39, defect 5: a bound attempt its worker gave back unstarted (no
+/// slot, unconfirmed, draining) or never took ran nothing of the task: it
+/// backs off as an interruption does but is never counted as a failure,
+/// and does not bring a later interruption nearer to being one. Before,
+/// about 24 give-backs of a task bound again and again to a worker with
+/// no slot dead-lettered it at maxRetries 3.
+#[test]
+fn a_bound_attempt_given_back_unstarted_is_never_charged() {
+    let unstarted = |s: &mut BatchTaskStatus, n: i64, reason: &str| {
+        interrupted_before(s, n);
+        for h in &mut s.history {
+            h.reason = Some(reason.into());
+        }
+    };
+    for reason in [
+        "BoundNoSlot",
+        batchlease_api::BOUND_UNCONFIRMED,
+        "WorkerDraining",
+        "BoundNotTaken",
+    ] {
+        let t = task()
+            .spec(|s| s.max_retries = 0)
+            .phase(TaskPhase::Running, 9)
+            .with(|s| unstarted(s, 8, reason));
+        // This one unstarted too: backed off, not failed.
+        let (st, tr) = into_status(
+            Case::new(t.clone())
+                .leases(vec![completed(9, LeaseOutcome::Interrupted, |l| {
+                    l.reason = Some(reason.into());
+                })])
+                .run(),
+        );
+        assert_eq!(st.phase, Some(TaskPhase::Pending), "{reason}: {tr:?}");
+        assert_eq!(st.attempts, 0, "{reason}");
+        assert!(st.next_attempt_after.is_some(), "{reason}: backs off");
+        // An interruption of an attempt that ran, after them: the first
+        // of its streak.
+        let (st, tr) = into_status(
+            Case::new(t)
+                .leases(vec![completed(9, LeaseOutcome::Interrupted, |_| {})])
+                .run(),
+        );
+        assert_eq!(st.phase, Some(TaskPhase::Pending), "{reason}: {tr:?}");
+        assert_eq!(
+            st.history.last().map(|h| h.outcome.as_str()),
+            Some("Interrupted"),
+            "{reason}"
+        );
+    }
+}

@@ -67,8 +67,8 @@ impl Why {
     pub(super) fn as_str(self) -> &'static str {
         match self {
             Self::Unconfirmed => batchlease_api::BOUND_UNCONFIRMED,
-            Self::NoSlot => "BoundNoSlot",
-            Self::Draining => "WorkerDraining",
+            Self::NoSlot => batchlease_api::BOUND_NO_SLOT,
+            Self::Draining => batchlease_api::BOUND_WHILE_DRAINING,
         }
     }
 }
