@@ -25,9 +25,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::TaskLease;
 
-/// Most attempts one WorkerLease may list (and revoke): the SDK refuses
-/// claims past it, well inside an object's size.
-pub const MAX_HOLDS: usize = 1000;
+/// Most attempts one WorkerLease may list: the SDK refuses claims past it.
+/// 256, so the API server can hold the revocation rules (CEL, costed by
+/// the largest lists the schema allows: `holds` 256, `status.revoked`
+/// 512) on every write.
+pub const MAX_HOLDS: usize = 256;
 
 /// The renewals of one worker process, keeping its attempts alive.
 // Printer columns repeat `type_ = "string"`, which the lint takes for a
@@ -56,7 +58,33 @@ pub const MAX_HOLDS: usize = 1000;
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
+    ),
+    // The two rules revocation rests on (docs/protocol.md, WorkerLeases),
+    // held by the API server for every writer, not only the Rust SDK.
+    // On the root: each compares spec with status, and a rule on a field
+    // does not run when a writer drops it. An attempt is matched by its
+    // UID alone (unique in a cluster; the name adds nothing but cost).
+    //
+    // A renewal (any write of spec) never names an attempt the operator
+    // revoked: the operator's CAS on this object is what ends an attempt
+    // renewed here, and a write that listed it again would feed the kill
+    // clock of an attempt already ended. (A status write leaves spec as it
+    // was: the operator revokes what the worker lists.)
+    validation = Rule::new(
+        "self.spec == oldSelf.spec || !has(self.status) || !has(self.status.revoked) || !has(self.spec.holds) || self.spec.holds.all(h, !self.status.revoked.exists(r, r.uid == h.uid))"
     )
+    .message("spec.holds names an attempt in status.revoked: the operator ended it; stop it and leave it out")
+    .field_path(".spec.holds")
+    .reason(Reason::FieldValueForbidden),
+    // status.revoked only grows, but for the oldest entries the worker no
+    // longer lists (`WorkerLease::revoke` keeps it bounded): an entry that
+    // left while listed would let the next renewal name it again.
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.revoked) || oldSelf.status.revoked.all(r, (has(self.status) && has(self.status.revoked) && self.status.revoked.exists(n, n.uid == r.uid)) || !has(self.spec.holds) || !self.spec.holds.exists(h, h.uid == r.uid))"
+    )
+    .message("status.revoked lost an attempt spec.holds still names: a revocation is never taken back")
+    .field_path(".status.revoked")
+    .reason(Reason::FieldValueForbidden),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerLeaseSpec {
@@ -81,7 +109,7 @@ pub struct WorkerLeaseSpec {
     /// The attempts this worker keeps alive, each as its TaskLease's name
     /// and UID.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 1000))]
+    #[schemars(length(max = 256))]
     pub holds: Vec<AttemptRef>,
     /// How many attempts the worker runs at once. Set: the worker takes
     /// offers addressed to it (it watches the TaskLeases labelled
@@ -90,7 +118,7 @@ pub struct WorkerLeaseSpec {
     /// drains. Unset: it is never addressed (an older worker that watches
     /// every lease of its queues).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0, max = 1000))]
+    #[schemars(range(min = 0, max = 256))]
     pub slots: Option<i32>,
     /// `true`: the worker also takes bound attempts — TaskLeases the
     /// operator creates already `Held` by it, saving the claim write
@@ -107,7 +135,8 @@ pub struct WorkerLeaseSpec {
 pub struct AttemptRef {
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    #[schemars(length(max = 128))]
+    /// The TaskLease's UID (Kubernetes UIDs are 36-character UUIDs).
+    #[schemars(length(max = 36))]
     pub uid: String,
 }
 
@@ -129,7 +158,7 @@ pub struct WorkerLeaseStatus {
     /// (expired, released on cancel). Its worker stops them and never lists
     /// them again; a renewal listing one is refused.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 2048))]
+    #[schemars(length(max = 512))]
     pub revoked: Vec<AttemptRef>,
 }
 

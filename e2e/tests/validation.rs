@@ -849,3 +849,129 @@ async fn blind_writes_cannot_revive_a_final_lease() {
     assert_eq!(now.data["status"]["phase"], "Expired");
     ns.cleanup().await.unwrap();
 }
+
+/// The two rules revocation rests on (issue 39, defect 8), held by the API
+/// server for any writer, not only the Rust SDK's filter: a write of a
+/// WorkerLease's spec never names an attempt in its `status.revoked`, and
+/// an entry leaves `status.revoked` only once `spec.holds` no longer
+/// names it. Each refusal leaves the object as it was; the writes the
+/// protocol makes right beside them pass.
+#[tokio::test]
+async fn a_worker_lease_never_renews_a_revoked_attempt_and_no_revocation_is_taken_back() {
+    let cluster = Cluster::with_crds().await.unwrap();
+    let ns = cluster.namespace("wl-rules").await.unwrap();
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        cluster.client.clone(),
+        &ns.name,
+        &ApiResource::erase::<batchlease_api::WorkerLease>(&()),
+    );
+    let a = json!({"name": "t-a-1", "uid": "00000000-0000-0000-0000-00000000000a"});
+    let b = json!({"name": "t-b-1", "uid": "00000000-0000-0000-0000-00000000000b"});
+    let c = json!({"name": "t-c-1", "uid": "00000000-0000-0000-0000-00000000000c"});
+    let holder = "pod-1/1";
+    let name = batchlease_api::worker_lease::worker_lease_name(holder);
+    api.create(
+        &PostParams::default(),
+        &dyn_obj(json!({
+            "apiVersion": "batchlease.dev/v1alpha1", "kind": "WorkerLease",
+            "metadata": {"name": name},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 30,
+                     "renewTime": "2026-12-07T10:00:00.000000Z", "holds": [a, b]},
+        })),
+    )
+    .await
+    .unwrap();
+    let get = || {
+        let api = api.clone();
+        let name = name.clone();
+        async move { serde_json::to_value(api.get(&name).await.unwrap()).unwrap() }
+    };
+    let status = |v: Value| {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            api.replace_status(&name, &PostParams::default(), &dyn_obj(v))
+                .await
+        }
+    };
+    let spec = |v: Value| {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            api.replace(&name, &PostParams::default(), &dyn_obj(v))
+                .await
+        }
+    };
+    let refused = |what: &str, res: Result<DynamicObject, kube::Error>, expect: &str| {
+        let msg = rejection(res).unwrap_or_else(|e| panic!("{what}: {e}\n{}", ns.diagnostics()));
+        assert!(msg.contains(expect), "{what}: {msg}");
+    };
+
+    // The operator revokes a, which the worker lists (a status write).
+    let mut w = get().await;
+    w["status"] = json!({"revoked": [a]});
+    status(w).await.unwrap();
+
+    // A renewal still naming a is refused, a new renewTime or not.
+    let before = get().await;
+    let mut w = before.clone();
+    w["spec"]["renewTime"] = json!("2026-12-07T10:00:10.000000Z");
+    refused(
+        "a renewal naming the revoked attempt",
+        spec(w).await,
+        "spec.holds names an attempt in status.revoked",
+    );
+    let mut w = before.clone();
+    w["spec"]["holds"] = json!([b, a, c]);
+    refused(
+        "a renewal adding beside the revoked attempt",
+        spec(w).await,
+        "spec.holds names an attempt in status.revoked",
+    );
+    // Matched by UID: another name does not hide it.
+    let mut w = before.clone();
+    w["spec"]["holds"] = json!([b, {"name": "t-other", "uid": a["uid"]}]);
+    refused(
+        "the revoked UID under another name",
+        spec(w).await,
+        "spec.holds names an attempt in status.revoked",
+    );
+    // The operator may not take the revocation back while a is listed.
+    let mut w = before.clone();
+    w["status"] = json!({"revoked": [b]});
+    refused(
+        "a revocation dropped while listed",
+        status(w).await,
+        "status.revoked lost an attempt spec.holds still names",
+    );
+    let mut w = before.clone();
+    w.as_object_mut().unwrap().remove("status");
+    refused(
+        "the whole status dropped while listed",
+        status(w).await,
+        "status.revoked lost an attempt spec.holds still names",
+    );
+    let after = get().await;
+    assert_eq!(
+        after["metadata"]["resourceVersion"], before["metadata"]["resourceVersion"],
+        "a refused write changed the object"
+    );
+
+    // The protocol's own writes pass: the renewal that leaves a out, a
+    // revocation of b beside a, and once nothing lists a, dropping it
+    // (WorkerLease::revoke bounds the list so).
+    let mut w = after.clone();
+    w["spec"]["holds"] = json!([b, c]);
+    w["spec"]["renewTime"] = json!("2026-12-07T10:00:20.000000Z");
+    spec(w).await.unwrap();
+    let mut w = get().await;
+    w["status"] = json!({"revoked": [a, b]});
+    status(w).await.unwrap();
+    let mut w = get().await;
+    w["spec"]["holds"] = json!([c]);
+    spec(w).await.unwrap();
+    let mut w = get().await;
+    w["status"] = json!({"revoked": [b]});
+    status(w).await.unwrap();
+    ns.cleanup().await.unwrap();
+}

@@ -425,7 +425,8 @@ impl ApiServer {
 
     /// `PUT` of a WorkerLease (a renewal: its spec), carrying the writer's
     /// resourceVersion; the stored status is kept. The CRD's rule: `holds`
-    /// never names a revoked attempt.
+    /// never names a revoked attempt (`api`'s `WorkerLease` type holds it
+    /// in CEL; e2e `validation.rs` shows the API server refusing).
     pub fn replace_worker_lease(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
         let cur = self.worker_cas(new)?;
         if new.holds().iter().any(|a| cur.is_revoked(a)) {
@@ -439,8 +440,17 @@ impl ApiServer {
 
     /// `PUT …/status` of a WorkerLease (the operator's revocation),
     /// carrying the writer's resourceVersion; the stored spec is kept.
+    /// The CRD's rule: an entry leaves `revoked` only once `holds` no
+    /// longer names it.
     pub fn replace_worker_status(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
         let mut stored = self.worker_cas(new)?;
+        let taken_back = stored
+            .revoked()
+            .iter()
+            .any(|r| !new.revoked().contains(r) && stored.holds().contains(r));
+        if taken_back {
+            return Err(Refused::Invalid);
+        }
         stored.status = new.status.clone();
         Ok(self.store_worker(stored))
     }

@@ -211,7 +211,7 @@ mod tests {
         assert_eq!(slots(Some(4), false), Some(4));
         assert_eq!(slots(Some(4), true), Some(0));
         assert_eq!(slots(Some(-1), false), Some(0));
-        assert_eq!(slots(Some(5000), false), Some(1000), "the CRD's maximum");
+        assert_eq!(slots(Some(5000), false), Some(256), "the CRD's maximum");
     }
 
     #[test]
