@@ -195,8 +195,20 @@ impl Attempt {
                 }),
                 _ = self.fence.killed().cancelled() => None,
                 // Drained: the handler is dropped and the lease released as
-                // Interrupted, so the task is offered again at once.
-                _ = self.interrupt.cancelled() => Some(Err(interrupted())),
+                // Interrupted, so the task is offered again at once — once
+                // what the handler started has surely stopped: the
+                // operator re-issues the task and hands its locks on at
+                // the give-back, and a runner child in its SIGTERM grace
+                // may still write. The lease stays renewed meanwhile
+                // (`give_back::drained_give_back_at`).
+                _ = self.interrupt.cancelled() => {
+                    let at = give_back::drained_give_back_at(Instant::now(), self.fence.ttl(), self.stop_budget);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(at) => Some(Err(interrupted())),
+                        // Killed meanwhile: the kill's own rules apply.
+                        _ = self.fence.killed().cancelled() => None,
+                    }
+                }
             }
         };
         if let Some(result) = result {
@@ -573,6 +585,84 @@ mod tests {
             killer.await.unwrap();
             assert_eq!(ended.is_ok(), gives_up, "{reason:?}: {ended:?}");
         }
+    }
+
+    /// An API server in this process that takes every write (echoing the
+    /// object with a new resourceVersion) and records when each came and
+    /// whether it completed the lease.
+    fn recording_api(log: Arc<std::sync::Mutex<Vec<(Instant, bool)>>>) -> Api<TaskLease> {
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let log = log.clone();
+            async move {
+                let body = req.into_body().collect_bytes().await?;
+                let mut object: serde_json::Value = serde_json::from_slice(&body)?;
+                let completed = object["status"]["phase"] == "Completed";
+                log.lock().unwrap().push((Instant::now(), completed));
+                let rv = log.lock().unwrap().len();
+                object["metadata"]["resourceVersion"] = serde_json::json!(rv.to_string());
+                let answer = serde_json::to_vec(&object)?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(http::Response::new(
+                    kube::client::Body::from(answer),
+                ))
+            }
+        });
+        Api::namespaced(kube::Client::new(service, "ns"), "ns")
+    }
+
+    /// A drain past its grace gave the lease back the moment it dropped
+    /// the handler, and the operator re-issues the task and hands its
+    /// locks on at once — while a runner child was still in its SIGTERM
+    /// grace. The completion now waits the stop budget, the lease renewed
+    /// meanwhile (review of issue 39's give-back fix).
+    #[tokio::test(start_paused = true)]
+    async fn a_drained_attempt_is_given_back_after_its_stop_budget() {
+        let start = Instant::now();
+        let s = Duration::from_secs;
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut lease = held_lease();
+        lease.metadata.resource_version = Some("0".into());
+        lease.status = Some(batchlease_api::TaskLeaseStatus {
+            phase: Some(batchlease_api::LeasePhase::Held),
+            ..Default::default()
+        });
+        let attempt = Attempt {
+            api: recording_api(log.clone()),
+            lease,
+            ..attempt(Fence::new(1, KillClock::new(s(30), start, None)))
+        };
+        let interrupt = attempt.interrupt.clone();
+        let drainer = tokio::spawn(async move {
+            tokio::time::sleep(s(1)).await;
+            interrupt.cancel();
+        });
+        let dropped_at = Arc::new(std::sync::Mutex::new(None));
+        let d = dropped_at.clone();
+        let ended = attempt
+            .run(move |_ctx: TaskContext| async move {
+                let _flag = DropFlag(d);
+                std::future::pending::<Result<Output, TaskError>>().await
+            })
+            .await;
+        drainer.await.unwrap();
+        assert_eq!(ended, Ended::Completed(LeaseOutcome::Interrupted));
+        let dropped = dropped_at.lock().unwrap().unwrap() - start;
+        assert!(
+            dropped < Duration::from_millis(1_100),
+            "stopped at the drain: {dropped:?}"
+        );
+        let log = log.lock().unwrap();
+        let completed: Vec<Duration> = log
+            .iter()
+            .filter(|(_, c)| *c)
+            .map(|(t, _)| *t - start)
+            .collect();
+        assert_eq!(completed.len(), 1, "{log:?}");
+        // The drain at 1 s + the 5 s stop budget.
+        assert!(
+            completed[0] >= s(6) && completed[0] < Duration::from_millis(6_100),
+            "given back at {:?}",
+            completed[0]
+        );
     }
 
     #[tokio::test(start_paused = true)]

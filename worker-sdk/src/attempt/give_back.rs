@@ -129,6 +129,19 @@ pub(super) fn give_back_at(
     clock.kill_at().0.max(killed_at + budget)
 }
 
+/// Pure: the earliest instant an attempt stopped by a drain at `stopped`
+/// may be given back: its stop budget later, at most TTL/3 (as after a
+/// kill). Its lease is still ours and renewed until then, so no kill
+/// instant bounds it; the budget is the time the handler's work may
+/// outlive the handler (a runner child in its SIGTERM grace).
+pub(super) fn drained_give_back_at(
+    stopped: Instant,
+    ttl: Duration,
+    stop_budget: Duration,
+) -> Instant {
+    stopped + stop_budget.min(ttl / 3)
+}
+
 /// How long a give-back may take.
 const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
 
@@ -201,6 +214,20 @@ mod tests {
                 give_back_at(&clock, t0 + s(killed), s(budget)),
                 t0 + s(want),
                 "killed at {killed} s, budget {budget} s"
+            );
+        }
+    }
+
+    #[test]
+    fn when_a_drained_attempt_may_be_given_back() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // (TTL, stop budget, given back after the stop).
+        for (ttl, budget, want) in [(30, 0, 0), (30, 5, 5), (30, 60, 10), (6, 5, 2)] {
+            assert_eq!(
+                drained_give_back_at(t0, s(ttl), s(budget)),
+                t0 + s(want),
+                "TTL {ttl} s, budget {budget} s"
             );
         }
     }
