@@ -48,6 +48,7 @@ pub struct WorkerBuilder {
     registry: Option<Arc<dyn Registry>>,
     renew_per_worker: bool,
     stop_budget: Duration,
+    checkpoint_interval: Option<Duration>,
 }
 
 impl WorkerBuilder {
@@ -70,6 +71,9 @@ impl WorkerBuilder {
             renew_per_worker: renew_per_worker_from_env(
                 std::env::var(RENEW_PER_WORKER_ENV).ok().as_deref(),
             ),
+            checkpoint_interval: checkpoint_interval_from_env(
+                std::env::var(CHECKPOINT_INTERVAL_ENV).ok().as_deref(),
+            ),
         }
     }
 
@@ -83,7 +87,8 @@ impl WorkerBuilder {
     /// that honours WorkerLeases) are claimed so, and only while the
     /// WorkerLease is live; others are renewed per lease as always. Such an
     /// attempt still writes its TaskLease for a new checkpoint (at most
-    /// once per TTL/3) and every `max(TTL, 120 s)`. If the API server
+    /// once per [`WorkerBuilder::checkpoint_interval`]) and every
+    /// `max(TTL, 120 s)`. If the API server
     /// refuses the WorkerLease (403, 422: RBAC or admission changed), its
     /// attempts go back to per-lease renewals. The WorkerLease replaces
     /// the presence record: the worker needs RBAC on `workerleases`.
@@ -150,6 +155,21 @@ impl WorkerBuilder {
         self
     }
 
+    /// Renewed per worker: how stale a handler's checkpoint may be on its
+    /// TaskLease — a new checkpoint is written at most this often (the
+    /// latest one then), kept between TTL/3 and `max(TTL, 120 s)`. Default
+    /// the TTL (or `BATCHLEASE_CHECKPOINT_INTERVAL_SECONDS`; this call
+    /// overrides it): a checkpointing attempt then costs a third of the
+    /// writes of renewing it per lease. What it trades: a task resumed
+    /// after its worker *died* starts from a checkpoint up to this old; a
+    /// drain, a failure or a completion carries the latest one. Renewed
+    /// per lease, a checkpoint rides on every renewal and this is unused.
+    #[must_use]
+    pub fn checkpoint_interval(mut self, every: Duration) -> Self {
+        self.checkpoint_interval = Some(every);
+        self
+    }
+
     /// The worker's metrics, to register in the application's registry.
     pub fn metrics(&self) -> &WorkerMetrics {
         &self.metrics
@@ -202,6 +222,7 @@ impl WorkerBuilder {
             registry: self.registry,
             renew_per_worker: self.renew_per_worker,
             stop_budget: self.stop_budget,
+            checkpoint_interval: self.checkpoint_interval,
         })
     }
 }
@@ -209,6 +230,32 @@ impl WorkerBuilder {
 /// The environment variable that turns [`WorkerBuilder::renew_per_worker`]
 /// on by default.
 pub const RENEW_PER_WORKER_ENV: &str = "BATCHLEASE_RENEW_PER_WORKER";
+
+/// The environment variable that sets [`WorkerBuilder::checkpoint_interval`]
+/// by default, in seconds.
+pub const CHECKPOINT_INTERVAL_ENV: &str = "BATCHLEASE_CHECKPOINT_INTERVAL_SECONDS";
+
+/// Pure: the interval `BATCHLEASE_CHECKPOINT_INTERVAL_SECONDS`'s value
+/// sets: a positive number of seconds; anything else leaves the default
+/// (logged, as the builder cannot fail).
+fn checkpoint_interval_from_env(value: Option<&str>) -> Option<Duration> {
+    let value = value?.trim();
+    match value
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0)
+    {
+        Some(secs) => Duration::try_from_secs_f64(secs).ok(),
+        None => {
+            tracing::warn!(
+                value,
+                variable = CHECKPOINT_INTERVAL_ENV,
+                "not a positive number of seconds: the checkpoint interval stays the TTL"
+            );
+            None
+        }
+    }
+}
 
 /// Pure: whether `BATCHLEASE_RENEW_PER_WORKER`'s value turns it on.
 fn renew_per_worker_from_env(value: Option<&str>) -> bool {
@@ -274,6 +321,7 @@ pub struct Worker {
     registry: Option<Arc<dyn Registry>>,
     renew_per_worker: bool,
     stop_budget: Duration,
+    checkpoint_interval: Option<Duration>,
 }
 
 impl Worker {
@@ -382,6 +430,7 @@ impl Worker {
                 background: background.clone(),
                 worker_leases: worker_leases.clone(),
                 stop_budget: self.stop_budget,
+                checkpoint_interval: self.checkpoint_interval,
             };
             let handler = handler.clone();
             running.spawn(async move {

@@ -4,7 +4,8 @@
 //!
 //! Renewed per worker (the claim set `spec.renewal: Worker`), the
 //! WorkerLease's renewals keep the attempt alive and this loop writes the
-//! TaskLease only for a new checkpoint (at most once per TTL/3) and for a
+//! TaskLease only for a new checkpoint (at most once per checkpoint
+//! interval, the TTL by default) and for a
 //! refresh every `max(TTL, 120 s)` (`KillClock::next_write`); the renewer
 //! feeds or kills the fence from outside, and may hand the attempt back to
 //! per-lease renewals.

@@ -32,6 +32,8 @@ pub(super) struct AttemptStart {
     pub(super) background: tokio_util::task::TaskTracker,
     pub(super) worker_leases: Option<WorkerLeases>,
     pub(super) stop_budget: std::time::Duration,
+    /// `WorkerBuilder::checkpoint_interval`.
+    pub(super) checkpoint_interval: Option<Duration>,
 }
 
 impl AttemptStart {
@@ -59,7 +61,9 @@ impl AttemptStart {
             .filter(|_| held.renewed_per_worker());
         let mut clock = KillClock::new(ttl, claim_sent, deadline);
         if per_worker.is_some() {
-            clock = clock.per_worker();
+            clock = clock
+                .per_worker()
+                .checkpoint_interval(self.checkpoint_interval);
         }
         // Resource locks belong to the task's namespace (the lease's too).
         let fence = Fence::new(held.spec.fencing_token, clock).with_resources(

@@ -55,6 +55,23 @@ fn renewals_per_worker_are_turned_on_by_1_or_true() {
 }
 
 #[test]
+fn the_checkpoint_interval_is_read_from_a_positive_number_of_seconds() {
+    let s = Duration::from_secs_f64;
+    for (value, want) in [
+        (None, None),
+        (Some("60"), Some(s(60.0))),
+        (Some(" 2.5 "), Some(s(2.5))),
+        (Some("0"), None),
+        (Some("-3"), None),
+        (Some("NaN"), None),
+        (Some("inf"), None),
+        (Some("1m"), None),
+    ] {
+        assert_eq!(checkpoint_interval_from_env(value), want, "{value:?}");
+    }
+}
+
+#[test]
 fn the_default_identity_is_the_pod_then_a_suffix() {
     assert_eq!(identity_of(Some("w-0"), Some("h"), 0xab), "w-0/0000ab");
     assert_eq!(identity_of(None, Some("w-1"), 1), "w-1/000001");
