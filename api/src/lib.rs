@@ -29,7 +29,7 @@ pub use json::{
 };
 pub use task_lease::{
     BOUND_NO_SLOT, BOUND_UNCONFIRMED, BOUND_WHILE_DRAINING, LeaseOutcome, LeasePhase, Renewal,
-    TaskLease, TaskLeaseSpec, TaskLeaseStatus, given_back_unstarted,
+    TaskLease, TaskLeaseSpec, TaskLeaseStatus,
 };
 pub use task_queue::{
     TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,

@@ -214,13 +214,6 @@ pub const BOUND_NO_SLOT: &str = "BoundNoSlot";
 /// because it is draining.
 pub const BOUND_WHILE_DRAINING: &str = "WorkerDraining";
 
-/// Whether `reason` says a worker gave its bound attempt back without
-/// starting it: nothing of the task ran, so the operator never counts it
-/// as a failure (it still backs off, like any interruption).
-pub fn given_back_unstarted(reason: &str) -> bool {
-    [BOUND_UNCONFIRMED, BOUND_NO_SLOT, BOUND_WHILE_DRAINING].contains(&reason)
-}
-
 impl TaskLease {
     /// Whether the lease was claimed to be renewed through its holder's
     /// WorkerLease.

@@ -31,6 +31,10 @@ use crate::TaskLease;
 /// 512) on every write.
 pub const MAX_HOLDS: usize = 256;
 
+/// Most attempts `status.revoked` keeps: every one its worker may list
+/// ([`MAX_HOLDS`]) and as many more it no longer lists.
+pub const MAX_REVOKED: usize = 2 * MAX_HOLDS;
+
 /// The renewals of one worker process, keeping its attempts alive.
 // Printer columns repeat `type_ = "string"`, which the lint takes for a
 // repeated attribute.
@@ -158,7 +162,7 @@ pub struct WorkerLeaseStatus {
     /// (expired, released on cancel). Its worker stops them and never lists
     /// them again; a renewal listing one is refused.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 512))]
+    #[schemars(length(max = 512))] // MAX_REVOKED
     pub revoked: Vec<AttemptRef>,
 }
 
@@ -206,18 +210,20 @@ impl WorkerLease {
     }
 
     /// Adds `attempt` to `status.revoked` (the operator's write, sent as a
-    /// compare-and-swap on the copy it observed). Past [`MAX_HOLDS`]
-    /// entries the oldest the worker no longer lists are dropped: never a
-    /// recent one, which the worker may not have read yet — it would list
-    /// that attempt again and feed its kill clock after its expiry.
+    /// compare-and-swap on the copy it observed). Past [`MAX_REVOKED`]
+    /// entries the oldest the worker no longer lists are dropped — never
+    /// the one added now (the worker may not have listed it yet, or read
+    /// it: it would name it again and feed its kill clock after the end),
+    /// and the oldest first, so the ones added by the same write (appended
+    /// after every older one) go last. With at most [`MAX_HOLDS`] listed,
+    /// there are always enough to drop.
     pub fn revoke(&mut self, attempt: AttemptRef) {
         let holds = self.spec.holds.clone();
         let status = self.status.get_or_insert_with(Default::default);
         if status.revoked.contains(&attempt) {
             return;
         }
-        status.revoked.push(attempt);
-        let mut excess = status.revoked.len().saturating_sub(MAX_HOLDS);
+        let mut excess = (status.revoked.len() + 1).saturating_sub(MAX_REVOKED);
         status.revoked.retain(|r| {
             let drop = excess > 0 && !holds.contains(r);
             if drop {
@@ -225,6 +231,7 @@ impl WorkerLease {
             }
             !drop
         });
+        status.revoked.push(attempt);
     }
 }
 
@@ -339,16 +346,50 @@ mod tests {
         assert!(w.is_revoked(&attempt("t-3", "c")));
         // Past the bound, the oldest unlisted entries go first.
         w.spec.holds = vec![attempt("t-1", "a")];
-        for i in 0..MAX_HOLDS {
+        for i in 0..MAX_REVOKED - 1 {
             w.revoke(attempt(&format!("x-{i}"), "u"));
         }
-        assert_eq!(w.revoked().len(), MAX_HOLDS);
+        assert_eq!(w.revoked().len(), MAX_REVOKED);
         assert!(w.is_revoked(&attempt("t-1", "a")), "still listed: kept");
         assert!(
             !w.is_revoked(&attempt("t-2", "b")),
             "oldest unlisted: dropped"
         );
         assert!(!w.is_revoked(&attempt("t-3", "c")));
-        assert!(w.is_revoked(&attempt(&format!("x-{}", MAX_HOLDS - 1), "u")));
+        assert!(w.is_revoked(&attempt(&format!("x-{}", MAX_REVOKED - 2), "u")));
+    }
+
+    /// Review of issue 39's caps: a frozen worker lists MAX_HOLDS attempts
+    /// and holds one more it has not listed yet (bound, or just claimed);
+    /// the operator revokes them all in one write. Dropping by the count of
+    /// holds dropped that one — the only unlisted entry — and the write
+    /// still succeeded, leaving it unrevoked but ended.
+    #[test]
+    fn no_revocation_of_one_write_is_dropped() {
+        let mut w = worker(&worker_lease_name("w"), "w");
+        w.spec.holds = (0..MAX_HOLDS)
+            .map(|i| attempt(&format!("h-{i}"), &format!("u-{i}")))
+            .collect();
+        let mut all = w.spec.holds.clone();
+        all.push(attempt("unlisted", "u-x"));
+        for a in &all {
+            w.revoke(a.clone());
+        }
+        for a in &all {
+            assert!(w.is_revoked(a), "{a:?} dropped");
+        }
+        // Even at the bound, the one added now stays.
+        let mut full = worker(&worker_lease_name("w"), "w");
+        full.spec.holds = (0..MAX_HOLDS)
+            .map(|i| attempt(&format!("h-{i}"), &format!("u-{i}")))
+            .collect();
+        for a in full.spec.holds.clone() {
+            full.revoke(a);
+        }
+        for i in 0..MAX_REVOKED {
+            full.revoke(attempt(&format!("late-{i}"), "u"));
+            assert!(full.is_revoked(&attempt(&format!("late-{i}"), "u")));
+            assert!(full.revoked().len() <= MAX_REVOKED);
+        }
     }
 }

@@ -5,9 +5,14 @@
 //! delivered, the leader SIGKILLed, kube-apiserver and etcd restarted —
 //! and hostile tenants: lease labels and owner references tampered with,
 //! forged leases carrying the largest token, tasks with a 10,000-level
-//! payload and handlers that compute for 2·TTL without yielding. At the end
-//! every task must have finished and the history checker must find no
-//! violation. The seed is printed first, so a failure replays.
+//! payload and handlers that compute for 2·TTL without yielding — and the
+//! controls that meet renewals per worker at their joints: tasks cancelled
+//! while they run, tasks that take one of two resource locks, WorkerLeases
+//! deleted under their workers. At the end every task must have finished
+//! and the history checker must find no violation (a commit after
+//! `Cancelled` is judged on the API server's audit log, lock occupancy on
+//! PostgreSQL's). The report gives the share of tasks that finished while
+//! the faults went on. The seed is printed first, so a failure replays.
 //!
 //! Quick mode runs in CI (`e2e/tests/soak.rs`, ≥ 100 faults); the full run
 //! is `hack/soak.sh --faults=1000` (`e2e/bench/RESULTS.md`).
@@ -17,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase};
+use batchlease_api::{BatchTask, LeasePhase, TaskLease, TaskPhase, WorkerLease};
 use kube::ResourceExt;
 use kube::api::{Patch, PatchParams};
 use rand::rngs::StdRng;
@@ -74,7 +79,7 @@ impl SoakConfig {
 }
 
 /// Fault kinds, with their weights.
-const KINDS: [(&str, u32); 9] = [
+const KINDS: [(&str, u32); 11] = [
     ("worker_sigstop_past_ttl", 20),
     ("worker_sigkill", 14),
     ("worker_api_partition", 16),
@@ -84,7 +89,13 @@ const KINDS: [(&str, u32); 9] = [
     ("etcd_restart", 2),
     ("tamper_lease_metadata", 6),
     ("forge_lease", 3),
+    ("cancel_task", 4),
+    // Renewing per worker only (drawn again otherwise).
+    ("delete_worker_lease", 6),
 ];
+
+/// The resource locks the soak's tasks take (every fifth task one of them).
+const LOCKS: [&str; 2] = ["soak-db-0", "soak-db-1"];
 
 /// A demo payload that also nests 9,980 objects deep (built as text).
 fn deep_payload() -> String {
@@ -109,6 +120,10 @@ pub struct SoakReport {
     pub faults: BTreeMap<&'static str, usize>,
     pub succeeded: usize,
     pub dead_lettered: usize,
+    pub cancelled: usize,
+    /// Of the tasks created by the time the faults stopped, the share
+    /// that had finished by then.
+    pub finished_during_faults: f64,
     /// Attempts held: created bound to their worker, and claimed.
     pub bound: usize,
     pub claimed: usize,
@@ -143,8 +158,8 @@ impl std::fmt::Display for SoakReport {
         }
         writeln!(
             f,
-            "tasks: {} succeeded, {} dead-lettered",
-            self.succeeded, self.dead_lettered
+            "tasks: {} succeeded, {} dead-lettered, {} cancelled; {:.2} of those created had finished when the faults stopped",
+            self.succeeded, self.dead_lettered, self.cancelled, self.finished_during_faults
         )?;
         writeln!(
             f,
@@ -301,6 +316,11 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
                              "payload": payload}
                 }))
                 .expect("a valid task");
+                // Every fifth task takes one of two locks: handovers under
+                // every fault, checked on the storage's occupancy.
+                if i % 5 == 1 {
+                    t.spec.resources = vec![LOCKS[(i / 5) % 2].to_owned()];
+                }
                 if i % 10 == 3 {
                     t.spec.payload = batchlease_api::JsonObject::from_text(deep_payload()).ok();
                 }
@@ -384,6 +404,28 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
                 });
                 true
             }
+            "cancel_task" => {
+                let (api, pick) = (tasks_api.clone(), rng.random::<u64>());
+                running.spawn(async move {
+                    if let Err(e) = cancel(&api, pick).await {
+                        eprintln!("soak: cancelling failed: {e:#}");
+                    }
+                });
+                true
+            }
+            "delete_worker_lease" => {
+                if cfg.renew_per_worker {
+                    let (api, pick) = (ns.api::<WorkerLease>(), rng.random::<u64>());
+                    running.spawn(async move {
+                        if let Err(e) = delete_worker_lease(&api, pick).await {
+                            eprintln!("soak: deleting a WorkerLease failed: {e:#}");
+                        }
+                    });
+                    true
+                } else {
+                    false
+                }
+            }
             "leader_sigkill" => {
                 let ops = ops.clone();
                 running.spawn(async move {
@@ -431,6 +473,15 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         }
     }
     while running.join_next().await.is_some() {}
+    // What had finished while the faults went on.
+    if let Ok(all) = tasks_api.list(&Default::default()).await {
+        let done = all
+            .items
+            .iter()
+            .filter(|t| phase_of(t).is_some_and(TaskPhase::is_terminal))
+            .count();
+        report.finished_during_faults = ratio(done, all.items.len());
+    }
     eprintln!("soak: faults done; waiting for every task to finish");
     feeder.await?;
 
@@ -442,12 +493,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
             let done = all
                 .items
                 .iter()
-                .filter(|t| {
-                    matches!(
-                        phase_of(t),
-                        Some(TaskPhase::Succeeded | TaskPhase::DeadLettered)
-                    )
-                })
+                .filter(|t| phase_of(t).is_some_and(TaskPhase::is_terminal))
                 .count();
             Ok((done == all.items.len()).then_some(all.items))
         }
@@ -467,6 +513,10 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     report.dead_lettered = items
         .iter()
         .filter(|t| phase_of(t) == Some(TaskPhase::DeadLettered))
+        .count();
+    report.cancelled = items
+        .iter()
+        .filter(|t| phase_of(t) == Some(TaskPhase::Cancelled))
         .count();
     let leases = ns.api::<TaskLease>().list(&Default::default()).await?.items;
     report.bound = leases.iter().filter(|l| l.bound()).count();
@@ -577,6 +627,51 @@ async fn forge(
     }))?;
     leases.create(&Default::default(), &forged).await?;
     Ok(())
+}
+
+/// Cancels a task that has not finished (`spec.cancel`, as `kubectl
+/// batchlease cancel` does): its attempt is revoked, its locks handed on.
+async fn cancel(tasks: &kube::Api<BatchTask>, pick: u64) -> anyhow::Result<()> {
+    let open: Vec<BatchTask> = tasks
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|t| !phase_of(t).is_some_and(TaskPhase::is_terminal) && !t.spec.cancel)
+        .collect();
+    let Some(task) = pick_one(&open, pick) else {
+        return Ok(());
+    };
+    tasks
+        .patch(
+            &task.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Deletes a worker's WorkerLease under it (a user's `kubectl delete wl`,
+/// a namespace cleanup): its worker kills what it kept alive, gives it
+/// back and creates the object again.
+async fn delete_worker_lease(api: &kube::Api<WorkerLease>, pick: u64) -> anyhow::Result<()> {
+    let all = api.list(&Default::default()).await?.items;
+    let Some(victim) = pick_one(&all, pick) else {
+        return Ok(());
+    };
+    api.delete(&victim.name_any(), &Default::default()).await?;
+    Ok(())
+}
+
+/// `n / of`, 1 when there is nothing to divide.
+fn ratio(n: usize, of: usize) -> f64 {
+    if of == 0 {
+        return 1.0;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let r = n as f64 / of as f64;
+    r
 }
 
 fn pick_one<T>(items: &[T], pick: u64) -> Option<&T> {

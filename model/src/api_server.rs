@@ -429,7 +429,8 @@ impl ApiServer {
     /// in CEL; e2e `validation.rs` shows the API server refusing).
     pub fn replace_worker_lease(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
         let cur = self.worker_cas(new)?;
-        if new.holds().iter().any(|a| cur.is_revoked(a)) {
+        let revoked = |a: &batchlease_api::AttemptRef| cur.revoked().iter().any(|r| r.uid == a.uid);
+        if new.spec != cur.spec && new.holds().iter().any(revoked) {
             return Err(Refused::Invalid);
         }
         let mut stored = new.clone();
@@ -444,10 +445,11 @@ impl ApiServer {
     /// longer names it.
     pub fn replace_worker_status(&mut self, new: &WorkerLease) -> Result<WorkerLease, Refused> {
         let mut stored = self.worker_cas(new)?;
-        let taken_back = stored
-            .revoked()
-            .iter()
-            .any(|r| !new.revoked().contains(r) && stored.holds().contains(r));
+        // As the CEL rule: matched by UID.
+        let taken_back = stored.revoked().iter().any(|r| {
+            !new.revoked().iter().any(|n| n.uid == r.uid)
+                && stored.holds().iter().any(|h| h.uid == r.uid)
+        });
         if taken_back {
             return Err(Refused::Invalid);
         }

@@ -625,10 +625,12 @@ mod tests {
             phase: Some(batchlease_api::LeasePhase::Held),
             ..Default::default()
         });
+        // TTL 12 s: a renewal is due at 4 s, inside the stop budget's wait.
         let attempt = Attempt {
             api: recording_api(log.clone()),
             lease,
-            ..attempt(Fence::new(1, KillClock::new(s(30), start, None)))
+            stop_budget: s(4),
+            ..attempt(Fence::new(1, KillClock::new(s(12), start, None)))
         };
         let interrupt = attempt.interrupt.clone();
         let drainer = tokio::spawn(async move {
@@ -651,17 +653,24 @@ mod tests {
             "stopped at the drain: {dropped:?}"
         );
         let log = log.lock().unwrap();
-        let completed: Vec<Duration> = log
-            .iter()
-            .filter(|(_, c)| *c)
-            .map(|(t, _)| *t - start)
-            .collect();
-        assert_eq!(completed.len(), 1, "{log:?}");
-        // The drain at 1 s + the 5 s stop budget.
+        let at = |completed: bool| -> Vec<Duration> {
+            log.iter()
+                .filter(|(_, c)| *c == completed)
+                .map(|(t, _)| *t - start)
+                .collect()
+        };
+        // The lease renewed meanwhile (at 4 s), given back at the drain
+        // (1 s) + the 4 s stop budget.
+        let (renewals, completions) = (at(false), at(true));
+        assert_eq!(completions.len(), 1, "{log:?}");
         assert!(
-            completed[0] >= s(6) && completed[0] < Duration::from_millis(6_100),
+            completions[0] >= s(5) && completions[0] < Duration::from_millis(5_100),
             "given back at {:?}",
-            completed[0]
+            completions[0]
+        );
+        assert!(
+            renewals.iter().any(|r| *r >= s(4) && *r < s(5)),
+            "renewed while it waited: {renewals:?}"
         );
     }
 

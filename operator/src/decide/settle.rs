@@ -60,25 +60,6 @@ pub fn settle(
         .rev()
         .take_while(|h| h.outcome == Outcome::Interrupted.name())
         .count();
-    // Of those, the ones that ran: a bound attempt given back unstarted or
-    // never taken ran nothing of the task (the operator's bind missed,
-    // e.g. a worker with no slot), and backs off but is never charged.
-    let unstarted = |reason: Option<&str>| {
-        reason.is_some_and(|r| {
-            batchlease_api::given_back_unstarted(r) || r == ExpiryReason::BoundNotTaken.as_str()
-        })
-    };
-    let ran_streak = if unstarted(lst.reason.as_deref()) {
-        0
-    } else {
-        1 + current
-            .history
-            .iter()
-            .rev()
-            .take_while(|h| h.outcome == Outcome::Interrupted.name())
-            .filter(|h| !unstarted(h.reason.as_deref()))
-            .count()
-    };
     // An expired attempt already waited a whole TTL without a renewal:
     // that wait is the backoff of a worker failure (a crash, a partition,
     // a stopped process), and adding the task's backoff on top only
@@ -106,11 +87,11 @@ pub fn settle(
     } else {
         outcome
     };
-    let (outcome, lst) = if outcome == Outcome::Interrupted && ran_streak >= INTERRUPTS_AS_FAILURE {
+    let (outcome, lst) = if outcome == Outcome::Interrupted && streak >= INTERRUPTS_AS_FAILURE {
         let mut lst = lst;
         lst.reason = Some("InterruptedRepeatedly".into());
         lst.message = Some(format!(
-            "{ran_streak} attempts in a row ended Interrupted; counted as a failure"
+            "{streak} attempts in a row ended Interrupted; counted as a failure"
         ));
         (Outcome::Failed { permanent: false }, lst)
     } else {
