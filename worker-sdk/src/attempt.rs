@@ -202,6 +202,8 @@ impl Attempt {
                 // may still write. The lease stays renewed meanwhile
                 // (`give_back::drained_give_back_at`).
                 _ = self.interrupt.cancelled() => {
+                    // Work the handler spawned is told, and its writes refused.
+                    self.fence.stop();
                     let at = give_back::drained_give_back_at(Instant::now(), self.fence.ttl(), self.stop_budget);
                     tokio::select! {
                         () = tokio::time::sleep_until(at) => Some(Err(interrupted())),
@@ -639,9 +641,17 @@ mod tests {
         });
         let dropped_at = Arc::new(std::sync::Mutex::new(None));
         let d = dropped_at.clone();
+        // Work the handler spawned: told at the drain, its writes refused.
+        let told = Arc::new(std::sync::Mutex::new(None));
+        let t = told.clone();
         let ended = attempt
-            .run(move |_ctx: TaskContext| async move {
+            .run(move |ctx: TaskContext| async move {
                 let _flag = DropFlag(d);
+                let (token, fence) = (ctx.cancellation(), ctx.fence().clone());
+                tokio::spawn(async move {
+                    token.cancelled().await;
+                    *t.lock().unwrap() = Some((Instant::now(), fence.check().is_err()));
+                });
                 std::future::pending::<Result<Output, TaskError>>().await
             })
             .await;
@@ -651,6 +661,12 @@ mod tests {
         assert!(
             dropped < Duration::from_millis(1_100),
             "stopped at the drain: {dropped:?}"
+        );
+        let (told_at, refused) = told.lock().unwrap().unwrap();
+        assert!(
+            told_at - start < Duration::from_millis(1_100) && refused,
+            "spawned work told at the drain ({:?}) and refused ({refused})",
+            told_at - start
         );
         let log = log.lock().unwrap();
         let at = |completed: bool| -> Vec<Duration> {

@@ -170,10 +170,12 @@ impl TaskContext {
         Ok(())
     }
 
-    /// Fires when the kill switch does. The SDK also drops the handler's
-    /// future then; the token is for work the handler spawned elsewhere.
+    /// Fires when the handler is stopped — by the kill switch, or by a
+    /// drain past its grace. The SDK also drops the handler's future then;
+    /// the token is for work the handler spawned elsewhere, whose writes
+    /// through the fence are refused from then on.
     pub fn cancellation(&self) -> CancellationToken {
-        self.fence.killed().clone()
+        self.fence.stopped().clone()
     }
 
     /// The attempt's fence, for storage adapters (see `postgres::FencedStore`).

@@ -243,6 +243,9 @@ pub struct Fence {
     inner: Arc<Inner>,
 }
 
+/// The `Error::Revoked` reason of a fence whose handler a drain stopped.
+const STOPPED_BY_DRAIN: &str = "drained";
+
 /// The resource locks of an attempt. Locks are scoped per namespace:
 /// resource "db" in namespace A is not resource "db" in namespace B.
 #[derive(Debug, Default)]
@@ -254,6 +257,9 @@ struct Resources {
 #[derive(Debug)]
 struct Inner {
     killed: CancellationToken,
+    /// Fires when the handler is stopped: by the kill switch (a child of
+    /// `killed`), or by a drain past its grace ([`Fence::stop`]).
+    stopped: CancellationToken,
     clock: Mutex<KillClock>,
     reason: Mutex<Option<KillReason>>,
 }
@@ -261,11 +267,13 @@ struct Inner {
 impl Fence {
     /// A live fence for `token`.
     pub fn new(token: i64, clock: KillClock) -> Self {
+        let killed = CancellationToken::new();
         Self {
             token,
             resources: Arc::default(),
             inner: Arc::new(Inner {
-                killed: CancellationToken::new(),
+                stopped: killed.child_token(),
+                killed,
                 clock: Mutex::new(clock),
                 reason: Mutex::new(None),
             }),
@@ -313,8 +321,23 @@ impl Fence {
 
     /// Ok while the attempt may still write; checked synchronously against
     /// the clock too, so a process that wakes from a pause (SIGSTOP, GC)
-    /// refuses before its timers even had a chance to run.
+    /// refuses before its timers even had a chance to run. Refused too
+    /// once a drain stopped the handler ([`Fence::stop`]): work it spawned
+    /// must not write while its lease is being given back.
     pub fn check(&self) -> Result<(), Error> {
+        if self.inner.stopped.is_cancelled() && self.kill_reason().is_none() {
+            return Err(Error::Revoked {
+                token: self.token,
+                reason: STOPPED_BY_DRAIN,
+            });
+        }
+        self.check_alive()
+    }
+
+    /// [`Fence::check`] without the drain's stop: whether the lease may
+    /// still be written as ours (the heartbeat's completion of a drained
+    /// attempt).
+    pub(crate) fn check_alive(&self) -> Result<(), Error> {
         if let Some(reason) = self.kill_reason() {
             return Err(Error::Revoked {
                 token: self.token,
@@ -337,9 +360,9 @@ impl Fence {
         self.clock().ttl()
     }
 
-    /// How long the attempt may still act (zero once revoked).
+    /// How long the attempt may still act (zero once revoked or stopped).
     pub fn time_left(&self) -> Duration {
-        if self.kill_reason().is_some() {
+        if self.inner.stopped.is_cancelled() {
             return Duration::ZERO;
         }
         self.clock()
@@ -351,6 +374,19 @@ impl Fence {
     /// Fires when the kill switch does.
     pub fn killed(&self) -> &CancellationToken {
         &self.inner.killed
+    }
+
+    /// Fires when the handler is stopped: by the kill switch, or by a
+    /// drain past its grace. What `TaskContext::cancellation` hands out.
+    pub fn stopped(&self) -> &CancellationToken {
+        &self.inner.stopped
+    }
+
+    /// A drain past its grace stopped the handler: work it spawned is told
+    /// (`stopped`) and every later [`Fence::check`] refuses, while the
+    /// lease, still ours, is renewed until it is given back.
+    pub(crate) fn stop(&self) {
+        self.inner.stopped.cancel();
     }
 
     /// Why the kill switch fired, if it did.

@@ -160,7 +160,7 @@ impl Heartbeat {
             let budget = kill_at.saturating_duration_since(sent).min(per_try);
             if let Some(c) = completion.clone() {
                 // The last word: never complete an attempt we cannot prove ours.
-                if let Err(e) = self.fence.check() {
+                if let Err(e) = self.fence.check_alive() {
                     warn!(lease = %self.lease.name_any(), error = %e, "not completing: attempt revoked");
                     return Verdict::Killed;
                 }
