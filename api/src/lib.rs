@@ -28,8 +28,8 @@ pub use json::{
     MAX_REASON_CHARS, MAX_RESULT_BYTES,
 };
 pub use task_lease::{
-    BOUND_NO_SLOT, BOUND_UNCONFIRMED, BOUND_WHILE_DRAINING, LeaseOutcome, LeasePhase, Renewal,
-    TaskLease, TaskLeaseSpec, TaskLeaseStatus,
+    BOUND_NO_SLOT, BOUND_NOT_TAKEN, BOUND_UNCONFIRMED, BOUND_WHILE_DRAINING, LeaseOutcome,
+    LeasePhase, Renewal, TaskLease, TaskLeaseSpec, TaskLeaseStatus,
 };
 pub use task_queue::{
     TaskCounts, TaskQueue, TaskQueueSpec, TaskQueueStatus, ThrottleCounts, queue_condition,

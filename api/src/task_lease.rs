@@ -206,6 +206,10 @@ pub enum Renewal {
 /// The operator binds nothing more to that worker citing the same renewal.
 pub const BOUND_UNCONFIRMED: &str = "BoundUnconfirmed";
 
+/// The `status.reason` of a bound attempt the operator expired because no
+/// renewal of its worker named it: the worker never took it.
+pub const BOUND_NOT_TAKEN: &str = "BoundNotTaken";
+
 /// The `status.reason` of a bound attempt its worker gave back unstarted
 /// because no slot came free within a TTL of its first sight.
 pub const BOUND_NO_SLOT: &str = "BoundNoSlot";

@@ -278,11 +278,10 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
             pg_url: Some(pg_url.replace(&pg_addr, &format!("127.0.0.1:{}", pg.port))),
             extra: Vec::new(),
             pod_name: None,
-            env: if cfg.renew_per_worker {
-                vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())]
-            } else {
-                Vec::new()
-            },
+            env: vec![(
+                "BATCHLEASE_RENEW_PER_WORKER".into(),
+                if cfg.renew_per_worker { "1" } else { "0" }.into(),
+            )],
         };
         fleet.push(Worker {
             process: workers::start(&ns.name, &format!("w{i}"), &opts)?,

@@ -265,12 +265,18 @@ pub fn awaited<'a>(
 
 /// Pure: the renewal a worker declined to start a bound attempt on —
 /// `(holder, the renewTime the attempt cited)` — when `lease` is a bound
-/// attempt given back unstarted as `BOUND_UNCONFIRMED`.
+/// attempt given back unstarted as `BOUND_UNCONFIRMED`, or expired
+/// `BOUND_NOT_TAKEN` (no renewal of its worker named it within a TTL: the
+/// worker is frozen, partitioned or gone, yet still addressable — an idle
+/// one up to 45 s after its last renewal — and, every slot free, the
+/// first pick for the next bind).
 pub fn declined_citation(lease: &TaskLease) -> Option<(String, MicroTime)> {
     let st = lease.status.as_ref()?;
-    if st.reason.as_deref() != Some(batchlease_api::BOUND_UNCONFIRMED)
-        || !st.phase.is_some_and(LeasePhase::is_terminal)
-    {
+    let declined = matches!(
+        st.reason.as_deref(),
+        Some(batchlease_api::BOUND_UNCONFIRMED | batchlease_api::BOUND_NOT_TAKEN)
+    );
+    if !declined || !st.phase.is_some_and(LeasePhase::is_terminal) {
         return None;
     }
     Some((

@@ -618,6 +618,24 @@ fn a_bound_attempt_given_back_unconfirmed_declines_its_citation() {
             given_back(bu, LeasePhase::Held, Some(1)),
             None,
         ),
+        // Expired never named: the worker did not take it (frozen,
+        // partitioned, dead). Bound to it again at once, each issue lost a
+        // TTL: an idle worker stays addressable up to 45 s after its last
+        // renewal, and a frozen one has every slot free.
+        (
+            "expired, never taken",
+            given_back(
+                batchlease_api::BOUND_NOT_TAKEN,
+                LeasePhase::Expired,
+                Some(1),
+            ),
+            Some(("w/1".to_owned(), stamp(1))),
+        ),
+        (
+            "expired for want of renewals (it ran)",
+            given_back("LeaseExpired", LeasePhase::Expired, Some(1)),
+            None,
+        ),
     ] {
         assert_eq!(declined_citation(&lease), want, "{name}");
     }

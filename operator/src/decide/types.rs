@@ -173,7 +173,7 @@ impl ExpiryReason {
             Self::LeaseExpired => "LeaseExpired",
             Self::ActiveDeadlineExceeded => "ActiveDeadlineExceeded",
             Self::NotCurrentLease => "NotCurrentLease",
-            Self::BoundNotTaken => "BoundNotTaken",
+            Self::BoundNotTaken => batchlease_api::BOUND_NOT_TAKEN,
         }
     }
 }
