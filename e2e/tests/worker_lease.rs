@@ -469,3 +469,119 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
     drop(real);
     ns.finish().await.unwrap();
 }
+
+/// A demo worker in the compatibility mode: renewing every lease itself.
+fn per_lease(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
+    let opts = WorkerOpts {
+        slots,
+        env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())],
+        ..Default::default()
+    };
+    workers::start(&ns.name, identity, &opts).unwrap()
+}
+
+/// Upgrading a running fleet (issue 39): workers renewing per lease (an
+/// older release, or the compatibility mode) serve a queue while tasks
+/// run; workers of the new default (renewals per worker, nothing set)
+/// join, and the old ones are drained one by one, as a rolling update
+/// does. No task is lost or run twice: every task succeeds with one
+/// commit and no retry spent, both protocols held attempts, and the
+/// history checker (revocations, tokens, storage, cancels) finds nothing.
+#[tokio::test]
+async fn a_fleet_upgraded_from_per_lease_to_per_worker_renewals_loses_and_repeats_nothing() {
+    let (ns, op, db) = setup("wl-upgrade").await;
+    let mut old: Vec<Process> = (1..=2)
+        .map(|i| per_lease(&ns, &format!("old{i}"), 2))
+        .collect();
+    // 4 s of work each, a checkpoint every 250 ms: several run across each
+    // step of the rollout.
+    let n = 24;
+    for i in 0..n {
+        job(&ns, &format!("up{i:02}"), 16, 250).await;
+    }
+    // The new release joins with the SDK's default.
+    let new: Vec<Process> = (1..=2)
+        .map(|i| {
+            workers::start(
+                &ns.name,
+                &format!("new{i}"),
+                &WorkerOpts {
+                    slots: 2,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let held_by =
+        |leases: &[batchlease_e2e::history::Recorded], prefix: &str, renewal: Option<Renewal>| {
+            leases.iter().any(|r| match &r.change {
+                Change::Lease(l) => {
+                    l.spec
+                        .holder_identity
+                        .as_deref()
+                        .is_some_and(|h| h.starts_with(prefix))
+                        && l.spec.renewal.filter(|r| *r == Renewal::Worker) == renewal
+                        && l.status.as_ref().and_then(|s| s.phase) == Some(LeasePhase::Held)
+                }
+                _ => false,
+            })
+        };
+    // Once a new worker runs one per worker, the old ones go, one by one
+    // (SIGTERM: drain, give back), as a rolling update does.
+    wait_for(
+        "a new worker holds an attempt per worker",
+        T,
+        || op.logs_with(&new.iter().chain(&old).collect::<Vec<_>>()),
+        || async {
+            let (leases, _) = ns.recorded().await?;
+            Ok(held_by(&leases, "new", Some(Renewal::Worker)).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    for w in old.drain(..) {
+        w.signal("TERM").unwrap();
+        let w = std::sync::Mutex::new(w);
+        wait_for(
+            "an old worker drains and exits",
+            T,
+            || w.lock().unwrap().logs(),
+            || {
+                let exited = w.lock().unwrap().exited().is_some();
+                async move { Ok(exited.then_some(())) }
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let all: Vec<&Process> = new.iter().collect();
+    for i in 0..n {
+        let name = format!("up{i:02}");
+        let done = wait_phase(&ns, &name, TaskPhase::Succeeded, T * 2, || {
+            op.logs_with(&all)
+        })
+        .await
+        .unwrap();
+        let st = done.status.unwrap();
+        assert_eq!(st.attempts, 0, "{name}: no retry spent: {:?}", st.history);
+        let uid = tasks::uid(&ns, &name).await.unwrap();
+        let commits = pg::audit(&db, &uid).await.unwrap();
+        assert_eq!(commits.len(), 1, "{name}: one commit: {commits:?}");
+        assert_eq!(
+            commits[0].0, st.fencing_token,
+            "{name}: by the last attempt"
+        );
+    }
+    let (leases, _) = ns.recorded().await.unwrap();
+    assert!(
+        held_by(&leases, "old", None),
+        "an old worker held an attempt per lease"
+    );
+    assert!(
+        !held_by(&leases, "old", Some(Renewal::Worker)),
+        "no old worker renewed per worker"
+    );
+    drop(new);
+    ns.finish().await.unwrap();
+}

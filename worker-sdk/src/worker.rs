@@ -70,7 +70,8 @@ impl WorkerBuilder {
             stop_budget: Duration::ZERO,
             renew_per_worker: renew_per_worker_from_env(
                 std::env::var(RENEW_PER_WORKER_ENV).ok().as_deref(),
-            ),
+            )
+            .unwrap_or(true),
             checkpoint_interval: checkpoint_interval_from_env(
                 std::env::var(CHECKPOINT_INTERVAL_ENV).ok().as_deref(),
             ),
@@ -80,8 +81,9 @@ impl WorkerBuilder {
     /// Renews the attempts through one `WorkerLease` per worker process
     /// instead of one write per TaskLease every TTL/3 (design "Fleets"):
     /// a fleet's renewal writes then grow with its workers, not with its
-    /// tasks. Off by default (the default can also be set with
-    /// `BATCHLEASE_RENEW_PER_WORKER=1` or `true`; this call overrides it).
+    /// tasks. On by default; `false` (or `BATCHLEASE_RENEW_PER_WORKER=0` or
+    /// `false` in the environment; this call overrides it) is the
+    /// compatibility mode, renewing every lease itself as before.
     ///
     /// Only offers stamped for it (`spec.renewal: Lease`, by an operator
     /// that honours WorkerLeases) are claimed so, and only while the
@@ -227,8 +229,8 @@ impl WorkerBuilder {
     }
 }
 
-/// The environment variable that turns [`WorkerBuilder::renew_per_worker`]
-/// on by default.
+/// The environment variable that sets [`WorkerBuilder::renew_per_worker`]'s
+/// default (`0`/`false` turns renewals per worker off).
 pub const RENEW_PER_WORKER_ENV: &str = "BATCHLEASE_RENEW_PER_WORKER";
 
 /// The environment variable that sets [`WorkerBuilder::checkpoint_interval`]
@@ -257,12 +259,24 @@ fn checkpoint_interval_from_env(value: Option<&str>) -> Option<Duration> {
     }
 }
 
-/// Pure: whether `BATCHLEASE_RENEW_PER_WORKER`'s value turns it on.
-fn renew_per_worker_from_env(value: Option<&str>) -> bool {
-    matches!(
-        value.map(str::trim).map(str::to_ascii_lowercase).as_deref(),
-        Some("1" | "true")
-    )
+/// Pure: what `BATCHLEASE_RENEW_PER_WORKER`'s value says: `1`/`true` on,
+/// `0`/`false` off, anything else (or unset) nothing — the default holds
+/// (a value it cannot read is logged).
+fn renew_per_worker_from_env(value: Option<&str>) -> Option<bool> {
+    let value = value?.trim().to_ascii_lowercase();
+    match value.as_str() {
+        "1" | "true" => Some(true),
+        "0" | "false" => Some(false),
+        "" => None,
+        other => {
+            tracing::warn!(
+                value = other,
+                variable = RENEW_PER_WORKER_ENV,
+                "neither 1/true nor 0/false: renewals per worker stay on"
+            );
+            None
+        }
+    }
 }
 
 /// `spec.holderIdentity`'s `maxLength`.

@@ -39,18 +39,19 @@ fn build_outside_a_runtime_is_an_error_not_a_panic() {
 }
 
 #[test]
-fn renewals_per_worker_are_turned_on_by_1_or_true() {
-    for (value, on) in [
-        (None, false),
-        (Some(""), false),
-        (Some("0"), false),
-        (Some("false"), false),
-        (Some("yes"), false),
-        (Some("1"), true),
-        (Some("true"), true),
-        (Some(" TRUE "), true),
+fn renewals_per_worker_are_the_default_and_turned_off_by_0_or_false() {
+    for (value, said) in [
+        (None, None),
+        (Some(""), None),
+        (Some("yes"), None),
+        (Some("0"), Some(false)),
+        (Some("false"), Some(false)),
+        (Some(" FALSE "), Some(false)),
+        (Some("1"), Some(true)),
+        (Some("true"), Some(true)),
+        (Some(" TRUE "), Some(true)),
     ] {
-        assert_eq!(renew_per_worker_from_env(value), on, "{value:?}");
+        assert_eq!(renew_per_worker_from_env(value), said, "{value:?}");
     }
 }
 

@@ -93,8 +93,11 @@ pub async fn run(
     if held > 0 {
         // `held` leases at once: two workers with half the slots each,
         // tasks that outlast the window.
+        // The per-lease renewals' cost: the compatibility mode, by name
+        // (the fleet section measures renewals per worker).
         let opts = WorkerOpts {
             slots: held.div_ceil(2),
+            env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())],
             ..Default::default()
         };
         let w1 = workers::start(&ns.name, "hb-w1", &opts)?;
