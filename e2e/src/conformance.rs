@@ -32,19 +32,9 @@ pub struct StartOpts {
     pub slots: usize,
     /// A queue other than the kind's own.
     pub queue: Option<String>,
-    /// Renew per lease, the compatibility mode
-    /// (`BATCHLEASE_RENEW_PER_WORKER=0`, every kind); renewals per worker
-    /// are the SDK's default.
-    pub per_lease: bool,
-}
-
-/// The environment that asks for the compatibility mode, if `opts` do.
-fn per_lease_env(opts: &StartOpts) -> Vec<(String, String)> {
-    if opts.per_lease {
-        vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())]
-    } else {
-        Vec::new()
-    }
+    /// Renew per worker (`BATCHLEASE_RENEW_PER_WORKER`; the Rust SDK's
+    /// demo worker only).
+    pub renew_per_worker: bool,
 }
 
 /// Every kind, in the order reports list them.
@@ -106,7 +96,11 @@ impl Kind {
                     slots,
                     drain_grace_seconds: 2,
                     kubeconfig: opts.kubeconfig.clone(),
-                    env: per_lease_env(opts),
+                    env: if opts.renew_per_worker {
+                        vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "1".into())]
+                    } else {
+                        Vec::new()
+                    },
                     ..Default::default()
                 },
             ),
@@ -116,10 +110,7 @@ impl Kind {
                     queue,
                     slots,
                     kill_grace: 1.0,
-                    env: [("CONFORMANCE_DB".into(), workers::pg_url()?)]
-                        .into_iter()
-                        .chain(per_lease_env(opts))
-                        .collect(),
+                    env: vec![("CONFORMANCE_DB".into(), workers::pg_url()?)],
                     extra: opts
                         .kubeconfig
                         .as_ref()
@@ -150,7 +141,6 @@ impl Kind {
                 if let Some(k) = &opts.kubeconfig {
                     env.push(("KUBECONFIG".into(), k.display().to_string()));
                 }
-                env.extend(per_lease_env(opts));
                 Process::start(
                     python,
                     namespace,

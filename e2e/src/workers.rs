@@ -121,10 +121,29 @@ pub async fn metric_at(host: &str, port: u16, sample: &str) -> anyhow::Result<Op
 }
 
 /// Demo workers `w1`..`wN` of `namespace`, `slots` each, on the default
-/// queue.
+/// queue, renewing per worker (the SDK's default).
 pub fn start_n(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Process>> {
     let opts = WorkerOpts {
         slots,
+        ..Default::default()
+    };
+    (1..=n)
+        .map(|i| start(namespace, &format!("w{i}"), &opts))
+        .collect()
+}
+
+/// The environment of the compatibility mode: every lease renewed by its
+/// own writes (`BATCHLEASE_RENEW_PER_WORKER=0`), for a test of what that
+/// mode promises (its timings, its log lines).
+pub fn per_lease_env() -> Vec<(String, String)> {
+    vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())]
+}
+
+/// [`start_n`] in the compatibility mode ([`per_lease_env`]).
+pub fn start_n_per_lease(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Process>> {
+    let opts = WorkerOpts {
+        slots,
+        env: per_lease_env(),
         ..Default::default()
     };
     (1..=n)

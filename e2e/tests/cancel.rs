@@ -5,6 +5,12 @@
 //! Real operator, demo workers and PostgreSQL; the namespace's whole
 //! history is checked at the end (`check_cancel`: Cancelled is final, no
 //! lease created or live after it, no storage write after it).
+//!
+//! The tests of a running task pin the compatibility mode (renewals per
+//! lease), whose timings they state: renewing per worker (the default) the
+//! operator revokes the attempt on the WorkerLease instead
+//! (`worker_lease.rs`: `cancel_revokes_an_attempt_renewed_per_worker`), and
+//! a lost lease's holder may run a refresh period longer (design, Fleets).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -37,7 +43,7 @@ async fn cancelling_a_running_task_stops_its_handler_and_ends_it_cancelled() {
         .await
         .unwrap();
     let db = pg::connect().await.unwrap();
-    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    let worker = workers::start_n_per_lease(&ns.name, 1, 1).unwrap();
     // 60 s of work in 100 ms steps: it would not finish during the test.
     tasks::create(
         &ns,
@@ -262,7 +268,7 @@ async fn a_cancelled_task_whose_lease_was_deleted_ends_a_ttl_after_the_loss() {
         .await
         .unwrap();
     let _db = pg::connect().await.unwrap();
-    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    let worker = workers::start_n_per_lease(&ns.name, 1, 1).unwrap();
     tasks::create(
         &ns,
         "lost",
@@ -336,7 +342,7 @@ async fn a_cancelled_task_waits_the_lost_leases_own_ttl_when_the_spec_ttl_was_cu
         .await
         .unwrap();
     let db = pg::connect().await.unwrap();
-    let worker = workers::start_n(&ns.name, 1, 1).unwrap();
+    let worker = workers::start_n_per_lease(&ns.name, 1, 1).unwrap();
     tasks::create(
         &ns,
         "edited",

@@ -111,25 +111,19 @@ fn worker_chart_lints_packages_and_fits_the_sdk_and_the_demo_worker() {
     // WorkerLease's owner), as is BATCHLEASE_RENEW_PER_WORKER; TMPDIR is
     // the runtime's (Rust's std::env::temp_dir, Python's tempfile: where
     // batchlease-run and the forkserver write).
-    let (per_lease, _) = render(
-        "ns",
-        &["postgres.existingSecret=pg", "renewPerWorker=false"],
-    );
+    let (per_worker, _) = render("ns", &["postgres.existingSecret=pg", "renewPerWorker=true"]);
     let sdk_reads = |name: &str| {
         name == "POD_NAME"
             || name == "POD_UID"
             || name == "TMPDIR"
             || name == batchlease_worker_sdk::RENEW_PER_WORKER_ENV
     };
-    // Renewals per worker by default, the compatibility mode by a value.
-    for (deploy, want) in [(&deploy, "true"), (&per_lease, "false")] {
-        assert!(
-            env_of(deploy)
-                .iter()
-                .any(|(n, v)| n == batchlease_worker_sdk::RENEW_PER_WORKER_ENV && v == want),
-            "renewPerWorker sets the SDK's variable to {want}"
-        );
-    }
+    assert!(
+        env_of(&per_worker)
+            .iter()
+            .any(|(n, v)| n == batchlease_worker_sdk::RENEW_PER_WORKER_ENV && v == "true"),
+        "renewPerWorker sets the SDK's variable"
+    );
     for (name, _) in env_of(&deploy) {
         if !sdk_reads(&name) {
             assert!(

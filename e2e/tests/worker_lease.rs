@@ -480,15 +480,14 @@ fn per_lease(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
     workers::start(&ns.name, identity, &opts).unwrap()
 }
 
-/// Upgrading a running fleet (issue 39): workers renewing per lease (an
-/// older release, or the compatibility mode) serve a queue while tasks
-/// run; workers of the new default (renewals per worker, nothing set)
-/// join, and the old ones are drained one by one, as a rolling update
-/// does. No task is lost or run twice: every task succeeds with one
+/// Moving a running fleet to renewals per worker (issue 39): workers
+/// renewing per lease (an older release) serve a queue while tasks run;
+/// workers renewing per worker join, and the old ones are drained one by
+/// one, as a rolling update does. No task is lost or run twice: every task succeeds with one
 /// commit and no retry spent, both protocols held attempts, and the
 /// history checker (revocations, tokens, storage, cancels) finds nothing.
 #[tokio::test]
-async fn a_fleet_upgraded_from_per_lease_to_per_worker_renewals_loses_and_repeats_nothing() {
+async fn a_fleet_moved_from_per_lease_to_per_worker_renewals_loses_and_repeats_nothing() {
     let (ns, op, db) = setup("wl-upgrade").await;
     let mut old: Vec<Process> = (1..=2)
         .map(|i| per_lease(&ns, &format!("old{i}"), 2))
@@ -499,19 +498,9 @@ async fn a_fleet_upgraded_from_per_lease_to_per_worker_renewals_loses_and_repeat
     for i in 0..n {
         job(&ns, &format!("up{i:02}"), 16, 250).await;
     }
-    // The new release joins with the SDK's default.
+    // The new release joins, renewing per worker.
     let new: Vec<Process> = (1..=2)
-        .map(|i| {
-            workers::start(
-                &ns.name,
-                &format!("new{i}"),
-                &WorkerOpts {
-                    slots: 2,
-                    ..Default::default()
-                },
-            )
-            .unwrap()
-        })
+        .map(|i| per_worker(&ns, &format!("new{i}"), 2))
         .collect();
     let held_by =
         |leases: &[batchlease_e2e::history::Recorded], prefix: &str, renewal: Option<Renewal>| {

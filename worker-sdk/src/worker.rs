@@ -71,7 +71,7 @@ impl WorkerBuilder {
             renew_per_worker: renew_per_worker_from_env(
                 std::env::var(RENEW_PER_WORKER_ENV).ok().as_deref(),
             )
-            .unwrap_or(true),
+            .unwrap_or(false),
             checkpoint_interval: checkpoint_interval_from_env(
                 std::env::var(CHECKPOINT_INTERVAL_ENV).ok().as_deref(),
             ),
@@ -81,9 +81,9 @@ impl WorkerBuilder {
     /// Renews the attempts through one `WorkerLease` per worker process
     /// instead of one write per TaskLease every TTL/3 (design "Fleets"):
     /// a fleet's renewal writes then grow with its workers, not with its
-    /// tasks. On by default; `false` (or `BATCHLEASE_RENEW_PER_WORKER=0` or
-    /// `false` in the environment; this call overrides it) is the
-    /// compatibility mode, renewing every lease itself as before.
+    /// tasks. Off by default (the default can also be set with
+    /// `BATCHLEASE_RENEW_PER_WORKER=1` or `true`, and `0` or `false`; this
+    /// call overrides it).
     ///
     /// Only offers stamped for it (`spec.renewal: Lease`, by an operator
     /// that honours WorkerLeases) are claimed so, and only while the
@@ -230,7 +230,7 @@ impl WorkerBuilder {
 }
 
 /// The environment variable that sets [`WorkerBuilder::renew_per_worker`]'s
-/// default (`0`/`false` turns renewals per worker off).
+/// default (`1`/`true` on, `0`/`false` off).
 pub const RENEW_PER_WORKER_ENV: &str = "BATCHLEASE_RENEW_PER_WORKER";
 
 /// The environment variable that sets [`WorkerBuilder::checkpoint_interval`]
@@ -260,8 +260,8 @@ fn checkpoint_interval_from_env(value: Option<&str>) -> Option<Duration> {
 }
 
 /// Pure: what `BATCHLEASE_RENEW_PER_WORKER`'s value says: `1`/`true` on,
-/// `0`/`false` off, anything else (or unset) nothing — the default holds
-/// (a value it cannot read is logged).
+/// `0`/`false` off, anything else (or unset) nothing — the default (off)
+/// holds (a value it cannot read is logged).
 fn renew_per_worker_from_env(value: Option<&str>) -> Option<bool> {
     let value = value?.trim().to_ascii_lowercase();
     match value.as_str() {

@@ -39,7 +39,7 @@ fn build_outside_a_runtime_is_an_error_not_a_panic() {
 }
 
 #[test]
-fn renewals_per_worker_are_the_default_and_turned_off_by_0_or_false() {
+fn renewals_per_worker_are_turned_on_by_1_or_true_and_off_by_0_or_false() {
     for (value, said) in [
         (None, None),
         (Some(""), None),

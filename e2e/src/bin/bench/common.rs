@@ -162,7 +162,7 @@ pub async fn run_tasks_counted(
     op.wait_leading(Duration::from_secs(60)).await?;
     let opts = StartOpts {
         slots: 8,
-        per_lease: !per_worker,
+        renew_per_worker: per_worker,
         ..Default::default()
     };
     let w1 = kind.start_opts(&ns.name, "bench-w1", &opts)?;

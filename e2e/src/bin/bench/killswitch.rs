@@ -135,7 +135,7 @@ pub async fn run(
             queue: Some(queue.clone()),
             slots: 1,
             kubeconfig: Some(proxied_kubeconfig(&proxy, &dir)?),
-            per_lease: !per_worker,
+            renew_per_worker: per_worker,
         };
         let worker = kind.start_opts(&ns.name, &format!("k{i}"), &opts)?;
         if per_worker {
