@@ -660,3 +660,50 @@ async fn worker_chart_installs_and_its_workers_run_tasks_on_its_rbac_only() {
     operator.uninstall().unwrap();
     ns.cleanup().await.unwrap();
 }
+
+/// The optional PodMonitor (issue 40): off by default; on, it scrapes the
+/// pods' `metrics` port in the release's namespace with the chart's
+/// selector; asked for without a metrics port, the render fails naming
+/// why.
+#[test]
+fn the_pod_monitor_scrapes_the_workers_metrics_port() {
+    let yaml = helm::template(&["w", CHART, "-n", "ns"]).unwrap();
+    assert!(helm::rendered(&yaml, "PodMonitor").unwrap().is_empty());
+    let (deploy, yaml) = render(
+        "ns",
+        &[
+            "metrics.podMonitor.enabled=true",
+            "metrics.podMonitor.labels.release=prom",
+        ],
+    );
+    let pms = helm::rendered(&yaml, "PodMonitor").unwrap();
+    assert_eq!(pms.len(), 1, "{yaml}");
+    let pm = &pms[0];
+    assert_eq!(pm["metadata"]["namespace"], "ns");
+    assert_eq!(pm["metadata"]["labels"]["release"], "prom");
+    assert_eq!(
+        pm["spec"]["selector"]["matchLabels"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
+    let ports = &deploy["spec"]["template"]["spec"]["containers"][0]["ports"];
+    assert!(
+        ports
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["name"] == "metrics")),
+        "{ports}"
+    );
+    let err = helm::template(&[
+        "w",
+        CHART,
+        "-n",
+        "ns",
+        "--set",
+        "metrics.podMonitor.enabled=true",
+        "--set",
+        "metrics.enabled=false",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("needs metrics.enabled"), "{err}");
+}

@@ -113,5 +113,27 @@ async fn the_python_worker_manifest_is_accepted_by_the_api_server() {
         tmp.is_some(),
         "no writable /tmp for the forkserver: {container}"
     );
+    // The queues by the variable every kind reads, not a flag; a pod
+    // without the optional CA ConfigMap still starts.
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == "BATCHLEASE_QUEUES" && e["value"].is_string()),
+        "{container}"
+    );
+    assert!(
+        !container["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--queue"),
+        "{container}"
+    );
+    let ca = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "pg-ca")
+        .unwrap();
+    assert_eq!(ca["configMap"]["optional"], true, "{ca}");
     ns.cleanup().await.unwrap();
 }
