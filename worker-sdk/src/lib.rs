@@ -90,5 +90,6 @@ pub use spawn::LABEL_PARENT;
 pub use spawn::{Parent, create_children};
 pub use subgraph::{Child, MAX_CHILDREN, MAX_DEPENDS_ON, Subgraph, SubgraphError};
 pub use worker::{
-    DEFAULT_DRAIN_GRACE, RENEW_PER_WORKER_ENV, Worker, WorkerBuilder, shutdown_signal,
+    CHECKPOINT_INTERVAL_ENV, DEFAULT_DRAIN_GRACE, RENEW_PER_WORKER_ENV, Worker, WorkerBuilder,
+    shutdown_signal,
 };

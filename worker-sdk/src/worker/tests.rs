@@ -1,5 +1,6 @@
 //! Unit tests of the worker's builder and its pure helpers.
 
+use super::builder::{checkpoint_interval_from_env, identity_of, renew_per_worker_from_env};
 use super::*;
 
 fn config() -> kube::Config {
