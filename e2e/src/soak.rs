@@ -7,7 +7,7 @@
 //! forged leases carrying the largest token, tasks with a 10,000-level
 //! payload and handlers that compute for 2·TTL without yielding — and the
 //! controls that meet renewals per worker at their joints: tasks cancelled
-//! while they run, tasks that take one of two resource locks, WorkerLeases
+//! (running or still waiting), tasks that take one of two resource locks, WorkerLeases
 //! deleted under their workers. At the end every task must have finished
 //! and the history checker must find no violation (a commit after
 //! `Cancelled` is judged on the API server's audit log, lock occupancy on
@@ -122,8 +122,8 @@ pub struct SoakReport {
     pub dead_lettered: usize,
     pub cancelled: usize,
     /// Of the tasks created by the time the faults stopped, the share
-    /// that had finished by then.
-    pub finished_during_faults: f64,
+    /// that had finished by then (`None`: the tasks could not be listed).
+    pub finished_during_faults: Option<f64>,
     /// Attempts held: created bound to their worker, and claimed.
     pub bound: usize,
     pub claimed: usize,
@@ -158,8 +158,12 @@ impl std::fmt::Display for SoakReport {
         }
         writeln!(
             f,
-            "tasks: {} succeeded, {} dead-lettered, {} cancelled; {:.2} of those created had finished when the faults stopped",
-            self.succeeded, self.dead_lettered, self.cancelled, self.finished_during_faults
+            "tasks: {} succeeded, {} dead-lettered, {} cancelled; {} of those created had finished when the faults stopped",
+            self.succeeded,
+            self.dead_lettered,
+            self.cancelled,
+            self.finished_during_faults
+                .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}"))
         )?;
         writeln!(
             f,
@@ -403,28 +407,26 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
                 });
                 true
             }
-            "cancel_task" => {
-                let (api, pick) = (tasks_api.clone(), rng.random::<u64>());
-                running.spawn(async move {
-                    if let Err(e) = cancel(&api, pick).await {
-                        eprintln!("soak: cancelling failed: {e:#}");
-                    }
-                });
-                true
-            }
-            "delete_worker_lease" => {
-                if cfg.renew_per_worker {
-                    let (api, pick) = (ns.api::<WorkerLease>(), rng.random::<u64>());
-                    running.spawn(async move {
-                        if let Err(e) = delete_worker_lease(&api, pick).await {
-                            eprintln!("soak: deleting a WorkerLease failed: {e:#}");
-                        }
-                    });
-                    true
-                } else {
+            // Counted only when done (one quick write, awaited here):
+            // nothing to pick, or a refusal during a control-plane fault,
+            // draws again.
+            "cancel_task" => match cancel(&tasks_api, rng.random::<u64>()).await {
+                Ok(done) => done,
+                Err(e) => {
+                    eprintln!("soak: cancelling failed: {e:#}");
                     false
                 }
+            },
+            "delete_worker_lease" if cfg.renew_per_worker => {
+                match delete_worker_lease(&ns.api::<WorkerLease>(), rng.random::<u64>()).await {
+                    Ok(done) => done,
+                    Err(e) => {
+                        eprintln!("soak: deleting a WorkerLease failed: {e:#}");
+                        false
+                    }
+                }
             }
+            "delete_worker_lease" => false,
             "leader_sigkill" => {
                 let ops = ops.clone();
                 running.spawn(async move {
@@ -472,15 +474,21 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         }
     }
     while running.join_next().await.is_some() {}
-    // What had finished while the faults went on.
-    if let Ok(all) = tasks_api.list(&Default::default()).await {
-        let done = all
-            .items
-            .iter()
-            .filter(|t| phase_of(t).is_some_and(TaskPhase::is_terminal))
-            .count();
-        report.finished_during_faults = ratio(done, all.items.len());
-    }
+    // What had finished while the faults went on (asked again while a
+    // control-plane fault may still refuse).
+    let listed = wait_for(
+        "the tasks, as the faults stop",
+        Duration::from_secs(60),
+        String::new,
+        || {
+            let api = tasks_api.clone();
+            async move { Ok(Some(api.list(&Default::default()).await?.items)) }
+        },
+    )
+    .await;
+    report.finished_during_faults = listed
+        .ok()
+        .map(|all| ratio(all.iter().filter(|t| finished(t)).count(), all.len()));
     eprintln!("soak: faults done; waiting for every task to finish");
     feeder.await?;
 
@@ -489,11 +497,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
         let api = tasks_api.clone();
         async move {
             let all = api.list(&Default::default()).await?;
-            let done = all
-                .items
-                .iter()
-                .filter(|t| phase_of(t).is_some_and(TaskPhase::is_terminal))
-                .count();
+            let done = all.items.iter().filter(|t| finished(t)).count();
             Ok((done == all.items.len()).then_some(all.items))
         }
     })
@@ -629,8 +633,9 @@ async fn forge(
 }
 
 /// Cancels a task that has not finished (`spec.cancel`, as `kubectl
-/// batchlease cancel` does): its attempt is revoked, its locks handed on.
-async fn cancel(tasks: &kube::Api<BatchTask>, pick: u64) -> anyhow::Result<()> {
+/// batchlease cancel` does) — running (its attempt revoked or released,
+/// its locks handed on) or waiting; whether there was one.
+async fn cancel(tasks: &kube::Api<BatchTask>, pick: u64) -> anyhow::Result<bool> {
     let open: Vec<BatchTask> = tasks
         .list(&Default::default())
         .await?
@@ -639,7 +644,7 @@ async fn cancel(tasks: &kube::Api<BatchTask>, pick: u64) -> anyhow::Result<()> {
         .filter(|t| !phase_of(t).is_some_and(TaskPhase::is_terminal) && !t.spec.cancel)
         .collect();
     let Some(task) = pick_one(&open, pick) else {
-        return Ok(());
+        return Ok(false);
     };
     tasks
         .patch(
@@ -648,19 +653,29 @@ async fn cancel(tasks: &kube::Api<BatchTask>, pick: u64) -> anyhow::Result<()> {
             &Patch::Merge(json!({"spec": {"cancel": true}})),
         )
         .await?;
-    Ok(())
+    Ok(true)
 }
 
 /// Deletes a worker's WorkerLease under it (a user's `kubectl delete wl`,
 /// a namespace cleanup): its worker kills what it kept alive, gives it
 /// back and creates the object again.
-async fn delete_worker_lease(api: &kube::Api<WorkerLease>, pick: u64) -> anyhow::Result<()> {
+async fn delete_worker_lease(api: &kube::Api<WorkerLease>, pick: u64) -> anyhow::Result<bool> {
     let all = api.list(&Default::default()).await?.items;
     let Some(victim) = pick_one(&all, pick) else {
-        return Ok(());
+        return Ok(false);
     };
     api.delete(&victim.name_any(), &Default::default()).await?;
-    Ok(())
+    Ok(true)
+}
+
+/// Whether a soak task reached one of the ends its stream allows:
+/// Succeeded, DeadLettered, or Cancelled (a Rejected one would be a bug
+/// of the soak's own tasks, and stays unfinished).
+fn finished(t: &BatchTask) -> bool {
+    matches!(
+        phase_of(t),
+        Some(TaskPhase::Succeeded | TaskPhase::DeadLettered | TaskPhase::Cancelled)
+    )
 }
 
 /// `n / of`, 1 when there is nothing to divide.

@@ -121,7 +121,7 @@ pub async fn metric_at(host: &str, port: u16, sample: &str) -> anyhow::Result<Op
 }
 
 /// Demo workers `w1`..`wN` of `namespace`, `slots` each, on the default
-/// queue, renewing per worker (the SDK's default).
+/// queue, renewing per lease (the SDK's default).
 pub fn start_n(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Process>> {
     let opts = WorkerOpts {
         slots,
@@ -132,14 +132,14 @@ pub fn start_n(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Pr
         .collect()
 }
 
-/// The environment of the compatibility mode: every lease renewed by its
-/// own writes (`BATCHLEASE_RENEW_PER_WORKER=0`), for a test of what that
-/// mode promises (its timings, its log lines).
+/// The environment that pins renewals per lease (the SDK's default) with
+/// `BATCHLEASE_RENEW_PER_WORKER=0`, for a test of what that mode promises
+/// (its timings, its log lines) whatever the default becomes.
 pub fn per_lease_env() -> Vec<(String, String)> {
     vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())]
 }
 
-/// [`start_n`] in the compatibility mode ([`per_lease_env`]).
+/// [`start_n`] with renewals per lease pinned ([`per_lease_env`]).
 pub fn start_n_per_lease(namespace: &str, n: usize, slots: usize) -> anyhow::Result<Vec<Process>> {
     let opts = WorkerOpts {
         slots,

@@ -6,9 +6,9 @@
 //! history is checked at the end (`check_cancel`: Cancelled is final, no
 //! lease created or live after it, no storage write after it).
 //!
-//! The tests of a running task pin the compatibility mode (renewals per
-//! lease), whose timings they state: renewing per worker (the default) the
-//! operator revokes the attempt on the WorkerLease instead
+//! The tests of a running task pin renewals per lease (the default),
+//! whose timings they state: renewing per worker (opt-in) the operator
+//! revokes the attempt on the WorkerLease instead
 //! (`worker_lease.rs`: `cancel_revokes_an_attempt_renewed_per_worker`), and
 //! a lost lease's holder may run a refresh period longer (design, Fleets).
 

@@ -124,6 +124,12 @@ fn worker_chart_lints_packages_and_fits_the_sdk_and_the_demo_worker() {
             .any(|(n, v)| n == batchlease_worker_sdk::RENEW_PER_WORKER_ENV && v == "true"),
         "renewPerWorker sets the SDK's variable"
     );
+    assert!(
+        env_of(&deploy)
+            .iter()
+            .any(|(n, v)| n == batchlease_worker_sdk::RENEW_PER_WORKER_ENV && v == "false"),
+        "renewals per lease by default, said to the SDK"
+    );
     for (name, _) in env_of(&deploy) {
         if !sdk_reads(&name) {
             assert!(

@@ -470,7 +470,8 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
     ns.finish().await.unwrap();
 }
 
-/// A demo worker in the compatibility mode: renewing every lease itself.
+/// A demo worker with renewals per lease pinned (every lease renewed by
+/// its own writes).
 fn per_lease(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
     let opts = WorkerOpts {
         slots,

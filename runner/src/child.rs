@@ -27,8 +27,9 @@ use tracing::{info, warn};
 /// Why the supervisor stopped the child.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopCause {
-    /// The kill switch fired or the task was cancelled (the fence's
-    /// token), or the handler was dropped.
+    /// The kill switch fired, the task was cancelled or a drain stopped
+    /// the attempt (`TaskContext::cancellation`), or the handler was
+    /// dropped.
     Revoked,
     /// The runner is draining (SIGTERM or SIGINT to the runner).
     Drain,
@@ -98,7 +99,8 @@ impl Drop for KillOnExit {
 /// What stops a child.
 #[derive(Debug, Clone)]
 pub struct Stops {
-    /// The fence's kill token (kill switch and cancellation).
+    /// `TaskContext::cancellation`: the kill switch, a cancel, or a drain
+    /// past its grace.
     pub revoked: CancellationToken,
     /// Fired when the handler's future ends or is dropped.
     pub abandoned: CancellationToken,

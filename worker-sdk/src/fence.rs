@@ -322,8 +322,8 @@ impl Fence {
     /// Ok while the attempt may still write; checked synchronously against
     /// the clock too, so a process that wakes from a pause (SIGSTOP, GC)
     /// refuses before its timers even had a chance to run. Refused too
-    /// once a drain stopped the handler ([`Fence::stop`]): work it spawned
-    /// must not write while its lease is being given back.
+    /// once a drain stopped the handler: work it spawned must not write
+    /// while its lease is being given back.
     pub fn check(&self) -> Result<(), Error> {
         if self.inner.stopped.is_cancelled() && self.kill_reason().is_none() {
             return Err(Error::Revoked {

@@ -78,7 +78,7 @@ impl WorkerBuilder {
     /// Registers each attempt's fencing token in `registry` (e.g. a
     /// `postgres::FencedStore`) before its handler runs (design §4), and
     /// hands the handler what an earlier attempt committed
-    /// ([`TaskContext::earlier_commit`]).
+    /// ([`TaskContext::earlier_commit`](crate::TaskContext::earlier_commit)).
     #[must_use]
     pub fn registry(mut self, registry: Arc<dyn Registry>) -> Self {
         self.registry = Some(registry);
@@ -204,7 +204,7 @@ pub(super) fn renew_per_worker_from_env(value: Option<&str>) -> Option<bool> {
             tracing::warn!(
                 value = other,
                 variable = RENEW_PER_WORKER_ENV,
-                "neither 1/true nor 0/false: renewals per worker stay on"
+                "neither 1/true nor 0/false: renewals per worker stay off (the default)"
             );
             None
         }

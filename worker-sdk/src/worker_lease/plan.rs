@@ -76,7 +76,7 @@ pub fn lease_duration_seconds(ttls: impl IntoIterator<Item = Duration>) -> i32 {
 }
 
 /// Pure: the slots to write — `slots` while the worker claims (at most
-/// the CRD's 1,000: a process lists no more attempts), 0 while it does not
+/// the CRD's 256 (`MAX_HOLDS`): a process lists no more attempts), 0 while it does not
 /// (draining, or its claim brake engaged: nothing more is addressed to
 /// it), nothing for a worker that takes no addressed offers.
 pub fn slots(slots: Option<i32>, not_claiming: bool) -> Option<i32> {

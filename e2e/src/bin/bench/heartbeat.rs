@@ -93,7 +93,7 @@ pub async fn run(
     if held > 0 {
         // `held` leases at once: two workers with half the slots each,
         // tasks that outlast the window.
-        // The per-lease renewals' cost: the compatibility mode, by name
+        // The per-lease renewals' cost: that mode pinned by name
         // (the fleet section measures renewals per worker).
         let opts = WorkerOpts {
             slots: held.div_ceil(2),
