@@ -228,7 +228,10 @@ impl History {
             !opts.tolerate_watch_errors,
         ));
         out.extend(crate::history_graph::check_graph(&tasks));
-        out.extend(crate::history_graph::check_lock_leases(&leases));
+        out.extend(crate::history_graph::check_lock_leases(
+            &leases,
+            errors.is_empty(),
+        ));
         let uids: BTreeSet<String> = tasks
             .iter()
             .filter_map(|r| match &r.change {
