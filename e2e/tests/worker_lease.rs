@@ -485,7 +485,7 @@ async fn an_attempt_its_worker_never_lists_expires_while_the_worker_renews() {
 fn per_lease(ns: &TestNamespace, identity: &str, slots: usize) -> Process {
     let opts = WorkerOpts {
         slots,
-        env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())],
+        env: workers::per_lease_env(),
         ..Default::default()
     };
     workers::start(&ns.name, identity, &opts).unwrap()

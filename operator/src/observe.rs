@@ -238,6 +238,27 @@ pub fn renewed_since(cached: &TaskLease, fresh: &TaskLease) -> bool {
 
 type Key = (String, String);
 
+/// Puts the record `seen` of lease `key` in its holder's entries of the
+/// two holder indexes: renewed per worker (what a WorkerLease renewal
+/// credits), and held either way (what takes the holder's slots).
+fn index_holder(
+    by_holder: &mut HashMap<Key, BTreeSet<String>>,
+    slots_of: &mut HashMap<Key, BTreeSet<String>>,
+    key: &Key,
+    seen: &Seen,
+) {
+    let hk = (key.0.clone(), seen.holder.clone());
+    if seen.per_worker_held {
+        by_holder
+            .entry(hk.clone())
+            .or_default()
+            .insert(key.1.clone());
+    }
+    if seen.held {
+        slots_of.entry(hk).or_default().insert(key.1.clone());
+    }
+}
+
 impl State {
     /// Takes `key` out of its holder's index entry (its record is about to
     /// change or go).
@@ -258,16 +279,7 @@ impl State {
 
     /// Puts `key`'s new record `seen` in its holder's index entries.
     fn index_holder(&mut self, key: &Key, seen: &Seen) {
-        let hk = (key.0.clone(), seen.holder.clone());
-        if seen.per_worker_held {
-            self.by_holder
-                .entry(hk.clone())
-                .or_default()
-                .insert(key.1.clone());
-        }
-        if seen.held {
-            self.slots_of.entry(hk).or_default().insert(key.1.clone());
-        }
+        index_holder(&mut self.by_holder, &mut self.slots_of, key, seen);
     }
 
     /// The records of the leases `holder` holds per worker in `namespace`,
@@ -371,15 +383,16 @@ impl Tracker {
         }
         state.seen.retain(|k, _| keep.contains(k));
         state.by_task = by_task;
-        state.by_holder.clear();
-        state.slots_of.clear();
-        let records: Vec<(Key, Seen)> = state
-            .seen
-            .iter()
-            .map(|(k, s)| (k.clone(), s.clone()))
-            .collect();
-        for (key, seen) in &records {
-            state.index_holder(key, seen);
+        let State {
+            seen,
+            by_holder,
+            slots_of,
+            ..
+        } = &mut *state;
+        by_holder.clear();
+        slots_of.clear();
+        for (key, record) in seen.iter() {
+            index_holder(by_holder, slots_of, key, record);
         }
     }
 

@@ -97,7 +97,7 @@ pub async fn run(
         // (the fleet section measures renewals per worker).
         let opts = WorkerOpts {
             slots: held.div_ceil(2),
-            env: vec![("BATCHLEASE_RENEW_PER_WORKER".into(), "0".into())],
+            env: workers::per_lease_env(),
             ..Default::default()
         };
         let w1 = workers::start(&ns.name, "hb-w1", &opts)?;
